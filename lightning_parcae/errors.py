@@ -1,0 +1,62 @@
+"""Errors named by their cause.
+
+Problem: a user who passes a malformed trace, an impossible pipeline shape or a foreign ``Trainer`` must be told
+what was given, what was expected and how to fix it -- not see a traceback from deep inside numpy or torch. Every
+error the package raises on purpose is a subclass of :class:`ParcaeError` so callers can catch the family, and each
+subclass names one cause.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ParcaeError",
+    "TraceFormatError",
+    "ConfigurationError",
+    "InfeasibleShapeError",
+    "ModelLayoutError",
+    "BatchSplitError",
+    "StageMemoryError",
+    "ForeignTrainerError",
+    "CoordinationError",
+    "NoticeSourceError",
+]
+
+
+class ParcaeError(Exception):
+    """Base class of every error raised on purpose by lightning_parcae."""
+
+
+class TraceFormatError(ParcaeError, ValueError):
+    """A trace file could not be read: names the file, the line and what was expected there."""
+
+
+class ConfigurationError(ParcaeError, ValueError):
+    """An option or a combination of options is invalid (says what was given and what is accepted)."""
+
+
+class InfeasibleShapeError(ConfigurationError):
+    """No (D, P) shape satisfies the constraints (instances, pipeline-depth limits, memory)."""
+
+
+class ModelLayoutError(ConfigurationError):
+    """The LightningModule cannot be split into pipeline stages as given (no layer stack, too few layers)."""
+
+
+class BatchSplitError(ConfigurationError):
+    """The global batch cannot be split evenly into D pipelines x micro-batches."""
+
+
+class StageMemoryError(ConfigurationError):
+    """A pipeline stage does not fit the per-stage memory limit."""
+
+
+class ForeignTrainerError(ParcaeError, TypeError):
+    """A ``lightning.pytorch`` Trainer (or other foreign object) was given where ``pytorch_lightning`` is needed."""
+
+
+class CoordinationError(ParcaeError, RuntimeError):
+    """The coordination store is unreachable, refused our token, or disagrees with this process's generation."""
+
+
+class NoticeSourceError(ParcaeError, RuntimeError):
+    """A preemption-notice source (cloud metadata, signal, replay) could not be read or is misconfigured."""
