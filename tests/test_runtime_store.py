@@ -1,0 +1,369 @@
+"""Coordination stores: URLs, loopback-only hosting, fast failure, job tokens, signed records, etcd.
+
+The etcd tests start a real etcd (Debian package ``etcd-server``) on 127.0.0.1 and skip, saying so, when the
+binary is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from lightning_parcae.errors import ConfigurationError, CoordinationError
+from lightning_parcae.runtime.etcd_server import EtcdBinaryMissingError, EtcdServer, etcd_binary
+from lightning_parcae.runtime.store import (
+    StoreSpec,
+    TamperedRecordError,
+    TokenStore,
+    WrongTokenError,
+    check_token,
+    connect_store,
+    host_store,
+    parse_store_url,
+    publish,
+    read,
+)
+
+try:
+    import etcd as _python_etcd  # noqa: F401
+
+    HAVE_PYTHON_ETCD = True
+except ImportError:
+    HAVE_PYTHON_ETCD = False
+
+needs_etcd = pytest.mark.skipif(
+    etcd_binary() is None or not HAVE_PYTHON_ETCD,
+    reason="needs the etcd binary (apt-get install etcd-server) and python-etcd (pip install python-etcd)",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def tcp_store() -> Iterator[dist.Store]:
+    """A TCPStore hosted on loopback with job token 'tok'."""
+    store = host_store("tcp://127.0.0.1:0", token="tok", timeout_s=5)
+    try:
+        yield store
+    finally:
+        del store
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdServer]:
+    """One real etcd for this module's etcd tests (about 0.5 s to start)."""
+    if etcd_binary() is None or not HAVE_PYTHON_ETCD:
+        pytest.skip("needs the etcd binary (apt-get install etcd-server) and python-etcd")
+    server = EtcdServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# URLs
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "url, spec",
+    [
+        ("tcp://127.0.0.1:29500", StoreSpec("tcp", "127.0.0.1", 29500)),
+        ("tcp://[::1]:0", StoreSpec("tcp", "::1", 0)),
+        ("etcd://10.0.0.5:2379/parcae/job1/", StoreSpec("etcd", "10.0.0.5", 2379, "/parcae/job1")),
+        ("etcd://etcd.internal", StoreSpec("etcd", "etcd.internal", 2379, "/parcae")),
+        ("file:///tmp/x.store", StoreSpec("file", path="/tmp/x.store")),
+    ],
+)
+def test_parse_store_url_returns_spec_if_well_formed(url: str, spec: StoreSpec) -> None:
+    assert parse_store_url(url) == spec
+    assert parse_store_url(spec.url) == spec
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "127.0.0.1:29500",
+        "http://127.0.0.1:29500",
+        "tcp://127.0.0.1",
+        "tcp://127.0.0.1:notaport",
+        "tcp://:29500",
+        "tcp://h:1/path",
+        "etcd://h:2379/bad prefix",
+        "etcd://h:2379/p?x=1",
+        "file://relative/x",
+        "file:///tmp/dir/",
+    ],
+)
+def test_parse_store_url_raises_configuration_error_if_malformed(url: str) -> None:
+    with pytest.raises(ConfigurationError, match="expected e.g. tcp://127.0.0.1:29500"):
+        parse_store_url(url)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hosting and connecting over TCP
+# ---------------------------------------------------------------------------------------------------------------
+def test_host_store_serves_clients_if_tcp_on_loopback(tcp_store: dist.Store) -> None:
+    client = connect_store(f"tcp://127.0.0.1:{tcp_store.port}", token="tok", timeout_s=5)
+    client.set("k", "v")
+    assert tcp_store.get("k") == b"v"
+    assert client.add("n", 2) == 2 and tcp_store.add("n", 3) == 5
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses of the sockets listening on ``port`` (from /proc/net/tcp{,6})."""
+    found = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A = LISTEN
+                found.add(addr)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux /proc/net/tcp")
+def test_host_store_listens_on_loopback_only_if_remote_not_allowed(tcp_store: dist.Store) -> None:
+    # torch's own TCPStore(host_name="127.0.0.1", is_master=True) would listen on every interface ("*").
+    assert _listening_addresses(tcp_store.port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "[::]", "10.1.2.3", "example.com"])
+def test_host_store_refuses_non_loopback_if_remote_not_allowed(host: str) -> None:
+    with pytest.raises(ConfigurationError, match="allow_remote=True"):
+        host_store(f"tcp://{host}:0")
+
+
+def test_connect_store_fails_fast_if_nothing_listens() -> None:
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(CoordinationError, match="is the launcher running"):
+        connect_store(f"tcp://127.0.0.1:{port}", token="tok", timeout_s=1.0)
+    assert time.monotonic() - start < 5.0
+
+
+def test_connect_store_raises_wrong_token_if_token_differs(tcp_store: dist.Store) -> None:
+    with pytest.raises(WrongTokenError, match="wrong job token"):
+        connect_store(f"tcp://127.0.0.1:{tcp_store.port}", token="not-the-token", timeout_s=5)
+
+
+def test_connect_store_raises_wrong_token_if_token_missing(tcp_store: dist.Store) -> None:
+    with pytest.raises(WrongTokenError, match="none was given"):
+        connect_store(f"tcp://127.0.0.1:{tcp_store.port}", token=None, timeout_s=5)
+
+
+def test_connect_store_accepts_no_token_if_store_is_open() -> None:
+    store = host_store("tcp://127.0.0.1:0")
+    client = connect_store(f"tcp://127.0.0.1:{store.port}", token=None, timeout_s=5)
+    with pytest.raises(WrongTokenError, match="holds no token proof"):
+        check_token(client, "tok")
+
+
+def test_connect_store_raises_configuration_error_if_port_zero() -> None:
+    with pytest.raises(ConfigurationError, match="port 0"):
+        connect_store("tcp://127.0.0.1:0", token=None)
+
+
+def test_host_store_replaces_stale_file_if_file_store(tmp_path: Path) -> None:
+    path = tmp_path / "job.store"
+    path.write_bytes(b"stale bytes from an earlier job")
+    store = host_store(f"file://{path}", token="tok")
+    client = connect_store(f"file://{path}", token="tok", timeout_s=2)
+    publish(client, "plan", {"gen": 1}, "tok")
+    assert read(store, "plan", "tok") == {"gen": 1}
+
+
+def test_connect_store_fails_fast_if_file_store_absent(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(CoordinationError, match="does not exist"):
+        connect_store(f"file://{tmp_path / 'none.store'}", token=None, timeout_s=0.3)
+    assert time.monotonic() - start < 2.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Signed records
+# ---------------------------------------------------------------------------------------------------------------
+def test_publish_round_trips_json_if_token_right(tcp_store: dist.Store) -> None:
+    record = {"generation": 3, "members": ["a", "b"], "shape": [2, 4], "ratio": 0.5}
+    publish(tcp_store, "gen/3/plan", record, "tok")
+    assert read(tcp_store, "gen/3/plan", "tok") == record
+    ts = TokenStore(tcp_store, "tok")
+    ts.publish("members/a", {"alive": True})
+    assert ts.read("members/a", timeout_s=1) == {"alive": True}
+
+
+def test_publish_raises_wrong_token_if_token_differs(tcp_store: dist.Store) -> None:
+    with pytest.raises(WrongTokenError):
+        publish(tcp_store, "plan", {"x": 1}, "attacker")
+    with pytest.raises(WrongTokenError):
+        TokenStore(tcp_store, "attacker")
+    assert not tcp_store.check(["plan"])
+
+
+def test_read_rejects_record_if_signed_with_other_token(tcp_store: dist.Store) -> None:
+    forged = TokenStore(tcp_store, "attacker", check=False)  # skips the proof check, as an attacker would
+    forged.publish("plan", {"D": 1, "P": 8})
+    with pytest.raises(TamperedRecordError, match="failed verification"):
+        read(tcp_store, "plan", "tok")
+
+
+def test_read_rejects_record_if_payload_tampered(tcp_store: dist.Store) -> None:
+    publish(tcp_store, "plan", {"D": 2, "P": 4}, "tok")
+    envelope = json.loads(tcp_store.get("plan"))
+    envelope["payload"] = envelope["payload"].replace('"D":2', '"D":9')
+    tcp_store.set("plan", json.dumps(envelope))
+    with pytest.raises(TamperedRecordError, match="failed verification"):
+        read(tcp_store, "plan", "tok")
+
+
+def test_read_rejects_record_if_copied_to_other_key(tcp_store: dist.Store) -> None:
+    publish(tcp_store, "members/a", {"alive": True}, "tok")
+    tcp_store.set("members/b", tcp_store.get("members/a"))
+    with pytest.raises(TamperedRecordError):
+        read(tcp_store, "members/b", "tok")
+
+
+@pytest.mark.parametrize("raw", [b"\x80\x04\x95pickle", b"[1, 2]", b'{"v": 1, "payload": 5, "sig": "00"}'])
+def test_read_rejects_record_if_not_signed_json(tcp_store: dist.Store, raw: bytes) -> None:
+    tcp_store.set("plan", raw)
+    with pytest.raises(TamperedRecordError, match="not a signed JSON record"):
+        read(tcp_store, "plan", "tok")
+
+
+def test_read_raises_key_error_if_key_absent(tcp_store: dist.Store) -> None:
+    with pytest.raises(KeyError):
+        read(tcp_store, "nothing", "tok", timeout_s=0)
+    start = time.monotonic()
+    with pytest.raises(KeyError):
+        read(tcp_store, "nothing", "tok", timeout_s=0.2)
+    assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize("value", [[1, 2], {"x": float("nan")}, {"x": object()}])
+def test_publish_raises_type_error_if_not_json_object(tcp_store: dist.Store, value: object) -> None:
+    with pytest.raises(TypeError):
+        publish(tcp_store, "plan", value, "tok")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# etcd
+# ---------------------------------------------------------------------------------------------------------------
+def test_etcd_server_raises_clear_error_if_binary_missing() -> None:
+    with pytest.raises(EtcdBinaryMissingError, match="apt-get install etcd-server"):
+        EtcdServer(binary="parcae-no-such-etcd-binary").start()
+
+
+@needs_etcd
+def test_etcd_server_removes_temp_dir_if_stopped() -> None:
+    server = EtcdServer()
+    try:
+        server.start()
+        data = server._tmp_dir
+        assert server.running and data is not None and data.exists()
+    finally:
+        server.stop()
+    assert not server.running and not data.exists()
+
+
+@needs_etcd
+def test_etcd_store_sets_gets_adds_and_waits_if_server_running(etcd_server: EtcdServer) -> None:
+    url = etcd_server.store_url("/parcae/t-basic")
+    host_store(url, token="tok")
+    a = connect_store(url, token="tok")
+    b = connect_store(url, token="tok", op_timeout_s=2)
+    a.set("key10?", "v")  # standard base64 of this key contains '/', which torch's EtcdStore never finds again
+    assert b.get("key10?") == b"v"
+    assert a.add("n", 2) == 2 and b.add("n", 3) == 5
+    assert b.compare_set("leader", "", "a") == b"a" and a.compare_set("leader", "", "b") == b"a"
+    b.wait(["key10?"], timedelta(seconds=1))
+    with pytest.raises(LookupError):
+        b.wait(["never"], timedelta(seconds=0.2))
+    publish(a, "plan", {"gen": 1}, "tok")
+    assert read(b, "plan", "tok") == {"gen": 1}
+
+
+@needs_etcd
+def test_etcd_store_isolates_jobs_if_prefixes_differ(etcd_server: EtcdServer) -> None:
+    one = host_store(etcd_server.store_url("/parcae/job-one"), token="tok1")
+    two = host_store(etcd_server.store_url("/parcae/job-two"), token="tok2")
+    one.set("x", "1")
+    assert not two.check(["x"])
+    with pytest.raises(WrongTokenError, match="another job's token"):
+        host_store(etcd_server.store_url("/parcae/job-one"), token="tok2")
+    with pytest.raises(WrongTokenError):
+        connect_store(etcd_server.store_url("/parcae/job-two"), token="tok1")
+
+
+@needs_etcd
+def test_connect_store_fails_fast_if_etcd_unreachable() -> None:
+    start = time.monotonic()
+    with pytest.raises(CoordinationError, match="is the launcher running"):
+        connect_store(f"etcd://127.0.0.1:{_free_port()}/parcae/x", token=None, timeout_s=1.0)
+    assert time.monotonic() - start < 5.0
+
+
+_AGENT = r"""
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+from lightning_parcae.runtime.store import TokenStore, connect_store
+
+url, token, rank, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+store = connect_store(url, token=token, timeout_s=10)
+ts = TokenStore(store, token)
+ts.publish(f"members/{rank}", {"rank": rank, "pid": os.getpid()})
+dist.init_process_group("gloo", store=dist.PrefixStore("gen/0/", store), rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=20))
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+members = [ts.read(f"members/{r}", timeout_s=10)["rank"] for r in range(world)]
+dist.destroy_process_group()
+print(json.dumps({"rank": rank, "sum": t.item(), "members": members}))
+"""
+
+
+@needs_etcd
+@pytest.mark.multiprocess
+def test_etcd_store_rendezvous_three_agents_if_token_shared(etcd_server: EtcdServer) -> None:
+    url, token, world = etcd_server.store_url("/parcae/t-rdzv"), "job-secret", 3
+    host_store(url, token=token)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _AGENT, url, token, str(rank), str(world)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    results = sorted((json.loads(out.strip().splitlines()[-1]) for out, _ in outs), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["sum"] == 6.0 and r["members"] == [0, 1, 2] for r in results)
