@@ -74,7 +74,9 @@ def _make_handler(state: FakeMetadata) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args: Any) -> None:  # keep test output clean
             pass
 
-        def _send(self, code: int, body: bytes | str | dict[str, Any] = b"", headers: dict[str, str] | None = None) -> None:
+        def _send(
+            self, code: int, body: bytes | str | dict[str, Any] = b"", headers: dict[str, str] | None = None
+        ) -> None:
             if isinstance(body, dict):
                 body = json.dumps(body)
             if isinstance(body, str):
@@ -281,6 +283,16 @@ def test_aws_source_uses_default_grace_if_time_unparsable(metadata: tuple[FakeMe
     assert notice.deadline_s == 620.0 and notice.detail["time_unparsed"] is True
 
 
+def test_aws_source_still_reports_preempt_if_rebalance_endpoint_broken(metadata: tuple[FakeMetadata, str]) -> None:
+    state, url = metadata
+    state.rebalance = b"{garbage"
+    with pytest.raises(NoticeSourceError, match="malformed JSON"):
+        AwsNoticeSource(url).poll()  # nothing pending: the error is reported
+    state.instance_action = {"action": "terminate", "time": _iso(time.time() + 120)}
+    [notice] = AwsNoticeSource(url).poll()  # a pending preemption is never held back by the advisory endpoint
+    assert notice.kind == "preempt"
+
+
 def test_aws_source_refuses_body_if_oversized(metadata: tuple[FakeMetadata, str]) -> None:
     state, url = metadata
     state.instance_action = b"x" * (200 * 1024)
@@ -351,7 +363,9 @@ def test_gcp_source_reports_terminate_if_host_maintenance_terminates(metadata: t
 # ---------------------------------------------------------------------------------------------------------------
 # Azure
 # ---------------------------------------------------------------------------------------------------------------
-def _azure_event(event_id: str, kind: str, resources: list[str], not_before: float | None, status: str = "Scheduled") -> dict[str, Any]:
+def _azure_event(
+    event_id: str, kind: str, resources: list[str], not_before: float | None, status: str = "Scheduled"
+) -> dict[str, Any]:
     return {
         "EventId": event_id,
         "EventType": kind,
@@ -380,7 +394,8 @@ def test_azure_source_reports_each_vm_once_if_preempt_scheduled(metadata: tuple[
     notices = src.poll()
     assert sorted(n.instance for n in notices) == ["vm1", "vm2"]
     assert all(n.kind == "preempt" and n.deadline_s == when and n.detail["EventId"] == "E1" for n in notices)
-    state.azure_doc = {"DocumentIncarnation": 2, "Events": [_azure_event("E1", "Preempt", ["vm1", "vm2"], None, "Started")]}
+    started = _azure_event("E1", "Preempt", ["vm1", "vm2"], None, "Started")
+    state.azure_doc = {"DocumentIncarnation": 2, "Events": [started]}
     assert src.poll() == []  # status change of the same event is not a new notice
     assert state.acks == []  # acknowledging is opt-in
 

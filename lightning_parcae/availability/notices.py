@@ -357,16 +357,27 @@ class AwsNoticeSource(NoticeSource):
         elif resp.status != 404:
             raise _unexpected(resp, self.base_url + path)
         if self.watch_rebalance:
-            path = "/latest/meta-data/events/recommendations/rebalance"
-            resp = self._get(path)
-            if resp.status == 200:
-                doc = _json_object(resp, self.base_url + path)
-                when = doc.get("noticeTime")
-                if not isinstance(when, str):
-                    raise NoticeSourceError(f"{self.base_url}{path} answered {doc!r}: expected string 'noticeTime'")
-                out.append(Notice(instance, "rebalance", math.inf, "aws", {"noticeTime": when}))
-            elif resp.status != 404:
-                raise _unexpected(resp, self.base_url + path)
+            try:
+                out.extend(self._rebalance(instance))
+            except NoticeSourceError as exc:
+                if not out:
+                    raise
+                # never hold back a preemption notice because the advisory endpoint misbehaves
+                log.warning("ignoring a failed rebalance check while a preemption is pending: %s", exc)
+        return out
+
+    def _rebalance(self, instance: str) -> list[Notice]:
+        out: list[Notice] = []
+        path = "/latest/meta-data/events/recommendations/rebalance"
+        resp = self._get(path)
+        if resp.status == 200:
+            doc = _json_object(resp, self.base_url + path)
+            when = doc.get("noticeTime")
+            if not isinstance(when, str):
+                raise NoticeSourceError(f"{self.base_url}{path} answered {doc!r}: expected string 'noticeTime'")
+            out.append(Notice(instance, "rebalance", math.inf, "aws", {"noticeTime": when}))
+        elif resp.status != 404:
+            raise _unexpected(resp, self.base_url + path)
         return out
 
     def __repr__(self) -> str:
@@ -444,17 +455,27 @@ class GcpNoticeSource(NoticeSource):
         elif flag != "FALSE":
             raise NoticeSourceError(f"{self.base_url}{self._PREFIX}/preempted answered {flag[:40]!r}, not TRUE/FALSE")
         if self.watch_maintenance:
-            event = self._get_text("maintenance-event")
-            if not event or len(event) > 64 or not all(c.isupper() or c == "_" for c in event):
-                raise NoticeSourceError(f"{self.base_url}{self._PREFIX}/maintenance-event answered {event[:40]!r}")
-            if event.startswith("TERMINATE"):
-                if self._maintenance is None or self._maintenance[0] != event:
-                    self._maintenance = (event, self._clock())
-                deadline = self._maintenance[1] + self.maintenance_grace_s
-                detail = {"maintenance_event": event, "seen_s": self._maintenance[1]}
-                out.append(Notice(self.instance, "terminate", deadline, "gcp", detail))
-            else:
-                self._maintenance = None
+            try:
+                out.extend(self._maintenance_notices(self.instance))
+            except NoticeSourceError as exc:
+                if not out:
+                    raise
+                log.warning("ignoring a failed maintenance check while a preemption is pending: %s", exc)
+        return out
+
+    def _maintenance_notices(self, instance: str) -> list[Notice]:
+        out: list[Notice] = []
+        event = self._get_text("maintenance-event")
+        if not event or len(event) > 64 or not all(c.isupper() or c == "_" for c in event):
+            raise NoticeSourceError(f"{self.base_url}{self._PREFIX}/maintenance-event answered {event[:40]!r}")
+        if event.startswith("TERMINATE"):
+            if self._maintenance is None or self._maintenance[0] != event:
+                self._maintenance = (event, self._clock())
+            deadline = self._maintenance[1] + self.maintenance_grace_s
+            detail = {"maintenance_event": event, "seen_s": self._maintenance[1]}
+            out.append(Notice(instance, "terminate", deadline, "gcp", detail))
+        else:
+            self._maintenance = None
         return out
 
     def __repr__(self) -> str:
@@ -799,7 +820,9 @@ def detect_cloud(base_urls: Mapping[str, str] | None = None, *, timeout_s: float
     def run(cloud: str, url: str) -> None:
         results[cloud] = _probe(cloud, url, timeout_s)
 
-    threads = [threading.Thread(target=run, args=item, daemon=True, name=f"parcae-probe-{item[0]}") for item in urls.items()]
+    threads = [
+        threading.Thread(target=run, args=item, daemon=True, name=f"parcae-probe-{item[0]}") for item in urls.items()
+    ]
     for th in threads:
         th.start()
     deadline = time.monotonic() + timeout_s * 2 + 0.1

@@ -441,7 +441,8 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
         if current != expected:
             return current
         try:
-            return self._decode(self.client.test_and_set(key=full, value=desired, prev_value=self._encode(current)).value)
+            node = self.client.test_and_set(key=full, value=desired, prev_value=self._encode(current))
+            return self._decode(node.value)
         except etcd.EtcdCompareFailed:
             return self._decode(self.client.get(key=full).value)
 
