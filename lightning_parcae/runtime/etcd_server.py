@@ -21,7 +21,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
