@@ -1,0 +1,193 @@
+"""Global-order batches with a sample cursor: every replica gets its share of the batch a single process would see.
+
+Problem: the result of a D x P run must equal a single-process run with the same DataLoader, and a later change of
+D must re-shard the data without repeating or skipping samples. Lightning's ``DistributedSampler`` gives rank ``r``
+every D-th sample of its own permutation, which matches neither the single-process order (it ignores the user's
+sampler and its generator) nor survives a change of D mid-epoch. Instead, the user's DataLoader is read as
+defining the *global* order and the *global* batch: step ``s`` of an epoch consumes global samples
+``[cursor + s*B, cursor + (s+1)*B)`` of the order the user's sampler yields for that epoch, and replica ``r`` of D
+gets the slice ``[r*B/D, (r+1)*B/D)`` of it. The cursor (samples consumed in the current epoch) is all the state
+needed to resume, at any D.
+
+Randomness: the user's sampler is iterated once per epoch on every rank, exactly as the single-process DataLoader
+would; orders agree across ranks when the sampler is deterministic (``shuffle=False``) or draws from a seeded
+``generator``. On resume at epoch ``e`` the sampler is advanced through ``e`` earlier epochs first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any, Optional
+
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+
+from lightning_parcae.errors import BatchSplitError, ConfigurationError
+
+__all__ = ["GlobalBatchSampler", "global_batch_size", "reshard_dataloader"]
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields replica ``replica``'s slice of each global batch of the base sampler's order.
+
+    Args:
+        base: the user's sampler (defines the global order of one epoch).
+        global_batch: B, samples per global batch (the user's ``batch_size``).
+        replicas: D.
+        replica: this pipeline's index.
+        unit: training batches must split into multiples of this (``D * M``); a trailing partial global batch that
+            does not is dropped (with a warning) when ``train`` is set.
+        drop_last: drop a trailing partial global batch (as the user's DataLoader would).
+        train: training (partial batches must split exactly) or evaluation (near-equal split, may be empty).
+    """
+
+    def __init__(
+        self,
+        base: Sampler[Any],
+        global_batch: int,
+        replicas: int,
+        replica: int,
+        unit: int,
+        drop_last: bool,
+        train: bool,
+    ) -> None:
+        self.base = base
+        self.global_batch = global_batch
+        self.replicas = replicas
+        self.replica = replica
+        self.unit = unit
+        self.drop_last = drop_last
+        self.train = train
+        self.epoch = 0
+        self.cursor = 0
+        self._drawn = 0
+        self._warned = False
+        self.sampler = self  # so that Lightning's _set_sampler_epoch finds set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration uses (called by Lightning)."""
+        self.epoch = epoch
+
+    def start_at(self, epoch: int, cursor: int) -> None:
+        """Resume: the next iteration of ``epoch`` starts at global sample ``cursor``."""
+        self.epoch, self.cursor = epoch, cursor
+
+    def _order(self) -> list[int]:
+        while self._drawn < self.epoch:  # fast-forward a resumed run through the epochs it did not see
+            for _ in self.base:
+                pass
+            self._drawn += 1
+        order = list(self.base)
+        self._drawn += 1
+        return order
+
+    def _slice(self, chunk: list[int]) -> Optional[list[int]]:
+        n = len(chunk)
+        if n == self.global_batch or (self.train and n % self.unit == 0):
+            per = n // self.replicas
+            return chunk[self.replica * per : (self.replica + 1) * per]
+        if self.train:
+            if not self._warned:
+                warnings.warn(
+                    f"dropping the last partial global batch of {n} samples: it does not split into "
+                    f"{self.replicas} pipelines x micro-batches (multiple of {self.unit} needed)",
+                    stacklevel=2,
+                )
+                self._warned = True
+            return None
+        base, extra = divmod(n, self.replicas)
+        start = self.replica * base + min(self.replica, extra)
+        part = chunk[start : start + base + (1 if self.replica < extra else 0)]
+        return part or None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        start, self.cursor = self.cursor, 0
+        for a in range(start, len(order), self.global_batch):
+            chunk = order[a : a + self.global_batch]
+            if len(chunk) < self.global_batch and self.drop_last:
+                return
+            part = self._slice(chunk)
+            if part is not None:
+                yield part
+
+    def __len__(self) -> int:
+        n = len(self.base)  # type: ignore[arg-type]
+        full, rest = divmod(n, self.global_batch)
+        if rest and not self.drop_last:
+            if self.train:
+                full += 1 if rest % self.unit == 0 else 0
+            else:
+                full += 1 if self.replica < rest else 0 if rest < self.replicas else 1
+        return full
+
+
+def global_batch_size(loader: DataLoader) -> int:
+    """The global batch B a DataLoader defines (its ``batch_size``).
+
+    Raises:
+        ConfigurationError: for loaders without a plain batch size (custom batch samplers, iterable datasets).
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        raise ConfigurationError(
+            "ParcaeStrategy needs a map-style dataset to split global batches; IterableDataset is not supported"
+        )
+    if loader.batch_size is not None:
+        return int(loader.batch_size)
+    bs = loader.batch_sampler
+    if isinstance(bs, BatchSampler):
+        return int(bs.batch_size)
+    raise ConfigurationError(
+        f"cannot tell the global batch size of a DataLoader with batch_sampler {type(bs).__name__}; "
+        "give the DataLoader a batch_size"
+    )
+
+
+def reshard_dataloader(
+    loader: DataLoader, replicas: int, replica: int, micro_batches: int, train: bool
+) -> tuple[DataLoader, GlobalBatchSampler]:
+    """Rebuild ``loader`` so that it yields this replica's share of each global batch.
+
+    Args:
+        loader: the user's DataLoader; its ``batch_size`` is the global batch B.
+        replicas: D.
+        replica: this pipeline's index.
+        micro_batches: M (training batches of B / D samples must split into M).
+        train: whether this is the training loader.
+
+    Returns:
+        The new loader and its :class:`GlobalBatchSampler` (keep it to set the cursor on resume).
+
+    Raises:
+        BatchSplitError: if B is not divisible by D, or (training) B / D not by M.
+    """
+    b = global_batch_size(loader)
+    if b % replicas:
+        raise BatchSplitError(
+            f"global batch size {b} cannot be split evenly over D={replicas} pipelines; use a batch_size divisible "
+            f"by {replicas}"
+        )
+    if train and (b // replicas) % micro_batches:
+        raise BatchSplitError(
+            f"global batch size {b} over D={replicas} pipelines gives {b // replicas} samples per pipeline, which "
+            f"cannot be split into micro_batches={micro_batches}; the global batch must be a multiple of "
+            f"D x M = {replicas * micro_batches}"
+        )
+    drop_last = bool(getattr(loader, "drop_last", False))
+    sampler = GlobalBatchSampler(
+        loader.sampler, b, replicas, replica, replicas * micro_batches, drop_last, train
+    )
+    kwargs: dict[str, Any] = dict(
+        batch_sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, **kwargs), sampler

@@ -1,0 +1,221 @@
+"""Process groups of one generation: who is which (replica, stage), and the groups they talk in.
+
+Problem: a D x P job needs, besides the world group, one *pipeline group* per replica (the P stages that pass
+activations to each other) and one *data group* per stage (the D copies of a stage that average gradients). When the
+shape changes (a later issue: live reconfiguration) all of them must be torn down and rebuilt in place, and a group
+of the new generation must never connect to addresses left over from the old one. So every generation ``g``
+initializes the world from ``PrefixStore(f"gen/{g}/", base_store)`` and derives its subgroups from it; destroying
+and rebuilding with ``g + 1`` is the whole reconfiguration protocol at this level.
+
+Rank layout: ``rank = replica * P + stage`` -- the stages of one pipeline are contiguous ranks, so replica 0 holds
+ranks ``0 .. P-1`` and global rank 0 is stage 0 of replica 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from lightning_parcae.errors import ConfigurationError
+
+__all__ = ["Coords", "ProcessGroups", "coords_of", "rank_of"]
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where a rank sits in a D x P grid.
+
+    Attributes:
+        replica: index of the pipeline (data-parallel index), ``0 <= replica < D``.
+        stage: pipeline stage, ``0 <= stage < P``.
+    """
+
+    replica: int
+    stage: int
+
+
+def _check_shape(world: int, data_parallel: int, pipeline_stages: int) -> None:
+    if data_parallel < 1 or pipeline_stages < 1 or data_parallel * pipeline_stages != world:
+        raise ConfigurationError(
+            f"shape D={data_parallel} x P={pipeline_stages} does not cover the world of {world} processes; "
+            "D * P must equal the number of processes"
+        )
+
+
+def coords_of(rank: int, pipeline_stages: int) -> Coords:
+    """Map a global rank to its (replica, stage).
+
+    Args:
+        rank: global rank.
+        pipeline_stages: P.
+
+    Returns:
+        The rank's coordinates.
+    """
+    return Coords(replica=rank // pipeline_stages, stage=rank % pipeline_stages)
+
+
+def rank_of(replica: int, stage: int, pipeline_stages: int) -> int:
+    """Map (replica, stage) to a global rank (inverse of :func:`coords_of`)."""
+    return replica * pipeline_stages + stage
+
+
+class ProcessGroups:
+    """The world and its pipeline / data subgroups for one generation.
+
+    Args:
+        generation: generation number; the world is initialized under the store prefix ``gen/<generation>/``.
+        rank: this process's global rank in this generation.
+        world: number of processes.
+        data_parallel: D.
+        pipeline_stages: P.
+        store: the base store shared by all processes (e.g. a ``TCPStore``); it outlives generations.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
+        timeout: collective timeout.
+
+    Raises:
+        ConfigurationError: if ``D * P != world``.
+    """
+
+    def __init__(
+        self,
+        generation: int,
+        rank: int,
+        world: int,
+        data_parallel: int,
+        pipeline_stages: int,
+        store: dist.Store,
+        backend: str = "gloo",
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        _check_shape(world, data_parallel, pipeline_stages)
+        self.generation = generation
+        self.rank = rank
+        self.world = world
+        self.data_parallel = data_parallel
+        self.pipeline_stages = pipeline_stages
+        self.store = store
+        self.backend = backend
+        self.timeout = timeout
+        self.coords = coords_of(rank, pipeline_stages)
+        self._pipeline_groups: list[Any] = []
+        self._data_groups: list[Any] = []
+        self._built = False
+
+    # ------------------------------------------------------------------ layout (pure)
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """Global ranks of the P stages of ``replica``, in stage order."""
+        return [rank_of(replica, s, self.pipeline_stages) for s in range(self.pipeline_stages)]
+
+    def data_ranks(self, stage: int) -> list[int]:
+        """Global ranks holding ``stage``, one per replica, in replica order."""
+        return [rank_of(r, stage, self.pipeline_stages) for r in range(self.data_parallel)]
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs stage 0."""
+        return self.coords.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs stage P-1."""
+        return self.coords.stage == self.pipeline_stages - 1
+
+    def prev_rank(self) -> Optional[int]:
+        """Global rank of the previous stage in this pipeline (``None`` on stage 0)."""
+        if self.is_first_stage:
+            return None
+        return rank_of(self.coords.replica, self.coords.stage - 1, self.pipeline_stages)
+
+    def next_rank(self) -> Optional[int]:
+        """Global rank of the next stage in this pipeline (``None`` on the last stage)."""
+        if self.is_last_stage:
+            return None
+        return rank_of(self.coords.replica, self.coords.stage + 1, self.pipeline_stages)
+
+    def last_stage_rank(self) -> int:
+        """Global rank of this pipeline's last stage."""
+        return rank_of(self.coords.replica, self.pipeline_stages - 1, self.pipeline_stages)
+
+    # ------------------------------------------------------------------ lifecycle
+    def build(self) -> "ProcessGroups":
+        """Initialize the world under ``gen/<generation>/`` and create all subgroups (collective: all ranks call).
+
+        Returns:
+            ``self``, for chaining.
+        """
+        if dist.is_initialized():
+            raise ConfigurationError(
+                "torch.distributed is already initialized; destroy the previous generation before building "
+                f"generation {self.generation}"
+            )
+        prefixed = dist.PrefixStore(f"gen/{self.generation}/", self.store)
+        dist.init_process_group(
+            backend=self.backend, store=prefixed, rank=self.rank, world_size=self.world, timeout=self.timeout
+        )
+        # new_group is collective over the world: every rank creates every group in the same order.
+        self._pipeline_groups = [dist.new_group(self.pipeline_ranks(r)) for r in range(self.data_parallel)]
+        self._data_groups = [dist.new_group(self.data_ranks(s)) for s in range(self.pipeline_stages)]
+        self._built = True
+        return self
+
+    def destroy(self) -> None:
+        """Destroy every group of this generation (the base store survives)."""
+        if self._built and dist.is_initialized():
+            dist.destroy_process_group()
+        self._pipeline_groups = []
+        self._data_groups = []
+        self._built = False
+
+    def rebuilt(self, data_parallel: int, pipeline_stages: int, rank: Optional[int] = None,
+                world: Optional[int] = None) -> "ProcessGroups":
+        """Destroy this generation and build generation ``g + 1`` with a new shape (collective).
+
+        Args:
+            data_parallel: new D.
+            pipeline_stages: new P.
+            rank: this process's rank in the new generation (default: unchanged).
+            world: new world size (default: unchanged).
+
+        Returns:
+            The new, built :class:`ProcessGroups`.
+        """
+        self.destroy()
+        nxt = ProcessGroups(
+            self.generation + 1,
+            self.rank if rank is None else rank,
+            self.world if world is None else world,
+            data_parallel,
+            pipeline_stages,
+            self.store,
+            self.backend,
+            self.timeout,
+        )
+        return nxt.build()
+
+    @property
+    def built(self) -> bool:
+        """Whether :meth:`build` ran and :meth:`destroy` did not."""
+        return self._built
+
+    # ------------------------------------------------------------------ groups of this rank
+    @property
+    def pipeline_group(self) -> Any:
+        """The pipeline group of this rank's replica."""
+        return self._pipeline_groups[self.coords.replica]
+
+    @property
+    def data_group(self) -> Any:
+        """The data-parallel group of this rank's stage."""
+        return self._data_groups[self.coords.stage]
+
+    def pipeline_group_of(self, replica: int) -> Any:
+        """The pipeline group of ``replica``."""
+        return self._pipeline_groups[replica]
+
+    def data_group_of(self, stage: int) -> Any:
+        """The data-parallel group of ``stage``."""
+        return self._data_groups[stage]

@@ -1,0 +1,390 @@
+"""Micro-batch pipeline execution: stage modules, GPipe and 1F1B schedules, point-to-point activation transfer.
+
+Problem: with the layer stack cut into P stages on P processes, one training step must (1) split the pipeline's
+batch into M micro-batches, (2) push each micro-batch forward through the stages and its gradient back, in an order
+that keeps every stage busy (GPipe: all forwards then all backwards; 1F1B: after a warm-up, alternate one forward
+and one backward so at most P micro-batches are in flight), and (3) do so over point-to-point send/recv without
+deadlock. The user's own ``training_step`` must still compute the loss, so the first and last stage run it with the
+layer stack replaced by a :class:`StageProxy` that runs only the local stage and connects it to the neighbours.
+
+Transfer protocol between adjacent stages (same on gloo and NCCL): for micro-batch ``m`` the sender posts a small
+int64 header (ndim, dtype, shape) and then the activation; the gradient of that activation comes back with the
+shape already known. Sends are asynchronous (``isend``, waited at the end of the step); receives block. Tags
+``3m``, ``3m+1``, ``3m+2`` keep the three messages of a micro-batch apart on backends that honour tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parcae.errors import BatchSplitError, ConfigurationError, ModelLayoutError
+
+__all__ = [
+    "Op",
+    "schedule_ops",
+    "split_micro_batches",
+    "chunk_batch",
+    "StageBoundary",
+    "StageProxy",
+    "P2P",
+    "run_train_schedule",
+    "run_forward_only",
+]
+
+Op = tuple[Literal["F", "B"], int]
+_DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]
+_MAX_NDIM = 8
+
+
+# ---------------------------------------------------------------------------------------------------- schedules
+def schedule_ops(kind: str, stage: int, pipeline_stages: int, micro_batches: int) -> list[Op]:
+    """The ordered forward/backward operations of one stage for one step.
+
+    Args:
+        kind: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"`` (warm-up of ``P - stage - 1`` forwards,
+            then one forward / one backward, then the remaining backwards).
+        stage: this stage's index.
+        pipeline_stages: P.
+        micro_batches: M.
+
+    Returns:
+        A list of ``("F", m)`` / ``("B", m)``; every micro-batch appears once in each phase, forwards and
+        backwards each in increasing ``m``.
+
+    Raises:
+        ConfigurationError: on an unknown schedule name.
+    """
+    m_total = micro_batches
+    if kind == "gpipe":
+        return [("F", m) for m in range(m_total)] + [("B", m) for m in range(m_total)]
+    if kind == "1f1b":
+        warmup = min(pipeline_stages - stage - 1, m_total)
+        ops: list[Op] = [("F", m) for m in range(warmup)]
+        for i in range(m_total - warmup):
+            ops.append(("F", warmup + i))
+            ops.append(("B", i))
+        ops.extend(("B", m) for m in range(m_total - warmup, m_total))
+        return ops
+    raise ConfigurationError(f"unknown schedule {kind!r}; use 'gpipe' or '1f1b'")
+
+
+# ---------------------------------------------------------------------------------------------------- batch split
+def _batch_size_of(batch: Any) -> Optional[int]:
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.ndim > 0 else None
+    if isinstance(batch, dict):
+        items: Sequence[Any] = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        n = _batch_size_of(item)
+        if n is not None:
+            return n
+    return None
+
+
+def _split_leaf(x: Any, bounds: list[tuple[int, int]], size: int) -> list[Any]:
+    if isinstance(x, Tensor) and x.ndim > 0:
+        if x.shape[0] != size:
+            raise BatchSplitError(
+                f"batch tensors disagree on the batch dimension: found {x.shape[0]} and {size}; every tensor in the "
+                "batch must have the batch size as its first dimension"
+            )
+        return [x[a:b] for a, b in bounds]
+    if isinstance(x, dict):
+        parts = {k: _split_leaf(v, bounds, size) for k, v in x.items()}
+        return [type(x)((k, parts[k][i]) for k in x) for i in range(len(bounds))]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        parts_nt = [_split_leaf(v, bounds, size) for v in x]
+        return [type(x)(*(p[i] for p in parts_nt)) for i in range(len(bounds))]
+    if isinstance(x, (list, tuple)):
+        parts_seq = [_split_leaf(v, bounds, size) for v in x]
+        return [type(x)(p[i] for p in parts_seq) for i in range(len(bounds))]
+    return [x for _ in bounds]
+
+
+def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
+    """Split a batch (tensor / tuple / list / dict / namedtuple of tensors) into equal micro-batches along dim 0.
+
+    Non-tensor leaves and 0-d tensors are repeated in every micro-batch.
+
+    Args:
+        batch: one pipeline's batch.
+        micro_batches: M.
+
+    Returns:
+        M micro-batches of the same structure.
+
+    Raises:
+        BatchSplitError: if the batch size is not divisible by M, or tensors disagree on the batch size.
+    """
+    size = _batch_size_of(batch)
+    if size is None:
+        if micro_batches == 1:
+            return [batch]
+        raise BatchSplitError(f"cannot split a batch without tensors into {micro_batches} micro-batches")
+    if micro_batches < 1 or size % micro_batches:
+        raise BatchSplitError(
+            f"a pipeline batch of {size} samples cannot be split into micro_batches={micro_batches} equal "
+            f"micro-batches; choose micro_batches dividing {size} (global batch = D x {size})"
+        )
+    step = size // micro_batches
+    return _split_leaf(batch, [(i * step, (i + 1) * step) for i in range(micro_batches)], size)
+
+
+def chunk_batch(batch: Any, chunks: int) -> list[Any]:
+    """Split a batch into at most ``chunks`` near-equal parts along dim 0 (for evaluation, where sizes may not divide).
+
+    Args:
+        batch: the batch.
+        chunks: desired number of parts.
+
+    Returns:
+        ``min(chunks, batch size)`` parts (one part if the batch holds no batched tensor).
+    """
+    size = _batch_size_of(batch)
+    if size is None or size == 0:
+        return [batch]
+    n = max(1, min(chunks, size))
+    base, extra = divmod(size, n)
+    bounds, start = [], 0
+    for i in range(n):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return _split_leaf(batch, bounds, size)
+
+
+# ---------------------------------------------------------------------------------------------------- stage proxy
+class StageBoundary(Exception):
+    """Raised by a :class:`StageProxy` in ``head``/``capture`` mode to stop the user's step after the local stage."""
+
+
+class StageProxy(nn.Module):
+    """Stands in for the model's layer stack while the user's step runs on one stage.
+
+    Modes:
+        ``full``: run the local stage on the given input (P = 1: the local stage is the whole stack).
+        ``head``: run the local stage on the input, keep the output in :attr:`captured`, raise
+            :class:`StageBoundary` (first stage of a deeper pipeline).
+        ``tail``: ignore the input, run the local stage on :attr:`given` (the received activation), keep the
+            output in :attr:`captured` and return it (last stage).
+        ``given``: ignore the input and return :attr:`given` unchanged (mirror of the last stage's output).
+        ``capture``: keep the input in :attr:`captured` and raise :class:`StageBoundary` (profiling).
+
+    The local stage is referenced, not registered, so swapping the proxy in and out does not change the module's
+    parameters or state-dict keys.
+    """
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_stage", stage)
+        self.mode = "full"
+        self.given: Optional[Tensor] = None
+        self.captured: Optional[Tensor] = None
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        if self.mode == "capture":
+            self.captured = x
+            raise StageBoundary
+        if self.mode == "given":
+            return self.given
+        inp = self.given if self.mode == "tail" else x
+        out = self._stage(inp)  # type: ignore[operator]
+        self.captured = out
+        if self.mode == "head":
+            raise StageBoundary
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- transport
+class P2P:
+    """Point-to-point tensor transfer with a shape header, plus a pipeline-group broadcast.
+
+    Args:
+        device: device of the transferred tensors (CPU for gloo, this rank's GPU for NCCL).
+        group: the pipeline group (for broadcasts).
+    """
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        self.device = device
+        self.group = group
+        self._pending: list[Any] = []
+
+    def _header(self, t: Tensor) -> Tensor:
+        if t.ndim > _MAX_NDIM:
+            raise ModelLayoutError(f"stage outputs may have at most {_MAX_NDIM} dimensions, got {t.ndim}")
+        if t.dtype not in _DTYPES:
+            raise ModelLayoutError(f"stage output dtype {t.dtype} cannot be transferred")
+        h = torch.zeros(2 + _MAX_NDIM, dtype=torch.int64, device=self.device)
+        h[0], h[1] = t.ndim, _DTYPES.index(t.dtype)
+        if t.ndim:
+            h[2 : 2 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
+        return h
+
+    @staticmethod
+    def _parse(h: Tensor) -> tuple[list[int], torch.dtype]:
+        vals = h.tolist()
+        return [int(v) for v in vals[2 : 2 + int(vals[0])]], _DTYPES[int(vals[1])]
+
+    def send(self, t: Tensor, dst: int, tag: int, with_header: bool = True) -> None:
+        """Post an asynchronous send of ``t`` (and its header) to global rank ``dst``."""
+        if not isinstance(t, Tensor):
+            raise ModelLayoutError(
+                f"a pipeline stage must return one tensor to pass to the next stage, got {type(t).__name__}"
+            )
+        data = t.detach().contiguous()
+        if with_header:
+            self._pending.append(dist.isend(self._header(data), dst, tag=3 * tag))
+        self._pending.append(dist.isend(data, dst, tag=3 * tag + (1 if with_header else 2)))
+
+    def recv(self, src: int, tag: int) -> Tensor:
+        """Receive a tensor with header from global rank ``src`` (blocking)."""
+        h = torch.empty(2 + _MAX_NDIM, dtype=torch.int64, device=self.device)
+        dist.recv(h, src, tag=3 * tag)
+        shape, dtype = self._parse(h)
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(t, src, tag=3 * tag + 1)
+        return t
+
+    def recv_like(self, ref: Tensor, src: int, tag: int) -> Tensor:
+        """Receive a tensor shaped like ``ref`` (a gradient) from global rank ``src`` (blocking)."""
+        t = torch.empty(ref.shape, dtype=ref.dtype, device=self.device)
+        dist.recv(t, src, tag=3 * tag + 2)
+        return t
+
+    def wait_all(self) -> None:
+        """Wait for every posted send."""
+        for work in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def broadcast(self, t: Optional[Tensor], src: int) -> Tensor:
+        """Broadcast a tensor of unknown shape from global rank ``src`` over the pipeline group."""
+        h = self._header(t) if t is not None and dist.get_rank() == src else torch.empty(
+            2 + _MAX_NDIM, dtype=torch.int64, device=self.device
+        )
+        dist.broadcast(h, src, group=self.group)
+        shape, dtype = self._parse(h)
+        if dist.get_rank() == src:
+            assert t is not None
+            data = t.detach().contiguous()
+        else:
+            data = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(data, src, group=self.group)
+        return data
+
+
+# ---------------------------------------------------------------------------------------------------- executors
+def run_train_schedule(
+    ops: Sequence[Op],
+    micro: Sequence[Any],
+    stage_module: nn.Module,
+    p2p: P2P,
+    prev_rank: Optional[int],
+    next_rank: Optional[int],
+    head: Callable[[Any], Tensor],
+    tail: Callable[[Any, Optional[Tensor]], Tensor],
+    loss_scale: float,
+    forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> list[Tensor]:
+    """Run one stage's forward/backward operations for one training step.
+
+    Gradients accumulate into the stage's parameters (``.grad``). The caller owns the data-parallel all-reduce.
+
+    Args:
+        ops: from :func:`schedule_ops`.
+        micro: the M micro-batches (all stages of a pipeline hold the same batch).
+        stage_module: the local stage (used on middle stages).
+        p2p: transport.
+        prev_rank: global rank of the previous stage, ``None`` on stage 0.
+        next_rank: global rank of the next stage, ``None`` on the last stage.
+        head: ``head(micro_batch) -> output`` on stage 0 of a deeper pipeline (runs the user's step up to the
+            stack; the output keeps its autograd graph).
+        tail: ``tail(micro_batch, activation) -> loss`` on the last stage (the user's step with the local stage
+            fed by ``activation``; ``activation`` is ``None`` when P = 1).
+        loss_scale: factor applied to each micro-batch loss before backward (``1 / (M * accumulation)``).
+        forward_context: context manager factory wrapping every forward (autocast).
+
+    Returns:
+        The (unscaled, detached) micro-batch losses on the last stage; empty elsewhere.
+    """
+    first, last = prev_rank is None, next_rank is None
+    saved: dict[int, tuple[Optional[Tensor], Tensor]] = {}
+    losses: list[Tensor] = []
+    for kind, m in ops:
+        if kind == "F":
+            act: Optional[Tensor] = None
+            with forward_context():
+                if not first:
+                    act = p2p.recv(prev_rank, m)  # type: ignore[arg-type]
+                    if act.is_floating_point():
+                        act.requires_grad_(True)
+                if last:
+                    out = tail(micro[m], act)
+                    losses.append(out.detach())
+                elif first:
+                    out = head(micro[m])
+                else:
+                    out = stage_module(act)
+            if not last:
+                p2p.send(out, next_rank, m)  # type: ignore[arg-type]
+            saved[m] = (act, out)
+        else:
+            act, out = saved.pop(m)
+            if last:
+                if out.requires_grad:
+                    torch.autograd.backward(out * loss_scale)
+            elif out.is_floating_point():
+                grad = p2p.recv_like(out, next_rank, m)  # type: ignore[arg-type]
+                if out.requires_grad:
+                    torch.autograd.backward(out, grad)
+            if not first and act is not None and act.is_floating_point():
+                g = act.grad if act.grad is not None else torch.zeros_like(act)
+                p2p.send(g, prev_rank, m, with_header=False)  # type: ignore[arg-type]
+    p2p.wait_all()
+    return losses
+
+
+def run_forward_only(
+    micro: Sequence[Any],
+    stage_module: nn.Module,
+    p2p: P2P,
+    prev_rank: Optional[int],
+    next_rank: Optional[int],
+    head: Callable[[Any], Tensor],
+) -> list[Tensor]:
+    """Push micro-batches forward through one stage (evaluation); returns the stack outputs on the last stage.
+
+    Args:
+        micro: micro-batches (same on every stage of the pipeline).
+        stage_module: the local stage.
+        p2p: transport.
+        prev_rank: previous stage's global rank or ``None``.
+        next_rank: next stage's global rank or ``None``.
+        head: ``head(micro_batch) -> output`` on stage 0 (the user's step up to the stack).
+
+    Returns:
+        The last stage's outputs, one per micro-batch (empty list on other stages).
+    """
+    first, last = prev_rank is None, next_rank is None
+    outs: list[Tensor] = []
+    for m, mb in enumerate(micro):
+        x = head(mb) if first else stage_module(p2p.recv(prev_rank, m))  # type: ignore[arg-type]
+        if last:
+            outs.append(x)
+        else:
+            p2p.send(x, next_rank, m)  # type: ignore[arg-type]
+    p2p.wait_all()
+    return outs

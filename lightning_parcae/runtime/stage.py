@@ -1,0 +1,92 @@
+"""Find the model's layer stack and cut it down to this process's stage, keeping global names.
+
+Problem: the user writes an ordinary LightningModule whose ``forward`` runs an ``nn.Sequential``; the strategy must
+find that stack without help in the common case, accept one small hint otherwise, and replace it on each process by
+the children of its stage only. Keeping the children under their global names (``"7"``, ``"8"``, ...) in a new
+``nn.Sequential`` keeps state-dict keys global and makes ``configure_optimizers`` see only local parameters.
+
+Lookup order: ``ParcaeStrategy(layers_attr="path.to.seq")``; else a ``parcae_layers()`` method on the module
+returning the ``nn.Sequential``; else the top-level ``nn.Sequential`` attribute holding the most parameters.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Optional
+
+from torch import nn
+
+from lightning_parcae.errors import ModelLayoutError
+
+__all__ = ["locate_layer_stack", "replace_submodule", "cut_stage", "swapped"]
+
+
+def locate_layer_stack(module: nn.Module, layers_attr: Optional[str] = None) -> str:
+    """Dotted path of the layer stack inside ``module``.
+
+    Args:
+        module: the LightningModule.
+        layers_attr: explicit dotted path, if the user named it.
+
+    Returns:
+        The path (e.g. ``"net"``).
+
+    Raises:
+        ModelLayoutError: if the named attribute is missing or not an ``nn.Sequential``, or no stack is found.
+    """
+    if layers_attr is not None:
+        try:
+            seq = module.get_submodule(layers_attr)
+        except AttributeError as err:
+            raise ModelLayoutError(
+                f"layers_attr={layers_attr!r} names no submodule of {type(module).__name__}"
+            ) from err
+        if not isinstance(seq, nn.Sequential):
+            raise ModelLayoutError(
+                f"layers_attr={layers_attr!r} is a {type(seq).__name__}, not an nn.Sequential; the pipeline is cut "
+                "between the children of an nn.Sequential"
+            )
+        return layers_attr
+    hook = getattr(module, "parcae_layers", None)
+    if callable(hook):
+        seq = hook()
+        if not isinstance(seq, nn.Sequential):
+            raise ModelLayoutError(f"parcae_layers() must return an nn.Sequential, got {type(seq).__name__}")
+        for name, sub in module.named_modules():
+            if sub is seq and name:
+                return name
+        raise ModelLayoutError("parcae_layers() returned an nn.Sequential that is not a submodule of the module")
+    candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
+    if not candidates:
+        raise ModelLayoutError(
+            f"{type(module).__name__} has no nn.Sequential attribute to cut into pipeline stages. Put the layers "
+            "run by forward() in an nn.Sequential (e.g. self.net = nn.Sequential(...)), name a nested one with "
+            "ParcaeStrategy(layers_attr='path.to.seq'), or define parcae_layers() returning it"
+        )
+    return max(candidates, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))[0]
+
+
+def replace_submodule(module: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """Set the submodule at dotted ``path`` to ``new``; returns the old one."""
+    parent_path, _, attr = path.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    old = getattr(parent, attr)
+    setattr(parent, attr, new)
+    return old
+
+
+def cut_stage(stack: nn.Sequential, names: Sequence[str]) -> nn.Sequential:
+    """A new ``nn.Sequential`` holding only ``names`` of ``stack`` (same module objects, same names)."""
+    return nn.Sequential(OrderedDict((n, stack._modules[n]) for n in names))  # type: ignore[misc]
+
+
+@contextmanager
+def swapped(module: nn.Module, path: str, stand_in: nn.Module) -> Iterator[None]:
+    """Temporarily put ``stand_in`` at ``path`` (e.g. a StageProxy while the user's step runs)."""
+    old = replace_submodule(module, path, stand_in)
+    try:
+        yield
+    finally:
+        replace_submodule(module, path, old)

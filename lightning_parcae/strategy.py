@@ -1,0 +1,963 @@
+"""ParcaeStrategy: D x P (data x pipeline parallel) training of an unchanged LightningModule.
+
+Problem: Parcae moves a job between shapes (D pipelines of P stages) as spot instances come and go. The foundation
+is a strategy that trains an ordinary LightningModule at a *fixed* shape with exactly the result a single process
+would get for the same global batch, and whose process groups, stage modules, data order and checkpoints are all
+addressable so that a later issue can rebuild them in place.
+
+How a training step runs (see ``docs/strategy.md`` for the user-facing version):
+
+1. Every stage of pipeline ``r`` loads the same batch: slice ``r`` of the global batch (see ``runtime.data``).
+2. The batch is split into M micro-batches. Stage 0 calls the user's ``training_step`` on each micro-batch with the
+   layer stack replaced by a proxy that runs only stage 0's layers and stops the step there; the activation goes to
+   stage 1. Middle stages run their layers on what they receive. The last stage calls the user's
+   ``training_step`` with the proxy feeding the received activation through its layers, so the user's own loss
+   code runs on the real output. GPipe or 1F1B orders these forwards and the matching backwards.
+3. Each micro-batch loss is scaled by ``1 / (M * accumulate_grad_batches)`` before its backward, so the summed
+   gradients equal the single-process gradient of the pipeline's batch.
+4. The other stages then re-run the user's step on the last stage's outputs (broadcast in the pipeline group,
+   no grad) so that ``self.log``, torchmetrics and the returned loss are identical on every rank; log calls of the
+   M micro-steps are merged into one per name (mean / sum / max / min as ``reduce_fx`` says).
+5. Lightning's ``zero_grad`` runs between ``training_step`` and ``backward``, so the step's gradients are kept
+   aside and put back in :meth:`ParcaeStrategy.backward`, which then averages every stage's gradients over the D
+   replicas of that stage (skipped while Lightning accumulates). Clipping uses the norm over *all* stages. Only
+   then does the optimizer step (two-phase: no stage updates before every stage has its reduced gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ReduceOp
+from torch.optim import Optimizer
+
+import pytorch_lightning as pl
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+from lightning_parcae.errors import ConfigurationError, ForeignTrainerError, ModelLayoutError
+from lightning_parcae.runtime.checkpoint import (
+    atomic_save,
+    gather_objects,
+    layer_state,
+    load_named_optimizer_state,
+    merge_named_optimizer_states,
+    named_optimizer_state,
+    plain_containers,
+)
+from lightning_parcae.runtime.data import GlobalBatchSampler, global_batch_size, reshard_dataloader
+from lightning_parcae.runtime.groups import ProcessGroups
+from lightning_parcae.runtime.partition import (
+    balance_stages,
+    choose_pipeline_stages,
+    layer_memory_bytes,
+    profile_layer_times,
+    stage_bounds,
+)
+from lightning_parcae.runtime.pipeline import (
+    P2P,
+    StageBoundary,
+    StageProxy,
+    chunk_batch,
+    run_forward_only,
+    run_train_schedule,
+    schedule_ops,
+    split_micro_batches,
+)
+from lightning_parcae.runtime.stage import cut_stage, locate_layer_stack, replace_submodule, swapped
+
+__all__ = ["ParcaeStrategy", "check_trainer"]
+
+log = logging.getLogger(__name__)
+
+_CKPT_KEY = "parcae"
+_CKPT_VERSION = 1
+
+
+def check_trainer(trainer: Any) -> None:
+    """Refuse Trainers of the ``lightning`` package (or anything that is not a ``pytorch_lightning.Trainer``).
+
+    Raises:
+        ForeignTrainerError: naming the import to use instead.
+    """
+    module = type(trainer).__module__
+    if module.startswith("lightning.") or not isinstance(trainer, pl.Trainer):
+        raise ForeignTrainerError(
+            f"ParcaeStrategy runs under pytorch_lightning, but got a {type(trainer).__name__} from {module!r}. "
+            "Use `from pytorch_lightning import Trainer` (not `lightning.pytorch`/`lightning`) together with "
+            "`from lightning_parcae.strategy import ParcaeStrategy`"
+        )
+
+
+class _LogRecorder:
+    """Collects ``self.log`` calls of the M micro-steps and replays one merged call per name."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.module = module
+        self.calls: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise ConfigurationError("pass self.log options by keyword under ParcaeStrategy")
+        self.calls.setdefault(name, []).append((value, kwargs))
+
+    @contextmanager
+    def active(self) -> Generator[None, None, None]:
+        self.module.log = self  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del self.module.log
+
+    def replay(self) -> None:
+        for name, calls in self.calls.items():
+            value, kwargs = calls[-1]
+            if isinstance(value, (Tensor, int, float)) and not isinstance(value, bool):
+                values = torch.stack([torch.as_tensor(v, dtype=torch.float32).detach().float().reshape(())
+                                      if not isinstance(v, Tensor) else v.detach().float().reshape(())
+                                      for v, _ in calls])
+                fx = kwargs.get("reduce_fx", "mean")
+                fx_name = fx if isinstance(fx, str) else getattr(fx, "__name__", "mean")
+                merged = {"sum": values.sum, "max": values.max, "min": values.min}.get(fx_name, values.mean)()
+                if isinstance(value, Tensor):
+                    merged = merged.to(value.device)
+                value = merged
+                sizes = [kw.get("batch_size") for _, kw in calls]
+                if all(s is not None for s in sizes):
+                    kwargs = {**kwargs, "batch_size": int(sum(sizes))}  # type: ignore[arg-type]
+            pl.LightningModule.log(self.module, name, value, **kwargs)
+        self.calls.clear()
+
+
+class ParcaeStrategy(ParallelStrategy):
+    """Data-parallel x pipeline-parallel training with exact single-process semantics.
+
+    Args:
+        pipeline_stages: P; ``None`` picks P from a short per-layer profile (see
+            :func:`~lightning_parcae.runtime.partition.choose_pipeline_stages`). D = devices / P.
+        micro_batches: M, micro-batches per pipeline batch (the pipeline batch is global batch / D).
+        schedule: ``"1f1b"`` (default, at most P micro-batches of activations alive) or ``"gpipe"``.
+        layers_attr: dotted path of the ``nn.Sequential`` to cut into stages (default: found automatically).
+        balance: explicit layers per stage (skips profiling), e.g. ``[3, 2]``.
+        max_stage_memory_bytes: per-stage limit on parameters + gradients + optimizer state.
+        optimizer_state_factor: optimizer state bytes per parameter byte used in the memory estimate (Adam: 2).
+        profile_repeats: timed repetitions per layer when profiling.
+        start_method: ``"popen"`` (re-run the script per process, like Lightning's DDP) or ``"spawn"``.
+        process_group_backend: ``"gloo"`` / ``"nccl"`` (default: by device).
+        timeout: collective timeout.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
+            strategies (normally filled in by the Trainer).
+    """
+
+    strategy_name = "parcae"
+
+    def __init__(
+        self,
+        pipeline_stages: Optional[int] = None,
+        micro_batches: int = 1,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        layers_attr: Optional[str] = None,
+        balance: Optional[list[int]] = None,
+        max_stage_memory_bytes: Optional[int] = None,
+        optimizer_state_factor: float = 2.0,
+        profile_repeats: int = 2,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=30),
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if pipeline_stages is not None and pipeline_stages < 1:
+            raise ConfigurationError(f"pipeline_stages must be >= 1, got {pipeline_stages}")
+        if micro_batches < 1:
+            raise ConfigurationError(f"micro_batches must be >= 1, got {micro_batches}")
+        if schedule not in ("1f1b", "gpipe"):
+            raise ConfigurationError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+        if balance is not None and pipeline_stages is not None and len(balance) != pipeline_stages:
+            raise ConfigurationError(
+                f"balance={balance} has {len(balance)} stages but pipeline_stages={pipeline_stages}"
+            )
+        self.pipeline_stages_option = pipeline_stages if balance is None else len(balance)
+        self.micro_batches = micro_batches
+        self.schedule = schedule
+        self.layers_attr = layers_attr
+        self.balance = list(balance) if balance is not None else None
+        self.max_stage_memory_bytes = max_stage_memory_bytes
+        self.optimizer_state_factor = optimizer_state_factor
+        self.profile_repeats = profile_repeats
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        # runtime state (rebuildable under a new generation)
+        self.groups: Optional[ProcessGroups] = None
+        self._store: Optional[dist.Store] = None
+        self.stack_path: Optional[str] = None
+        self.layer_names: list[str] = []
+        self.partition: list[int] = []
+        self.layer_times: list[float] = []
+        self._stage: Optional[nn.Sequential] = None
+        self._proxy: Optional[StageProxy] = None
+        self._p2p: Optional[P2P] = None
+        self._pending_grads: Optional[list[Optional[Tensor]]] = None
+        self._sync_grads = True
+        self._prepare_patch: Optional[Callable[..., Any]] = None
+        self._train_sampler: Optional[GlobalBatchSampler] = None
+        self._global_batch: Optional[int] = None
+        self._cursor_epoch = -1
+        self._cursor = 0
+        self._resume_data: Optional[dict[str, int]] = None
+
+    # ============================================================================================ Lightning plumbing
+    @property
+    def is_distributed(self) -> bool:
+        """Always distributed: Lightning must treat every process as one rank of the job."""
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes (machines)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def data_parallel(self) -> int:
+        """D (valid after ``setup_environment``)."""
+        return self.groups.data_parallel if self.groups is not None else 1
+
+    @property
+    def pipeline_stages(self) -> int:
+        """P (valid after ``setup_environment``)."""
+        return self.groups.pipeline_stages if self.groups is not None else 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """All stages of a pipeline read the same shard: replicas = D, rank = pipeline index (used for predict)."""
+        if self.groups is None:
+            return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.groups.data_parallel, "rank": self.groups.coords.replica}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Derive global rank / world size from node rank, local rank and process count."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        """Check the Trainer, create the base store and the generation-0 process groups."""
+        if self.lightning_module is not None and getattr(self.lightning_module, "_trainer", None) is not None:
+            check_trainer(self.lightning_module._trainer)
+        super().setup_environment()
+        self.set_world_ranks()
+        world = self.world_size
+        p = len(self.partition) if self.partition else (self.pipeline_stages_option or 1)
+        if world % p:
+            raise ConfigurationError(
+                f"pipeline_stages={p} does not divide devices x nodes = {world}; D = devices / P must be whole"
+            )
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        self._process_group_backend = backend
+        if self._store is None and world == 1:
+            self._store = dist.HashStore()
+        elif self._store is None:
+            assert self.cluster_environment is not None
+            self._store = dist.TCPStore(
+                self.cluster_environment.main_address,
+                self.cluster_environment.main_port,
+                world,
+                self.global_rank == 0,
+                timeout=self._timeout,
+            )
+        if self.groups is not None:  # a previous Trainer stage of this strategy left its generation up
+            self.groups.destroy()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        generation = int(os.environ.get("PARCAE_GENERATION_BASE", "0")) + _next_generation()
+        self.groups = ProcessGroups(generation, self.global_rank, world, world // p, p, self._store, backend,
+                                    self._timeout).build()
+
+    # ============================================================================================ setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Partition the model, place this stage, sync replicas, build optimizers over local parameters."""
+        check_trainer(trainer)
+        assert self.accelerator is not None and self.groups is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ConfigurationError("ParcaeStrategy supports automatic optimization only")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ConfigurationError(
+                "16-mixed precision with a GradScaler is not supported by ParcaeStrategy; use precision='bf16-mixed' "
+                "or '32-true'"
+            )
+        self.model = self.precision_plugin.convert_module(module)
+        self._install_data_hook(trainer)
+        if self._stage is None:
+            self.model_to_device()
+            self._partition_module(trainer)
+        else:  # a later Trainer stage (validate/test after fit): same partition, new groups
+            self._p2p = P2P(self.root_device, self.groups.pipeline_group)
+        self.model_to_device()
+        self._sync_replicas()
+        self._bind_metrics()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning_fabric.utilities.optimizer import _optimizers_to_device  # noqa: PLC0415
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def model_to_device(self) -> None:
+        """Move the (local) module to this process's device."""
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _stack(self) -> nn.Sequential:
+        assert self.lightning_module is not None and self.stack_path is not None
+        return self.lightning_module.get_submodule(self.stack_path)  # type: ignore[return-value]
+
+    def _partition_module(self, trainer: "pl.Trainer") -> None:
+        module = self.lightning_module
+        assert module is not None and self.groups is not None
+        self.stack_path = locate_layer_stack(module, self.layers_attr)
+        stack = self._stack()
+        self.layer_names = list(stack._modules.keys())
+        n_layers = len(self.layer_names)
+        world = self.groups.world
+        memory = [layer_memory_bytes(stack._modules[n], self.optimizer_state_factor) for n in self.layer_names]
+        p_opt = self.pipeline_stages_option
+        if p_opt is not None and p_opt > n_layers:
+            raise ModelLayoutError(
+                f"pipeline_stages={p_opt} exceeds the {n_layers} layers of '{self.stack_path}'; every stage needs at "
+                f"least one layer (use pipeline_stages <= {n_layers})"
+            )
+        if self.balance is not None:
+            if sum(self.balance) != n_layers or min(self.balance) < 1:
+                raise ModelLayoutError(
+                    f"balance={self.balance} must be positive layer counts summing to the {n_layers} layers"
+                )
+            times = [1.0] * n_layers
+            sizes = list(self.balance)
+            if self.max_stage_memory_bytes is not None:
+                _check_sizes_memory(sizes, memory, self.max_stage_memory_bytes)
+        elif p_opt == 1:
+            times, sizes = [1.0] * n_layers, [n_layers]
+            if self.max_stage_memory_bytes is not None:
+                _check_sizes_memory(sizes, memory, self.max_stage_memory_bytes)
+        else:
+            times = self._profile(trainer, stack)
+            if p_opt is None:
+                p_opt = choose_pipeline_stages(times, world, self.micro_batches, memory, self.max_stage_memory_bytes)
+                log.info("ParcaeStrategy chose pipeline_stages=%d from the profile %s", p_opt, times)
+            sizes = balance_stages(times, p_opt, memory, self.max_stage_memory_bytes)
+        if len(sizes) != self.groups.pipeline_stages:
+            self.groups = self.groups.rebuilt(world // len(sizes), len(sizes))
+        self.layer_times = times
+        self.partition = sizes
+        self._build_stage()
+
+    def _build_stage(self) -> None:
+        """(Re)build this process's stage module, proxy and transport from ``partition`` and ``groups``."""
+        assert self.groups is not None and self.lightning_module is not None and self.stack_path is not None
+        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
+        full = self._stack()
+        self._stage = cut_stage(full, self.layer_names[a:b])
+        replace_submodule(self.lightning_module, self.stack_path, self._stage)
+        self._proxy = StageProxy(self._stage)
+        self._p2p = P2P(self.root_device, self.groups.pipeline_group)
+
+    def _profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
+        """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
+        assert self.groups is not None
+        times: list[Any] = [None]
+        if self.global_rank == 0:
+            sample = self._sample_stack_input(trainer)
+            if sample is None:
+                warnings.warn("ParcaeStrategy found no sample input to profile; balancing by parameter count",
+                              stacklevel=2)
+                times[0] = [float(sum(p.numel() for p in m.parameters()) + 1) for m in stack]
+            else:
+                was_training = stack.training
+                stack.train()
+                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats)
+                stack.train(was_training)
+        if self.groups.world > 1:
+            dist.broadcast_object_list(times, src=0)
+        return list(times[0])
+
+    def _sample_stack_input(self, trainer: "pl.Trainer") -> Optional[Tensor]:
+        """The layer stack's input for one batch: from ``example_input_array`` or the training data."""
+        module = self.lightning_module
+        assert module is not None and self.stack_path is not None
+        proxy = StageProxy(nn.Identity())
+        proxy.mode = "capture"
+        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.stack_path, proxy), \
+                _LogRecorder(module).active():
+            try:
+                example = getattr(module, "example_input_array", None)
+                if example is not None:
+                    example = self.batch_to_device(example)
+                    if isinstance(example, (tuple, list)):
+                        module(*example)
+                    elif isinstance(example, dict):
+                        module(**example)
+                    else:
+                        module(example)
+                else:
+                    batch = self._sample_batch(trainer)
+                    if batch is None:
+                        return None
+                    module.training_step(self.batch_to_device(batch), 0)
+            except StageBoundary:
+                return proxy.captured if isinstance(proxy.captured, Tensor) else None
+            except Exception as err:  # the profile is an optimization: never fail the run for it
+                log.warning("ParcaeStrategy could not capture a sample input: %s", err)
+                return None
+        raise ModelLayoutError(
+            f"the module's step returned without calling '{self.stack_path}'; forward must run the layer stack"
+        )
+
+    def _sample_batch(self, trainer: "pl.Trainer") -> Any:
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        if source is None or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        try:
+            loader = source.dataloader()
+            b = global_batch_size(loader)
+            return loader.collate_fn([loader.dataset[i] for i in range(min(b, len(loader.dataset)))])
+        except Exception as err:
+            log.warning("ParcaeStrategy could not read a sample batch: %s", err)
+            return None
+
+    def _sync_replicas(self) -> None:
+        """Make replica 0's stage (and rank 0's replicated parameters) authoritative on every rank."""
+        g = self.groups
+        assert g is not None and self.lightning_module is not None
+        if g.world == 1:
+            return
+        stage_keys = self._stage_key_set()
+        with torch.no_grad():
+            for name, t in self.lightning_module.state_dict(keep_vars=True).items():
+                tensor = t.data if isinstance(t, nn.Parameter) else t
+                if not isinstance(tensor, Tensor):
+                    continue
+                if name in stage_keys:
+                    if g.data_parallel > 1:
+                        dist.broadcast(tensor, g.data_ranks(g.coords.stage)[0], group=g.data_group)
+                else:
+                    dist.broadcast(tensor, 0)
+
+    def _stage_key_set(self) -> set[str]:
+        assert self.stack_path is not None and self._stage is not None
+        return {f"{self.stack_path}.{k}" for k in self._stage.state_dict().keys()}
+
+    def _bind_metrics(self) -> None:
+        """torchmetrics sync over the replicas of this stage (each pipeline's state is mirrored P times)."""
+        try:
+            from torchmetrics import Metric  # noqa: PLC0415
+        except ImportError:  # pragma: no cover
+            return
+        assert self.lightning_module is not None and self.groups is not None
+        for m in self.lightning_module.modules():
+            if isinstance(m, Metric):
+                m.process_group = self.groups.data_group
+
+    # ============================================================================================ data
+    def _install_data_hook(self, trainer: "pl.Trainer") -> None:
+        """Replace Lightning's sampler injection: every loader is read in global order and sliced per pipeline."""
+        connector = trainer._data_connector
+        if self._prepare_patch is None:
+            self._prepare_patch = connector._prepare_dataloader
+        original = self._prepare_patch
+
+        def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+            from torch.utils.data import DataLoader  # noqa: PLC0415
+
+            if mode == RunningStage.PREDICTING or not isinstance(dataloader, DataLoader):
+                return original(dataloader, shuffle, mode)
+            assert self.groups is not None
+            train = mode == RunningStage.TRAINING
+            loader, sampler = reshard_dataloader(
+                dataloader, self.groups.data_parallel, self.groups.coords.replica, self.micro_batches, train
+            )
+            if train:
+                self._train_sampler = sampler
+                self._global_batch = sampler.global_batch
+                if self._resume_data is not None:
+                    sampler.start_at(self._resume_data["epoch"], self._resume_data["cursor"])
+            return loader
+
+        connector._prepare_dataloader = prepare  # type: ignore[method-assign]
+
+    def _count_samples(self) -> None:
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if trainer.current_epoch != self._cursor_epoch:
+            self._cursor_epoch = trainer.current_epoch
+            resume = self._resume_data
+            self._cursor = resume["cursor"] if resume and resume["epoch"] == trainer.current_epoch else 0
+        self._cursor += self._global_batch or 0
+
+    def data_state(self) -> dict[str, int]:
+        """The sample cursor: epoch, samples of that epoch consumed, global batch size."""
+        return {"epoch": max(self._cursor_epoch, 0), "cursor": self._cursor, "global_batch": self._global_batch or 0}
+
+    # ============================================================================================ steps
+    def _call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
+                   given: Optional[Tensor] = None) -> Any:
+        module = self.lightning_module
+        assert module is not None and self._proxy is not None and self.stack_path is not None
+        self._proxy.mode, self._proxy.given, self._proxy.captured = mode, given, None
+        with swapped(module, self.stack_path, self._proxy):
+            return getattr(module, name)(batch, *rest, **kwargs)
+
+    def _head(self, name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], Tensor]:
+        def head(mb: Any) -> Tensor:
+            try:
+                self._call_step(name, "head", mb, rest, kwargs)
+            except StageBoundary:
+                assert self._proxy is not None
+                return self._proxy.captured  # type: ignore[return-value]
+            raise ModelLayoutError(f"{name} returned without running the layer stack '{self.stack_path}'")
+
+        return head
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss."""
+        module = self.lightning_module
+        g = self.groups
+        assert module is not None and g is not None and self._p2p is not None and self._stage is not None
+        trainer = module.trainer
+        batch, rest = args[0], tuple(args[1:])
+        m_total = self.micro_batches
+        micro = split_micro_batches(batch, m_total)
+        params = [p for p in module.parameters() if p.requires_grad]
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        results: list[Any] = []
+        outputs: list[Tensor] = []
+        recorder = _LogRecorder(module)
+
+        def tail(mb: Any, act: Optional[Tensor]) -> Tensor:
+            result = self._call_step("training_step", "full" if act is None else "tail", mb, rest, kwargs, act)
+            results.append(result)
+            if self._proxy is not None and isinstance(self._proxy.captured, Tensor):
+                outputs.append(self._proxy.captured.detach())
+            return _loss_of(result)
+
+        ops = schedule_ops(self.schedule, g.coords.stage, g.pipeline_stages, m_total)
+        scale = 1.0 / (m_total * trainer.accumulate_grad_batches)
+        with recorder.active():
+            run_train_schedule(
+                ops, micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
+                self._head("training_step", rest, kwargs), tail, scale, self.precision_plugin.train_step_context,
+            )
+            if g.pipeline_stages > 1:
+                results = self._mirror_train(micro, rest, kwargs, outputs, results)
+        recorder.replay()
+        self._pending_grads = [p.grad for p in params]
+        for p, prev in zip(params, previous):
+            p.grad = prev
+        self._count_samples()
+        losses = torch.stack([_loss_of(r).detach().float() for r in results])
+        loss = losses.mean().to(losses.device)
+        last = results[-1]
+        if isinstance(last, Mapping):
+            return {**last, "loss": loss}
+        return loss
+
+    def _mirror_train(self, micro: list[Any], rest: tuple[Any, ...], kwargs: dict[str, Any],
+                      outputs: list[Tensor], results: list[Any]) -> list[Any]:
+        """Give every stage the last stage's outputs and re-run the user's step there (no grad)."""
+        g = self.groups
+        assert g is not None and self._p2p is not None
+        full = torch.cat(outputs) if g.is_last_stage else None
+        full = self._p2p.broadcast(full, g.last_stage_rank())
+        if g.is_last_stage:
+            return results
+        chunks = torch.chunk(full, len(micro))
+        mirrored = []
+        with torch.no_grad(), self.precision_plugin.train_step_context():
+            for mb, out in zip(micro, chunks):
+                mirrored.append(self._call_step("training_step", "given", mb, rest, kwargs, out))
+        return mirrored
+
+    def _eval_step(self, name: str, context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        g = self.groups
+        assert module is not None and g is not None and self._p2p is not None and self._stage is not None
+        with context():
+            if g.pipeline_stages == 1:
+                return getattr(module, name)(*args, **kwargs)
+            batch, rest = args[0], tuple(args[1:])
+            micro = chunk_batch(batch, self.micro_batches)
+            outs = run_forward_only(micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
+                                    self._head(name, rest, kwargs))
+            full = self._p2p.broadcast(torch.cat(outs) if g.is_last_stage else None, g.last_stage_rank())
+            return self._call_step(name, "given", batch, rest, kwargs, full)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Pipeline forward of the batch, then the user's ``validation_step`` on every stage with its output."""
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Like :meth:`validation_step` for ``test_step``."""
+        return self._eval_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Like :meth:`validation_step` for ``predict_step``."""
+        return self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    # ============================================================================================ gradients
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """While Lightning accumulates, skip the data-parallel gradient all-reduce."""
+        self._sync_grads = False
+        try:
+            yield None
+        finally:
+            self._sync_grads = True
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Put back the gradients computed in :meth:`training_step`, then reduce them (unless accumulating)."""
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        params = [p for p in module.parameters() if p.requires_grad]
+        pending = self._pending_grads or [None] * len(params)
+        for p, g in zip(params, pending):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        self._pending_grads = None
+        if self._sync_grads:
+            self.reduce_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        return closure_loss
+
+    def _replicated_params(self) -> list[nn.Parameter]:
+        """Trainable parameters outside the layer stack (present on every stage)."""
+        assert self.lightning_module is not None and self._stage is not None
+        local = {id(p) for p in self._stage.parameters()}
+        return [p for p in self.lightning_module.parameters() if p.requires_grad and id(p) not in local]
+
+    def reduce_gradients(self) -> None:
+        """Sum replicated parameters' gradients over the pipeline, then average everything over the D replicas."""
+        g = self.groups
+        module = self.lightning_module
+        assert g is not None and module is not None
+        replicated = self._replicated_params()
+        if g.pipeline_stages > 1 and replicated:
+            _all_reduce_grads(replicated, g.pipeline_group, 1.0)
+        if g.data_parallel > 1:
+            _all_reduce_grads([p for p in module.parameters() if p.requires_grad], g.data_group,
+                              1.0 / g.data_parallel)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        """Clip by the norm of the gradients of ALL parameters of the model (every stage's), like one process."""
+        g = self.groups
+        assert g is not None
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        replicated = {id(p) for p in self._replicated_params()}
+        sq = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        for p in params:
+            if id(p) in replicated and not g.is_first_stage:
+                continue  # counted once, on stage 0
+            sq += p.grad.detach().float().pow(2).sum()
+        if g.pipeline_stages > 1:
+            dist.all_reduce(sq, group=g.pipeline_group)
+        total = sq.sqrt()
+        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+
+    # ============================================================================================ collectives
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        """Reduce over the replicas (every stage holds a mirror of its pipeline's values, so P copies are folded).
+
+        With ``group=None`` the reduction runs over all ranks; since the P stages of a pipeline hold identical
+        (mirrored) values, ``mean`` / ``max`` / ``min`` are unaffected and ``sum`` is divided by P.
+        """
+        if not isinstance(tensor, Tensor) or self.groups is None or self.groups.world == 1:
+            return tensor
+        op = _op_name(reduce_op)
+        out = tensor.detach().clone()
+        if op in ("mean", "sum") and not out.is_floating_point():
+            out = out.float()
+        torch_op = {"max": ReduceOp.MAX, "min": ReduceOp.MIN}.get(op, ReduceOp.SUM)
+        dist.all_reduce(out, op=torch_op, group=group)
+        if op == "mean":
+            return out / dist.get_world_size(group)
+        if op == "sum" and group is None:
+            return out / self.groups.pipeline_stages
+        return out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002
+        """All (or any) over every rank of the job."""
+        if self.groups is None or self.groups.world == 1:
+            return decision
+        t = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(t, op=ReduceOp.SUM)
+        return bool(t.item() == self.groups.world) if all else bool(t.item() > 0)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Barrier over every rank."""
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Broadcast a picklable object from global rank ``src``."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # ============================================================================================ checkpoints
+    def _replica0_gather(self, obj: Any) -> Optional[list[Any]]:
+        """Gather ``obj`` from the stages of replica 0 to global rank 0 (other replicas skip)."""
+        g = self.groups
+        assert g is not None
+        if g.coords.replica != 0:
+            return None
+        return gather_objects(obj, 0, g.pipeline_group_of(0))
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full state dict with global keys (complete on rank 0)."""
+        module = self.lightning_module
+        assert module is not None
+        local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        parts = self._replica0_gather(local)
+        if parts is None or self.global_rank != 0:
+            return local
+        full: dict[str, Any] = {}
+        for part in parts:
+            full.update(part)
+        return full
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name, merged over the stages (complete on rank 0)."""
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        assert self.lightning_module is not None
+        local = named_optimizer_state(inner, self.lightning_module)
+        parts = self._replica0_gather(local)
+        if parts is None or self.global_rank != 0:
+            return local
+        return merge_named_optimizer_states(parts)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write the gathered checkpoint from rank 0, atomically (temp file + ``os.replace``)."""
+        checkpoint[_CKPT_KEY] = {
+            "version": _CKPT_VERSION,
+            "data": self.data_state(),
+            "layout": {
+                "data_parallel": self.data_parallel,
+                "pipeline_stages": self.pipeline_stages,
+                "partition": list(self.partition),
+                "layer_names": list(self.layer_names),
+                "stack_path": self.stack_path or "",
+                "micro_batches": self.micro_batches,
+            },
+        }
+        if self.is_global_zero:
+            checkpoint = plain_containers(checkpoint)
+            if storage_options is not None or "://" in str(filepath):
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            else:
+                atomic_save(checkpoint, filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a checkpoint (always ``weights_only=True``) and remember its sample cursor."""
+        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        parcae = checkpoint.get(_CKPT_KEY)
+        if isinstance(parcae, Mapping) and "data" in parcae:
+            self._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"])}
+            saved_b = int(parcae["data"].get("global_batch", 0))
+            if saved_b and self._global_batch and saved_b != self._global_batch:
+                warnings.warn(f"checkpoint global batch {saved_b} differs from {self._global_batch}", stacklevel=2)
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the keys this process holds from a full (any-layout) state dict."""
+        module = self.lightning_module
+        assert module is not None
+        own = set(module.state_dict().keys())
+        full = checkpoint["state_dict"]
+        missing = sorted(own - set(full.keys()))
+        if strict and missing:
+            raise ConfigurationError(f"checkpoint lacks {len(missing)} keys of this model, e.g. {missing[:3]}")
+        module.load_state_dict({k: v for k, v in full.items() if k in own}, strict=False)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load name-keyed optimizer state (positional state only when it came from the same single stage)."""
+        module = self.lightning_module
+        assert module is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            keys = list(state.get("state", {}).keys())
+            if keys and not isinstance(keys[0], str):
+                if self.pipeline_stages != 1:
+                    raise ConfigurationError(
+                        "this checkpoint's optimizer state is keyed by position (not written by ParcaeStrategy); it "
+                        "can only be resumed with pipeline_stages=1"
+                    )
+                inner.load_state_dict(state)
+            else:
+                load_named_optimizer_state(inner, module, state)
+            from lightning_fabric.utilities.optimizer import _optimizer_to_device  # noqa: PLC0415
+
+            _optimizer_to_device(inner, self.root_device)
+
+    def layer_state(self, index: int) -> dict[str, Tensor]:
+        """All tensors of global layer ``index`` held here: parameters, buffers and optimizer state, by name.
+
+        Raises:
+            ConfigurationError: if this process does not hold that layer.
+        """
+        assert self.groups is not None and self.lightning_module is not None
+        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
+        if not a <= index < b:
+            raise ConfigurationError(f"layer {index} is not on this process (it holds layers {a}..{b - 1})")
+        opts = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return layer_state(self.lightning_module, f"{self.stack_path}.{self.layer_names[index]}", opts)
+
+    # ============================================================================================ teardown
+    def teardown(self) -> None:
+        """Undo the data hook. Process groups stay up (like DDP) so ``trainer.save_checkpoint`` works after ``fit``;
+        the next ``setup_environment`` replaces them with a new generation."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None and self._prepare_patch is not None:
+            trainer._data_connector.__dict__.pop("_prepare_dataloader", None)
+            self._prepare_patch = None
+        self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"parcae"``."""
+        strategy_registry.register("parcae", cls, description="Parcae D x P pipeline/data-parallel strategy")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+_GENERATION = [0]
+
+
+def _next_generation() -> int:
+    """A fresh generation number per Trainer run in this process (the base store may be reused)."""
+    _GENERATION[0] += 1
+    return _GENERATION[0] - 1
+
+
+def _op_name(reduce_op: Any) -> str:
+    if reduce_op is None:
+        return "mean"
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+        return "mean" if name == "avg" else name
+    for name, op in (("sum", ReduceOp.SUM), ("max", ReduceOp.MAX), ("min", ReduceOp.MIN), ("mean", ReduceOp.AVG)):
+        try:
+            if reduce_op == op:
+                return name
+        except TypeError:
+            continue
+    return "sum"
+
+
+def _loss_of(result: Any) -> Tensor:
+    if isinstance(result, Tensor):
+        return result
+    if isinstance(result, Mapping) and isinstance(result.get("loss"), Tensor):
+        return result["loss"]
+    raise ConfigurationError(
+        "under ParcaeStrategy training_step must return the loss tensor or a dict with a 'loss' tensor "
+        f"(got {type(result).__name__})"
+    )
+
+
+def _check_sizes_memory(sizes: list[int], memory: list[int], limit: int) -> None:
+    from lightning_parcae.errors import StageMemoryError  # noqa: PLC0415
+
+    for s, (a, b) in enumerate(stage_bounds(sizes)):
+        size = sum(memory[a:b])
+        if size > limit:
+            raise StageMemoryError(
+                f"stage {s} (layers {a}..{b - 1}) needs ~{size} bytes (parameters + gradients + optimizer state) "
+                f"but max_stage_memory_bytes={limit}"
+            )
+
+
+def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> None:
+    """Sum gradients over ``group`` in one flat buffer (missing gradients count as zero), times ``scale``."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for same in by_dtype.values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for p in same:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+
+StrategyRegistry.register("parcae", ParcaeStrategy, description="Parcae D x P pipeline/data-parallel strategy",
+                          override=True)
