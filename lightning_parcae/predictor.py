@@ -26,10 +26,12 @@ to ``t``) and score the forecasts; ``docs/traces_and_predictor.md`` has the meas
 from __future__ import annotations
 
 import abc
+import contextlib
+import ctypes
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence
+from typing import Callable, ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -264,6 +266,50 @@ _FIT_CACHE_MAX = 20_000
 _CACHE_HORIZON = 32
 
 
+_BLAS_THREADS: Optional[list[tuple[Callable[[], int], Callable[[int], None]]]] = None
+
+
+def _blas_thread_controls() -> list[tuple[Callable[[], int], Callable[[int], None]]]:
+    """(get, set) thread-count functions of every OpenBLAS loaded in this process (Linux; else none)."""
+    global _BLAS_THREADS
+    if _BLAS_THREADS is None:
+        controls = []
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = sorted({ln.split()[-1] for ln in maps if "openblas" in ln.lower() and ".so" in ln})
+            for path in paths:
+                lib = ctypes.CDLL(path)
+                for suffix in ("64_", ""):
+                    get = getattr(lib, f"scipy_openblas_get_num_threads{suffix}", None) or getattr(
+                        lib, f"openblas_get_num_threads{suffix}", None
+                    )
+                    put = getattr(lib, f"scipy_openblas_set_num_threads{suffix}", None) or getattr(
+                        lib, f"openblas_set_num_threads{suffix}", None
+                    )
+                    if get is not None and put is not None:
+                        controls.append((get, put))
+                        break
+        except (OSError, AttributeError):
+            controls = []
+        _BLAS_THREADS = controls
+    return _BLAS_THREADS
+
+
+@contextlib.contextmanager
+def _single_threaded_blas() -> Iterator[None]:
+    """Run tiny ARIMA fits on one BLAS thread: on a busy 2-core host, OpenBLAS threads make them ~7x slower."""
+    controls = _blas_thread_controls()
+    saved = []
+    for get, put in controls:
+        saved.append(int(get()))
+        put(1)
+    try:
+        yield
+    finally:
+        for (_, put), n in zip(controls, saved):
+            put(n)
+
+
 def _fit_arima(series: np.ndarray, order: tuple[int, int, int], trend: str, horizon: int) -> Optional[np.ndarray]:
     """Fit ``ARIMA(order)`` with ``trend`` and forecast; ``None`` if the fit raises, warns or is not finite."""
     steps = max(horizon, _CACHE_HORIZON)
@@ -275,7 +321,7 @@ def _fit_arima(series: np.ndarray, order: tuple[int, int, int], trend: str, hori
     from statsmodels.tsa.arima.model import ARIMA  # imported lazily: slow, and only needed here
 
     result: Optional[np.ndarray]
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _single_threaded_blas():
         warnings.simplefilter("always")
         try:
             fitted = ARIMA(series - series[-1], order=order, trend=trend).fit()
