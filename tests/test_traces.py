@@ -257,7 +257,11 @@ def test_load_trace_names_file_and_line_if_events_malformed(tmp_path: Path, text
 
 @pytest.mark.parametrize(
     ("text", "line", "expect"),
-    [("0,3\n60000,-1\n", 2, "non-negative integer"), ("0,3\n60000,2.5\n", 2, "integer"), ("0,3\n0,1,2\n", 2, "2 fields")],
+    [
+        ("0,3\n60000,-1\n", 2, "non-negative integer"),
+        ("0,3\n60000,2.5\n", 2, "integer"),
+        ("0,3\n0,1,2\n", 2, "2 fields"),
+    ],
 )
 def test_load_trace_names_line_if_counts_malformed(tmp_path: Path, text: str, line: int, expect: str) -> None:
     path = _write(tmp_path, "bad.csv", text)
