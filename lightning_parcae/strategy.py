@@ -230,7 +230,7 @@ class ParcaeStrategy(ParallelStrategy):
         self._global_batch: Optional[int] = None
         self._cursor_epoch = -1
         self._cursor = 0
-        self._resume_data: Optional[dict[str, int]] = None
+        self._resume_data: Optional[dict[str, Any]] = None
 
     # ============================================================================================ Lightning plumbing
     @property
@@ -533,7 +533,8 @@ class ParcaeStrategy(ParallelStrategy):
                 self._train_sampler = sampler
                 self._global_batch = sampler.global_batch
                 if self._resume_data is not None:
-                    sampler.start_at(self._resume_data["epoch"], self._resume_data["cursor"])
+                    sampler.start_at(self._resume_data["epoch"], self._resume_data["cursor"],
+                                     self._resume_data.get("rng"))
             return loader
 
         connector._prepare_dataloader = prepare  # type: ignore[method-assign]
@@ -546,9 +547,14 @@ class ParcaeStrategy(ParallelStrategy):
             self._cursor = resume["cursor"] if resume and resume["epoch"] == trainer.current_epoch else 0
         self._cursor += self._global_batch or 0
 
-    def data_state(self) -> dict[str, int]:
-        """The sample cursor: epoch, samples of that epoch consumed, global batch size."""
-        return {"epoch": max(self._cursor_epoch, 0), "cursor": self._cursor, "global_batch": self._global_batch or 0}
+    def data_state(self) -> dict[str, Any]:
+        """The sample cursor: epoch, samples of that epoch consumed, global batch size, sampler RNG state."""
+        state: dict[str, Any] = {"epoch": max(self._cursor_epoch, 0), "cursor": self._cursor,
+                                 "global_batch": self._global_batch or 0}
+        rng = self._train_sampler.rng_state if self._train_sampler is not None else None
+        if rng is not None:
+            state["rng"] = rng
+        return state
 
     # ============================================================================================ steps
     def _call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
@@ -823,7 +829,8 @@ class ParcaeStrategy(ParallelStrategy):
         checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
         parcae = checkpoint.get(_CKPT_KEY)
         if isinstance(parcae, Mapping) and "data" in parcae:
-            self._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"])}
+            self._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"]),
+                                 "rng": parcae["data"].get("rng")}
             saved_b = int(parcae["data"].get("global_batch", 0))
             if saved_b and self._global_batch and saved_b != self._global_batch:
                 warnings.warn(f"checkpoint global batch {saved_b} differs from {self._global_batch}", stacklevel=2)

@@ -11,15 +11,18 @@ needed to resume, at any D.
 
 Randomness: the user's sampler is iterated once per epoch on every rank, exactly as the single-process DataLoader
 would; orders agree across ranks when the sampler is deterministic (``shuffle=False``) or draws from a seeded
-``generator``. On resume at epoch ``e`` the sampler is advanced through ``e`` earlier epochs first.
+``generator``. A checkpoint keeps the generator's state from just before the current epoch's order was drawn, so
+a resumed run draws the same order; without it the sampler is advanced through the ``e`` earlier epochs.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterator
 from typing import Any, Optional
 
+import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_parcae.errors import BatchSplitError, ConfigurationError
@@ -62,24 +65,49 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.cursor = 0
         self._drawn = 0
         self._warned = False
+        self._resume: Optional[tuple[int, Optional[torch.Tensor]]] = None
+        self._rng_state: Optional[torch.Tensor] = None
         self.sampler = self  # so that Lightning's _set_sampler_epoch finds set_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration uses (called by Lightning)."""
         self.epoch = epoch
 
-    def start_at(self, epoch: int, cursor: int) -> None:
-        """Resume: the next iteration of ``epoch`` starts at global sample ``cursor``."""
+    def start_at(self, epoch: int, cursor: int, rng_state: Optional[torch.Tensor] = None) -> None:
+        """Resume: the next iteration of ``epoch`` starts at global sample ``cursor``.
+
+        Args:
+            epoch: the epoch to resume in.
+            cursor: global samples of that epoch already consumed.
+            rng_state: the base sampler generator's state right before it drew ``epoch``'s order (from
+                :attr:`rng_state`); restores the exact order of a shuffled loader.
+        """
         self.epoch, self.cursor = epoch, cursor
+        self._resume = (epoch, rng_state)
+
+    @property
+    def rng_state(self) -> Optional[torch.Tensor]:
+        """State of the base sampler's generator before the current epoch's order was drawn (``None`` if none)."""
+        return self._rng_state
+
+    def _draw(self) -> list[int]:
+        # Take exactly len(base) indices without exhausting the iterator: Lightning stops a sized loader after its
+        # last batch, so a single-process run never triggers the sampler's end-of-iteration work (RandomSampler
+        # draws one more permutation from its generator there).
+        self._drawn += 1
+        return list(itertools.islice(iter(self.base), len(self.base)))  # type: ignore[arg-type]
 
     def _order(self) -> list[int]:
+        gen = getattr(self.base, "generator", None)
+        gen = gen if isinstance(gen, torch.Generator) else None
+        resume, self._resume = self._resume, None
+        if resume is not None and resume[0] == self.epoch and resume[1] is not None and gen is not None:
+            gen.set_state(resume[1])
+            self._drawn = self.epoch
         while self._drawn < self.epoch:  # fast-forward a resumed run through the epochs it did not see
-            for _ in self.base:
-                pass
-            self._drawn += 1
-        order = list(self.base)
-        self._drawn += 1
-        return order
+            self._draw()
+        self._rng_state = gen.get_state() if gen is not None else None
+        return self._draw()
 
     def _slice(self, chunk: list[int]) -> Optional[list[int]]:
         n = len(chunk)
