@@ -1,0 +1,221 @@
+"""The liveput optimizer: which shape to run next, planned over a look-ahead of L intervals.
+
+Problem: choosing the throughput-optimal shape for the current instance count is myopic -- a shape that is best
+now may be expensive to leave when the predicted preemptions arrive, and a migration that does not finish inside
+an interval carries over into the next. Parcae plans over the next L intervals and applies only the first
+decision (receding horizon), re-planning every interval with fresh availability.
+
+The dynamic program: a state is ``(shape, unfinished)``, where ``unfinished`` marks a migration still running at
+the interval's end together with the milliseconds it still needs. For each future interval ``(n_in, n_out)``
+and each target shape that fits the instances left, the expected transition cost ``c`` comes from
+:func:`lightning_parcae.liveput.expected_transition_cost`; if the previous migration is unfinished a new change
+costs ``c + concurrent_restart`` (keeping the same shape just continues the old one); the interval then trains
+``throughput(target) * (interval - cost)`` samples, or, if the cost exceeds the interval, none and carries the
+rest over. The plan maximizes expected samples at the horizon (ties: less carried-over cost). This is the
+artifact's recursion, with exact expectations instead of Monte-Carlo tables.
+
+The same :class:`LiveputOptimizer` object serves the simulator and the runtime's interval callback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from lightning_parcae.costmodel import MigrationCostModel, Shape
+from lightning_parcae.errors import ConfigurationError, InfeasibleShapeError
+from lightning_parcae.liveput import expected_transition_cost
+
+__all__ = ["Plan", "LiveputOptimizer", "fit_shape"]
+
+FutureInterval = Tuple[int, int, int]
+"""``(prev_n, n_in, n_out)`` of one future interval."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The optimizer's answer for the next interval.
+
+    Attributes:
+        next_shape: Shape to run during the next interval.
+        sequence: Planned shape for each interval of the look-ahead (``sequence[0] == next_shape``).
+        expected_samples: Expected samples trained over the look-ahead if the plan is followed.
+        first_cost_ms: Expected migration cost paid in the next interval.
+        counts: Instance count after each planned interval.
+    """
+
+    next_shape: Shape
+    sequence: Tuple[Shape, ...]
+    expected_samples: float
+    first_cost_ms: float
+    counts: Tuple[int, ...] = field(default=())
+
+
+def fit_shape(shape: Shape, n: int) -> Shape:
+    """Shrink ``shape`` to fit ``n`` instances the way the artifact does (keep P; else one pipeline of n stages)."""
+    d, p = shape
+    if d * p <= n:
+        return shape
+    d = n // p
+    return (d, p) if d >= 1 else (1, n)
+
+
+class LiveputOptimizer:
+    """Receding-horizon dynamic program over the next L intervals.
+
+    Args:
+        cost_model: Migration costs (its ``throughput`` attribute gives samples/s of each shape).
+        interval_s: Length of one interval.
+        look_ahead: Default number of future intervals planned over.
+        min_p: Override of the smallest pipeline depth (defaults to the throughput model's limits).
+        max_p: Override of the largest pipeline depth.
+    """
+
+    def __init__(
+        self,
+        cost_model: MigrationCostModel,
+        *,
+        interval_s: float = 60.0,
+        look_ahead: int = 12,
+        min_p: Optional[int] = None,
+        max_p: Optional[int] = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise ConfigurationError(f"interval_s={interval_s}: the interval must be a positive number of seconds")
+        if look_ahead < 1:
+            raise ConfigurationError(f"look_ahead={look_ahead}: plan over at least one interval")
+        if min_p is not None and max_p is not None and min_p > max_p:
+            raise ConfigurationError(f"min_p={min_p} > max_p={max_p}: the pipeline-depth range is empty")
+        self.cm = cost_model
+        self.thr = cost_model.throughput
+        self.interval_ms = 1000.0 * interval_s
+        self.look_ahead = look_ahead
+        self.min_p = min_p
+        self.max_p = max_p
+        self._cost_cache: Dict[Tuple[int, Shape, int, int, Tuple[Shape, ...]], np.ndarray] = {}
+        self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
+
+    # ------------------------------------------------------------------------------------------------------
+    def targets(self, n: int, hints: Sequence[int] = ()) -> Tuple[List[Shape], np.ndarray, np.ndarray]:
+        """Candidate shapes on ``n`` instances with their throughput and concurrent-restart cost vectors."""
+        key = (n, tuple(sorted(set(hints))))
+        if key not in self._targets_cache:
+            shapes = [
+                s
+                for s in self.thr.candidates(n, hints)
+                if (self.min_p is None or s[1] >= self.min_p) and (self.max_p is None or s[1] <= self.max_p)
+            ]
+            thr = np.array([self.thr.throughput(*s) for s in shapes], dtype=float)
+            conc = np.array([self.cm.concurrent_restart_ms(*s) for s in shapes], dtype=float)
+            self._targets_cache[key] = (shapes, thr, conc)
+        return self._targets_cache[key]
+
+    def transition_costs(self, n: int, shape: Shape, n_in: int, n_out: int, targets: Sequence[Shape]) -> np.ndarray:
+        """Expected cost (ms) of each transition ``shape -> target`` over one interval (cached)."""
+        key = (n, shape, n_in, n_out, tuple(targets))
+        vec = self._cost_cache.get(key)
+        if vec is None:
+            vec = np.array(
+                [expected_transition_cost(self.cm, n, shape, n_in, n_out, t).mean for t in targets], dtype=float
+            )
+            if len(self._cost_cache) > 200_000:
+                self._cost_cache.clear()
+            self._cost_cache[key] = vec
+        return vec
+
+    # ------------------------------------------------------------------------------------------------------
+    def plan(
+        self,
+        n: int,
+        shape: Shape,
+        future: Sequence[FutureInterval],
+        *,
+        remain_ms: float = 0.0,
+    ) -> Plan:
+        """Plan the next shape.
+
+        Args:
+            n: Instances present now (before the next interval's events).
+            shape: Current shape; ``(0, 0)`` before the job has started.
+            future: The next intervals' ``(prev_n, n_in, n_out)`` (true or forecast); the first is the next
+                interval. Only ``n_in``/``n_out`` are used; counts are chained from ``n`` and clipped at 0.
+            remain_ms: Milliseconds still needed by an unfinished migration (0 if none).
+
+        Returns:
+            The plan.
+
+        Raises:
+            InfeasibleShapeError: If no allowed shape fits the instances of some future interval.
+        """
+        if not future:
+            raise ConfigurationError("future is empty: give at least the next interval's (prev_n, n_in, n_out)")
+        if n < 0 or remain_ms < 0:
+            raise ConfigurationError(f"n={n}, remain_ms={remain_ms}: both must be >= 0")
+        future = list(future)[: max(self.look_ahead, 1)]
+        counts: List[int] = []
+        events: List[Tuple[int, int]] = []
+        cur = n
+        for _, n_in, n_out in future:
+            n_out = min(int(n_out), cur)
+            n_in = max(int(n_in), 0)
+            events.append((n_in, n_out))
+            cur = cur + n_in - n_out
+            counts.append(cur)
+        hints = tuple(sorted(set(counts)))
+
+        # frontier: (shape, status) -> (samples, remain, path)
+        frontier: Dict[Tuple[Shape, int], Tuple[float, float, Tuple[Shape, ...], float]] = {
+            (tuple(shape), 1 if remain_ms > 0 else 0): (0.0, float(remain_ms), (), 0.0)  # type: ignore[dict-item]
+        }
+        prev_n = n
+        for step, ((n_in, n_out), after) in enumerate(zip(events, counts)):
+            shapes, thr, conc = self.targets(after, hints)
+            if not shapes:
+                raise InfeasibleShapeError(
+                    f"no allowed shape fits {after} instances (interval {step} of the look-ahead): the model's "
+                    f"pipeline-depth limits are {self.thr.limits}; wait for more instances or relax the limits"
+                )
+            keys = sorted(frontier)
+            s_samples = np.array([frontier[k][0] for k in keys])
+            s_remain = np.array([frontier[k][1] for k in keys])
+            s_status = np.array([k[1] for k in keys])
+            cost = np.stack([self.transition_costs(prev_n, k[0], n_in, n_out, shapes) for k in keys])  # S x T
+            total = np.where(
+                s_status[:, None] == 1,
+                np.where(cost > 0, cost + conc[None, :], s_remain[:, None]),
+                cost,
+            )
+            work = self.interval_ms - total
+            done = work >= 0
+            samples = s_samples[:, None] + np.where(done, thr[None, :] * np.maximum(work, 0) / 1000.0, 0.0)
+            remain = np.where(done, 0.0, -work)
+            new: Dict[Tuple[Shape, int], Tuple[float, float, Tuple[Shape, ...], float]] = {}
+            for status in (0, 1):
+                mask = done if status == 0 else ~done
+                if not mask.any():
+                    continue
+                # best source per target: max samples, then min remain (lexicographic), first source on ties
+                score = np.where(mask, samples, -np.inf)
+                rem = np.where(mask, remain, np.inf)
+                best_samples = score.max(axis=0)
+                cand = (score == best_samples[None, :]) & mask
+                rem_masked = np.where(cand, rem, np.inf)
+                src = rem_masked.argmin(axis=0)
+                for t in np.nonzero(mask.any(axis=0))[0]:
+                    i = int(src[t])
+                    k = keys[i]
+                    first_cost = frontier[k][3] if step > 0 else float(total[i, t])
+                    new[(shapes[t], status)] = (
+                        float(samples[i, t]),
+                        float(remain[i, t]),
+                        frontier[k][2] + (shapes[t],),
+                        first_cost,
+                    )
+            frontier = new
+            prev_n = after
+
+        best_key = min(frontier, key=lambda k: (-frontier[k][0], frontier[k][1], k[0][1], k[0]))
+        samples, _, path, first_cost = frontier[best_key]
+        return Plan(path[0], path, samples, first_cost, tuple(counts))

@@ -1,0 +1,276 @@
+"""Trace-driven policies: what each approach would train on a given availability trace.
+
+Problem: before paying for spot instances a user wants to know, on a trace like theirs, how much each policy
+would train and why. Every policy here walks the same intervals with the same accounting (the artifact's, see
+``ARTIFACT_MODEL.md``): a transition's cost is paid out of the interval's time; what does not fit carries over
+into the next interval; a new change during an unfinished one also pays a concurrent restart.
+
+Policies:
+
+* ``ideal`` -- the best shape for each interval's instance count, free of any cost (an upper bound).
+* ``throughput`` -- reactive and restart-based (Varuna-like): the best shape after every event, paying a full
+  restart, a checkpoint save + load and every stage's state each time.
+* ``restart`` -- torchrun-like: one fixed shape chosen at the start; every event restarts from a checkpoint;
+  while fewer instances than the shape needs are present it trains nothing.
+* ``parcae`` -- the liveput optimizer (:class:`~lightning_parcae.optimizer.LiveputOptimizer`) over a forecast
+  from a :mod:`~lightning_parcae.predictor` predictor (only the past is seen).
+* ``parcae-oracle`` -- the same optimizer fed the true future (the artifact's "liveput truth").
+
+The optimizer and cost model are the very objects the runtime uses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from lightning_parcae.costmodel import MigrationCostModel, Shape
+from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.liveput import expected_transition_cost
+from lightning_parcae.optimizer import LiveputOptimizer, fit_shape
+from lightning_parcae.predictor import Predictor, make_predictor
+
+__all__ = ["PolicyResult", "POLICIES", "run_policy"]
+
+Intervals = Sequence[Tuple[int, int, int]]
+
+
+@dataclass
+class PolicyResult:
+    """What one policy did on a trace.
+
+    Attributes:
+        name: Policy name.
+        samples: Samples trained over the whole trace.
+        interval_s: Interval length.
+        counts: Instances present after each interval.
+        shapes: Shape used in each interval (``(0, 0)`` when nothing ran).
+        cumulative: Cumulative samples after each interval.
+        cost_ms: Migration cost started in each interval (0 if none).
+        lost_ms: Training time lost to migrations in each interval.
+        decide_s: Wall time the policy spent deciding (optimizer + predictor).
+    """
+
+    name: str
+    interval_s: float
+    samples: float = 0.0
+    counts: List[int] = field(default_factory=list)
+    shapes: List[Shape] = field(default_factory=list)
+    cumulative: List[float] = field(default_factory=list)
+    cost_ms: List[float] = field(default_factory=list)
+    lost_ms: List[float] = field(default_factory=list)
+    decide_s: float = 0.0
+
+    @property
+    def reconfigurations(self) -> int:
+        """Intervals in which a migration or restart started."""
+        return sum(1 for c in self.cost_ms if c > 0)
+
+    @property
+    def seconds(self) -> float:
+        """Length of the trace."""
+        return self.interval_s * len(self.counts)
+
+    @property
+    def mean_throughput(self) -> float:
+        """Samples per second over the whole trace."""
+        return self.samples / self.seconds if self.counts else 0.0
+
+    @property
+    def lost_s(self) -> float:
+        """Seconds of training lost to migrations and restarts."""
+        return sum(self.lost_ms) / 1000.0
+
+    @property
+    def instance_hours(self) -> float:
+        """Instance-hours held (what a spot bill charges for, whether used or not)."""
+        return sum(self.counts) * self.interval_s / 3600.0
+
+    def summary(self, price: float) -> Dict[str, float]:
+        """JSON-ready numbers for reports.
+
+        Args:
+            price: USD per instance-hour.
+        """
+        usd = self.instance_hours * price
+        return {
+            "samples": self.samples,
+            "mean_samples_per_s": self.mean_throughput,
+            "reconfigurations": self.reconfigurations,
+            "lost_s": self.lost_s,
+            "instance_hours": self.instance_hours,
+            "usd": usd,
+            "usd_per_million_samples": (usd / self.samples * 1e6) if self.samples > 0 else float("inf"),
+            "decide_s": self.decide_s,
+        }
+
+
+class _Accountant:
+    """The artifact's per-interval accounting of migration time (shared by every costed policy)."""
+
+    def __init__(self, cm: MigrationCostModel, interval_ms: float) -> None:
+        self.cm = cm
+        self.interval_ms = interval_ms
+        self.remain = 0.0
+
+    def step(self, cost: float, shape: Shape) -> Tuple[float, float]:
+        """Apply one interval with a transition of ``cost`` ms to ``shape``; returns (work_ms, lost_ms)."""
+        if cost > 0:
+            self.remain = cost + self.cm.concurrent_restart_ms(*shape) if self.remain > 0 else cost
+        work = self.interval_ms - self.remain
+        lost = min(self.interval_ms, self.remain)
+        self.remain = max(0.0, -work)
+        return max(0.0, work), lost
+
+
+def _record(res: PolicyResult, n: int, shape: Shape, samples: float, cost: float, lost: float) -> None:
+    res.samples += samples
+    res.counts.append(n)
+    res.shapes.append(shape)
+    res.cumulative.append(res.samples)
+    res.cost_ms.append(cost)
+    res.lost_ms.append(lost)
+
+
+def _ideal(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **_: object) -> PolicyResult:
+    res = PolicyResult("ideal", interval_s)
+    thr = cm.throughput
+    for prev, n_in, n_out in intervals:
+        n = prev + n_in - n_out
+        shape = thr.best(n) or (0, 0)
+        _record(res, n, shape, thr.throughput(*shape) * interval_s if shape != (0, 0) else 0.0, 0.0, 0.0)
+    return res
+
+
+def _throughput(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **_: object) -> PolicyResult:
+    res = PolicyResult("throughput", interval_s)
+    thr = cm.throughput
+    interval_ms = 1000.0 * interval_s
+    remain = 0.0
+    for i, (prev, n_in, n_out) in enumerate(intervals):
+        n = prev + n_in - n_out
+        shape = thr.best(n)
+        if shape is None:
+            _record(res, n, (0, 0), 0.0, 0.0, 0.0)
+            remain = 0.0
+            continue
+        cost = 0.0
+        if i == 0 or n_in + n_out > 0:
+            kind = "add" if (n_in > 0 or i == 0) else "remove"
+            cost = cm.reactive_restart_ms(shape[0], shape[1], kind, first=(i == 0))
+            remain = cost + cm.restart_ms(shape[0], shape[1], kind) if remain > 0 else cost
+        work_s = max(0.0, interval_s - remain / 1000.0)
+        lost = min(interval_ms, remain)
+        remain = max(0.0, remain - interval_ms)
+        _record(res, n, shape, thr.throughput(*shape) * work_s, cost, lost)
+    return res
+
+
+def _restart(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **_: object) -> PolicyResult:
+    res = PolicyResult("restart", interval_s)
+    thr = cm.throughput
+    interval_ms = 1000.0 * interval_s
+    fixed: Optional[Shape] = None
+    remain = 0.0
+    started = False
+    for i, (prev, n_in, n_out) in enumerate(intervals):
+        n = prev + n_in - n_out
+        if fixed is None:
+            fixed = thr.best(n)
+            if fixed is None:
+                _record(res, n, (0, 0), 0.0, 0.0, 0.0)
+                continue
+        if n < fixed[0] * fixed[1]:  # the fixed world size is not available: wait
+            _record(res, n, (0, 0), 0.0, 0.0, 0.0)
+            remain = 0.0
+            continue
+        cost = 0.0
+        if not started or n_in + n_out > 0:
+            kind = "add" if (n_in > 0 or not started) else "remove"
+            cost = cm.reactive_restart_ms(fixed[0], fixed[1], kind, first=not started)
+            remain = cost + cm.restart_ms(fixed[0], fixed[1], kind) if remain > 0 else cost
+            started = True
+        work_s = max(0.0, interval_s - remain / 1000.0)
+        lost = min(interval_ms, remain)
+        remain = max(0.0, remain - interval_ms)
+        _record(res, n, fixed, thr.throughput(*fixed) * work_s, cost, lost)
+    return res
+
+
+def _liveput(
+    cm: MigrationCostModel,
+    intervals: Intervals,
+    interval_s: float,
+    *,
+    look_ahead: int = 12,
+    oracle: bool = False,
+    predictor: str = "persistence",
+    max_instances: Optional[int] = None,
+    **_: object,
+) -> PolicyResult:
+    res = PolicyResult("parcae-oracle" if oracle else "parcae", interval_s)
+    opt = LiveputOptimizer(cm, interval_s=interval_s, look_ahead=look_ahead)
+    top = max_instances or max(max(p, p + i - o) for p, i, o in intervals)
+    pred: Optional[Predictor] = None
+    if not oracle:
+        pred = make_predictor(predictor, window=max(look_ahead, 8), min_instances=0, max_instances=top)
+    acct = _Accountant(cm, 1000.0 * interval_s)
+    n = intervals[0][0]
+    shape: Shape = (0, 0)
+    for i, (prev, n_in, n_out) in enumerate(intervals):
+        t0 = time.perf_counter()
+        if oracle:
+            future = list(intervals[i : i + look_ahead])
+        elif pred is None or len(pred.history) == 0:
+            # the job knows what it starts with; nothing about the future yet
+            first_n = prev + n_in - n_out
+            future = [(prev, n_in, n_out)] + [(first_n, 0, 0)] * (look_ahead - 1)
+        else:
+            future = pred.forecast(look_ahead).intervals(n)
+        plan = opt.plan(n, shape, future, remain_ms=acct.remain)
+        res.decide_s += time.perf_counter() - t0
+        after = prev + n_in - n_out
+        target = fit_shape(plan.next_shape, after)
+        if target[0] * target[1] == 0:
+            target = (0, 0)
+        if target == (0, 0):
+            _record(res, after, target, 0.0, 0.0, 0.0)
+        else:
+            cost = expected_transition_cost(cm, prev, shape, n_in, n_out, target).mean
+            work_ms, lost = acct.step(cost, target)
+            _record(res, after, target, cm.throughput.throughput(*target) * work_ms / 1000.0, cost, lost)
+        shape, n = target, after
+        if pred is not None:
+            pred.observe(after)
+    return res
+
+
+POLICIES: Dict[str, Callable[..., PolicyResult]] = {
+    "ideal": _ideal,
+    "throughput": _throughput,
+    "restart": _restart,
+    "parcae": lambda cm, iv, s, **kw: _liveput(cm, iv, s, oracle=False, **kw),
+    "parcae-oracle": lambda cm, iv, s, **kw: _liveput(cm, iv, s, oracle=True, **kw),
+}
+"""Policy name -> function ``(cost_model, intervals, interval_s, **options) -> PolicyResult``."""
+
+
+def run_policy(name: str, cm: MigrationCostModel, intervals: Intervals, interval_s: float = 60.0, **options: object) -> PolicyResult:
+    """Run one policy on a trace's intervals.
+
+    Args:
+        name: One of :data:`POLICIES`.
+        cm: The cost model (with its throughput model).
+        intervals: ``(prev_n, n_in, n_out)`` per interval.
+        interval_s: Interval length.
+        **options: ``look_ahead``, ``predictor`` and ``max_instances`` for the parcae policies.
+
+    Returns:
+        The policy's result.
+    """
+    if name not in POLICIES:
+        raise ConfigurationError(f"unknown policy {name!r}: choose from {', '.join(POLICIES)}")
+    if not intervals:
+        raise ConfigurationError("the trace has no intervals: nothing to simulate")
+    return POLICIES[name](cm, list(intervals), interval_s, **options)
