@@ -1,0 +1,63 @@
+"""The tiny MLP of ``train_tiny.py``, ready for ``parcae run`` (restart fallback: checkpoint, stop, resume).
+
+Problem it shows: under ``parcae run`` workers are stopped and relaunched whenever the (replayed) spot availability
+changes. A script survives that with two lines: add :class:`~lightning_parcae.callbacks.ParcaeRunCallback` and pass
+:func:`~lightning_parcae.callbacks.resume_path` to ``trainer.fit``. The launcher gives each worker torchrun-style
+environment variables, so ``devices`` is the local world size it was started with.
+
+    python -m lightning_parcae.run --instances 2 -- python examples/train_run.py --max-steps 200
+    python -m lightning_parcae.run --instances 3 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
+
+``PARCAE_PIPELINE_STAGES`` (set by the launcher from ``--pipeline-stages``) chooses P; ``auto`` lets the strategy
+pick P from a short profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pytorch_lightning as pl  # noqa: E402
+from lightning_parcae.callbacks import ParcaeRunCallback, resume_path  # noqa: E402
+from lightning_parcae.strategy import ParcaeStrategy  # noqa: E402
+from train_tiny import TinyClassifier, synthetic  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    parser.add_argument("--pipeline-stages", default=os.environ.get("PARCAE_PIPELINE_STAGES", "1"),
+                        help="P, or 'auto' (strategy profiles and picks)")
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint every N steps")
+    parser.add_argument("--crash", action="store_true", help="fail at start (used by the tests)")
+    args = parser.parse_args()
+    if args.crash:
+        raise RuntimeError("crashing on purpose (--crash)")
+
+    pl.seed_everything(0)
+    gen = torch.Generator().manual_seed(0)
+    train = DataLoader(synthetic(2048, 1), batch_size=args.batch_size, shuffle=True, generator=gen)
+    p = None if args.pipeline_stages == "auto" else int(args.pipeline_stages)
+    strategy = ParcaeStrategy(pipeline_stages=p, micro_batches=args.micro_batches)
+    run_cb = ParcaeRunCallback(every_n_steps=args.ckpt_every)
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+                         max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[run_cb])
+    trainer.fit(TinyClassifier(), train, ckpt_path=resume_path())
+    if trainer.is_global_zero:
+        s = trainer.strategy
+        state = "stopped for restart" if run_cb.stopped_for_restart else "finished"
+        print(f"{state} at step {trainer.global_step}: D={s.data_parallel} P={s.pipeline_stages}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

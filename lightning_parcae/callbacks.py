@@ -1,0 +1,218 @@
+"""The worker side of ``parcae run``: periodic checkpoints, graceful stop on a notice, and progress events.
+
+Problem: until in-place live reconfiguration (issue 4) exists, ``parcae run`` handles every membership change the
+way torchrun does -- it stops the whole group and relaunches it at the new size (the *restart fallback*). For
+that to lose little work, the training script must (1) checkpoint regularly, (2) on a preemption notice (SIGTERM)
+stop at one step that *every* rank agrees on and write a checkpoint there, and (3) resume from that checkpoint
+when relaunched. The launcher also needs to see progress (step, samples/s, D x P) to show it live and to measure
+the time each restart costs. Lightning's own SIGTERM handling is no help here: it broadcasts inside the signal
+handler (which can deadlock against a collective in flight) and then raises ``SIGTERMException`` without saving.
+
+Solution: :class:`ParcaeRunCallback` (active only when ``PARCAE_RUN_DIR`` is set, i.e. under ``parcae run``)
+
+* checks the job token against the launcher's store once (a worker with a wrong token exits with a clear message);
+* replaces the SIGTERM handler with one that only sets a flag, and at every batch end runs one tiny all-reduce
+  ("has any rank been told to stop?") so that all ranks stop after the same step;
+* saves ``trainer.save_checkpoint(run_dir/ckpt/last.ckpt)`` (atomic; layout-independent, so it resumes at any
+  D x P) every ``every_n_steps`` steps and at the agreed stop step;
+* appends JSON-lines events (``start`` / ``progress`` / ``checkpoint`` / ``stop`` / ``end``) to
+  ``run_dir/events.jsonl`` from global rank 0.
+
+:func:`resume_path` returns the checkpoint the launcher wants the script to resume from (``PARCAE_RESUME_CKPT``),
+or None. A script used under ``parcae run`` does::
+
+    trainer = pl.Trainer(..., callbacks=[ParcaeRunCallback()])
+    trainer.fit(model, data, ckpt_path=resume_path())
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+
+__all__ = ["ParcaeRunCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "append_event"]
+
+RUN_DIR_ENV = "PARCAE_RUN_DIR"
+"""Set by ``parcae run``: the run directory (checkpoints, events, logs)."""
+RESUME_ENV = "PARCAE_RESUME_CKPT"
+"""Set by ``parcae run`` on a relaunch: the checkpoint to resume from."""
+STORE_ENV = "PARCAE_STORE"
+GENERATION_ENV = "PARCAE_GENERATION"
+WRONG_TOKEN_EXIT = 3
+"""Exit status of a worker whose job token the store rejects (the launcher reports it as such)."""
+
+
+def resume_path() -> Optional[str]:
+    """The checkpoint to pass to ``trainer.fit(..., ckpt_path=...)``.
+
+    Returns:
+        ``$PARCAE_RESUME_CKPT`` when it is set and the file exists, else None (a fresh start).
+    """
+    path = os.environ.get(RESUME_ENV)
+    return path if path and os.path.isfile(path) else None
+
+
+def append_event(run_dir: str | os.PathLike[str], event: dict[str, Any]) -> None:
+    """Append one JSON line to ``run_dir/events.jsonl`` (a single ``write`` on an ``O_APPEND`` file).
+
+    Args:
+        run_dir: The run directory.
+        event: A JSON-safe dict; ``time`` (``time.time()``) is added when missing.
+    """
+    event = {"time": time.time(), **event}
+    line = (json.dumps(event, sort_keys=True) + "\n").encode()
+    fd = os.open(os.path.join(os.fspath(run_dir), "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+class ParcaeRunCallback(pl.Callback):
+    """Checkpoints, graceful notice handling and progress events for workers started by ``parcae run``.
+
+    Inactive (a no-op) when ``PARCAE_RUN_DIR`` is not set, so a script can always add it.
+
+    Args:
+        every_n_steps: Save ``last.ckpt`` every this many optimizer steps (0: only on a notice and at the end).
+        progress_every_s: Minimum seconds between two ``progress`` events.
+        check_token: Verify ``PARCAE_JOB_TOKEN`` against the store at ``PARCAE_STORE`` when constructed; on a wrong
+            token print the reason and exit with status 3.
+    """
+
+    def __init__(self, every_n_steps: int = 50, progress_every_s: float = 1.0, check_token: bool = True) -> None:
+        super().__init__()
+        self.run_dir: Optional[Path] = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
+        self.every_n_steps = max(0, int(every_n_steps))
+        self.progress_every_s = progress_every_s
+        self.generation = int(os.environ.get(GENERATION_ENV, "0"))
+        self.notified = False
+        self.stopped_for_restart = False
+        self._agreed_stop = False
+        self._t0 = time.time()
+        self._last_progress = 0.0
+        self._last_step_t: Optional[float] = None
+        self._window: list[tuple[float, int]] = []
+        self._samples_per_step = 0
+        self._resumed_step = 0
+        if self.active:
+            if check_token:
+                self._check_token()
+            self._install_handler()
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @property
+    def active(self) -> bool:
+        """Whether the process runs under ``parcae run``."""
+        return self.run_dir is not None
+
+    @property
+    def ckpt_path(self) -> Optional[Path]:
+        """``run_dir/ckpt/last.ckpt`` (None when inactive)."""
+        return self.run_dir / "ckpt" / "last.ckpt" if self.run_dir is not None else None
+
+    def _check_token(self) -> None:
+        url = os.environ.get(STORE_ENV)
+        if not url:
+            return
+        from lightning_parcae.errors import CoordinationError  # noqa: PLC0415
+        from lightning_parcae.runtime.store import JOB_TOKEN_ENV, connect_store  # noqa: PLC0415
+
+        try:
+            connect_store(url, token=os.environ.get(JOB_TOKEN_ENV), timeout_s=10.0, op_timeout_s=10.0)
+        except CoordinationError as exc:
+            print(f"parcae worker (rank {os.environ.get('RANK', '?')}): {exc}", file=sys.stderr, flush=True)
+            sys.exit(WRONG_TOKEN_EXIT)
+
+    def _on_sigterm(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.notified = True
+
+    def _install_handler(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _emit(self, trainer: pl.Trainer, kind: str, **fields: Any) -> None:
+        if self.run_dir is None or not trainer.is_global_zero:
+            return
+        s = trainer.strategy
+        d = int(getattr(s, "data_parallel", trainer.world_size))
+        p = int(getattr(s, "pipeline_stages", 1))
+        append_event(self.run_dir, {
+            "source": "worker", "event": kind, "generation": self.generation, "step": int(trainer.global_step),
+            "samples": int(trainer.global_step) * self._samples_per_step, "D": d, "P": p, "N": trainer.world_size,
+            "elapsed_s": time.time() - self._t0, **fields,
+        })
+
+    def _save(self, trainer: pl.Trainer, reason: str) -> None:
+        assert self.ckpt_path is not None
+        t = time.time()
+        if trainer.is_global_zero:
+            self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(str(self.ckpt_path))  # collective under ParcaeStrategy; atomic write on rank 0
+        self._emit(trainer, "checkpoint", reason=reason, save_s=time.time() - t, path=str(self.ckpt_path))
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Take SIGTERM back from Lightning (flag only) and report the start of this generation."""
+        if not self.active:
+            return
+        self._install_handler()
+        self._resumed_step = int(trainer.global_step)
+        self._emit(trainer, "start", resumed_from=self._resumed_step, resume_ckpt=resume_path())
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Agree on a stop, checkpoint every K steps, and emit progress."""
+        if not self.active:
+            return
+        if not self._samples_per_step:
+            self._samples_per_step = _batch_len(batch) * int(getattr(trainer.strategy, "data_parallel", 1))
+        now = time.time()
+        step = int(trainer.global_step)
+        self._window.append((now, step))
+        self._window = [w for w in self._window if now - w[0] <= 5.0] or [(now, step)]
+        if self._agreed_stop:
+            return
+        stop = trainer.strategy.reduce_boolean_decision(self.notified, all=False)
+        if stop:
+            self._agreed_stop = True
+            self.stopped_for_restart = True
+            self._save(trainer, "notice")
+            self._emit(trainer, "stop", reason="notice (restart fallback)", samples_per_s=self._rate())
+            trainer.should_stop = True
+            return
+        if self.every_n_steps and step % self.every_n_steps == 0 and step > self._resumed_step:
+            self._save(trainer, "periodic")
+        if now - self._last_progress >= self.progress_every_s:
+            self._last_progress = now
+            self._emit(trainer, "progress", samples_per_s=self._rate())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Save and report the end of training (a finished run, not a stop for restart)."""
+        if not self.active or self._agreed_stop:
+            return
+        self._save(trainer, "end")
+        self._emit(trainer, "end", samples_per_s=self._rate())
+
+    def _rate(self) -> float:
+        (t0, s0), (t1, s1) = self._window[0], self._window[-1]
+        return (s1 - s0) * self._samples_per_step / (t1 - t0) if t1 > t0 else 0.0
+
+
+def _batch_len(batch: Any) -> int:
+    """Number of samples in a batch (first tensor's leading dimension)."""
+    if hasattr(batch, "shape") and len(batch.shape) > 0:
+        return int(batch.shape[0])
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    return 0
