@@ -204,29 +204,47 @@ def expected_transition_cost(
         return Expectation(cm.repartition_cost(n, 0, 0, n_in, n_out, d2, p2, ()))
     # cost = transfer(victims) + rest(fallback?): only the transfer part depends on the victims, and only
     # through (n, d, p, n_out, p2) -- so its distribution is computed once per key and shared by every d2.
-    p_fb, e_tr, se, exact = _repartition_transfer(cm, n, d, p, n_out, p2, max_patterns, samples, seed)
+    p_fb, e_tr, (var_t, var_f, cov_tf, count), exact = _repartition_transfer(
+        cm, n, d, p, n_out, p2, max_patterns, samples, seed
+    )
     mean = e_tr
+    rest_fb = rest_ok = 0.0
     if p_fb > 0:
-        mean += p_fb * cm.repartition_rest_ms(n, d, p, n_in, n_out, d2, p2, True)
+        rest_fb = cm.repartition_rest_ms(n, d, p, n_in, n_out, d2, p2, True)
+        mean += p_fb * rest_fb
     if p_fb < 1:
-        mean += (1 - p_fb) * cm.repartition_rest_ms(n, d, p, n_in, n_out, d2, p2, False)
+        rest_ok = cm.repartition_rest_ms(n, d, p, n_in, n_out, d2, p2, False)
+        mean += (1 - p_fb) * rest_ok
+    se = 0.0
+    if not exact:
+        # per draw: cost = T + rest_ok + (rest_fb - rest_ok) * F, with T the finite transfer and F the fallback
+        # indicator; both vary with the draw, so both enter the standard error
+        delta = rest_fb - rest_ok if 0 < p_fb < 1 else 0.0
+        var = var_t + delta * delta * var_f + 2.0 * delta * cov_tf
+        se = math.sqrt(max(var, 0.0) / count)
     return Expectation(mean, se, exact)
 
 
-_TRANSFER_CACHE: Dict[Tuple[int, int, int, int, int, int, int, int, int], Tuple[float, float, float, bool]] = {}
+_Moments = Tuple[float, float, float, int]
+_TRANSFER_CACHE: Dict[Tuple[int, int, int, int, int, int, int, int, int], Tuple[float, float, _Moments, bool]] = {}
+_EXACT_MOMENTS: _Moments = (0.0, 0.0, 0.0, 1)
 
 
 def _repartition_transfer(
     cm: MigrationCostModel, n: int, d: int, p: int, n_out: int, p2: int, max_patterns: int, samples: int, seed: int
-) -> Tuple[float, float, float, bool]:
-    """(P(fallback), E[transfer * 1{no fallback}], standard error, exact?) of a repartition's transfer part."""
+) -> Tuple[float, float, _Moments, bool]:
+    """(P(fallback), E[transfer * 1{no fallback}], sample moments, exact?) of a repartition's transfer part.
+
+    The moments ``(var(T), var(F), cov(T, F), draws)`` of the finite transfer T and the fallback indicator F are
+    those of the draws when sampling (zeros when exact); the caller combines them with the d2-dependent rest.
+    """
     key = (id(cm), n, d, p, n_out, p2, max_patterns, samples, seed)
     hit = _TRANSFER_CACHE.get(key)
     if hit is not None:
         return hit
     if n_out == 0:
         t = cm.repartition_transfer_ms(p, p2, (d,) * p)
-        out = (1.0, 0.0, 0.0, True) if math.isinf(t) else (0.0, t, 0.0, True)
+        out = (1.0, 0.0, _EXACT_MOMENTS, True) if math.isinf(t) else (0.0, t, _EXACT_MOMENTS, True)
     else:
         exact = _count_patterns(d, p, n_out) <= max_patterns
         if exact:
@@ -237,8 +255,11 @@ def _repartition_transfer(
         vals = cm.repartition_transfer_batch(p, p2, d - victims)
         fb = np.isinf(vals)
         finite = np.where(fb, 0.0, vals)
-        se = 0.0 if exact else float(finite.std(ddof=1) / math.sqrt(len(vals)))
-        out = (float(probs[fb].sum()), float((probs * finite).sum()), se, exact)
+        moments = _EXACT_MOMENTS
+        if not exact and len(vals) > 1:
+            cov = np.cov(np.stack([finite, fb.astype(float)]), ddof=1)
+            moments = (float(cov[0, 0]), float(cov[1, 1]), float(cov[0, 1]), len(vals))
+        out = (float(probs[fb].sum()), float((probs * finite).sum()), moments, exact)
     if len(_TRANSFER_CACHE) > 100_000:
         _TRANSFER_CACHE.clear()
     _TRANSFER_CACHE[key] = out
