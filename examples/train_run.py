@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 from torch.utils.data import DataLoader
@@ -29,6 +30,16 @@ from lightning_parcae.strategy import ParcaeStrategy  # noqa: E402
 from train_tiny import TinyClassifier, synthetic  # noqa: E402
 
 
+class _Delay(pl.Callback):
+    """Sleeps after every step, so that a demo on a fast machine lasts long enough to see the trace replay."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: object) -> None:
+        time.sleep(self.seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -38,6 +49,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint every N steps")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (slows the demo down)")
     parser.add_argument("--crash", action="store_true", help="fail at start (used by the tests)")
     args = parser.parse_args()
     if args.crash:
@@ -49,9 +61,12 @@ def main() -> None:
     p = None if args.pipeline_stages == "auto" else int(args.pipeline_stages)
     strategy = ParcaeStrategy(pipeline_stages=p, micro_batches=args.micro_batches)
     run_cb = ParcaeRunCallback(every_n_steps=args.ckpt_every)
+    callbacks: list[pl.Callback] = [run_cb]
+    if args.step_delay > 0:
+        callbacks.append(_Delay(args.step_delay))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
                          max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[run_cb])
+                         enable_model_summary=False, callbacks=callbacks)
     trainer.fit(TinyClassifier(), train, ckpt_path=resume_path())
     if trainer.is_global_zero:
         s = trainer.strategy

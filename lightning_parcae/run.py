@@ -311,7 +311,10 @@ class Launcher:
                 continue
             self.events.append(ev)
             if ev.get("source") == "worker":
-                self.latest = ev
+                rate = ev.get("samples_per_s", self.latest.get("samples_per_s", 0.0))
+                if ev.get("event") != "progress" and ev.get("generation") == self.latest.get("generation"):
+                    rate = self.latest.get("samples_per_s", 0.0)  # only progress events carry a fresh rate
+                self.latest = {**ev, "samples_per_s": rate}
                 if ev.get("generation") == self.generation and ev.get("event") in ("progress", "checkpoint", "end",
                                                                                    "stop"):
                     if ev.get("step", 0) > self._resume_step and not self._gen_first_step:
@@ -471,11 +474,13 @@ class Launcher:
             return
         self._last_line = now
         ev = self.latest
-        d, p = ev.get("D", self.shape[0]), ev.get("P", self.shape[1])
+        current = ev.get("generation") == self.generation
+        d, p = (ev.get("D"), ev.get("P")) if current else self.shape
+        state = "" if current or not self.workers else " (starting)"
         lost = sum(r["lost_s"] for r in self.restarts)
         print(f"[parcae run {now - self.t0:6.1f}s] N={self.n} DxP={d}x{p} gen={self.generation} "
-              f"step={ev.get('step', 0)} samples/s={float(ev.get('samples_per_s', 0.0)):.0f} "
-              f"restarts={len(self.restarts)} time_lost={lost:.1f}s", file=self.out, flush=True)
+              f"step={ev.get('step', 0)} samples/s={float(ev.get('samples_per_s', 0.0)) if current else 0.0:.0f} "
+              f"restarts={len(self.restarts)} time_lost={lost:.1f}s{state}", file=self.out, flush=True)
 
     def run(self) -> dict[str, Any]:
         """Run the job to completion; returns the report (also written to ``report.json``).
