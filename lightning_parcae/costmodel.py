@@ -371,7 +371,12 @@ class ProfileThroughput(ThroughputModel):
         self.global_batch = profile.global_batch
         self.limits = profile.limits
 
-    @functools.lru_cache(maxsize=4096)
+    @functools.lru_cache(maxsize=None)
+    def _partition(self, p: int) -> List[int]:
+        pr = self.profile
+        return balanced_partition([f + b for f, b in zip(pr.forward_ms, pr.backward_ms)], p)
+
+    @functools.lru_cache(maxsize=65536)
     def step_ms(self, d: int, p: int) -> float:
         """Predicted time of one optimizer step of shape (d, p), ``inf`` if infeasible."""
         pr = self.profile
@@ -383,7 +388,7 @@ class ProfileThroughput(ThroughputModel):
             return math.inf
         m = int(m)
         t = [f + b for f, b in zip(pr.forward_ms, pr.backward_ms)]
-        bounds = balanced_partition(t, p)
+        bounds = self._partition(p)
         worst, worst_params = 0.0, 0.0
         for k in range(p):
             lo, hi = bounds[k], bounds[k + 1]
@@ -435,6 +440,16 @@ def artifact_partition(num_layers: int, stages: int) -> List[int]:
     for i in range((num_layers - 1) % stages):
         sizes[-i - 2] += 1
     return [0] + list(np.cumsum(sizes).tolist())
+
+
+def _missing_matrix(layer_params: Sequence[float], old: Sequence[int], new: Sequence[int], p: int) -> np.ndarray:
+    """``miss[s, j]``: parameters of new stage j (bounds ``new``) outside old stage s (bounds ``old``)."""
+    lp = np.asarray(layer_params, dtype=float)
+    idx = np.arange(len(lp))
+    held = (idx[None, :] >= np.asarray(old[:-1])[:p, None]) & (idx[None, :] < np.asarray(old[1:])[:p, None])
+    need = (idx[None, :] >= np.asarray(new[:-1])[:, None]) & (idx[None, :] < np.asarray(new[1:])[:, None])
+    # sum over layers needed by j and not held by s
+    return (need[None, :, :] & ~held[:, None, :]).astype(float) @ lp
 
 
 class MigrationCostModel(abc.ABC):
@@ -659,20 +674,10 @@ class ArtifactCostModel(MigrationCostModel):
     @functools.lru_cache(maxsize=None)
     def _missing_params(self, p: int, p2: int) -> np.ndarray:
         """``miss[s, j]``: parameters new stage j lacks on a node holding old stage s (p == 0: holds nothing)."""
-        new_b = artifact_partition(len(self.layer_params), p2)
-        lp = np.asarray(self.layer_params, dtype=float)
         if p == 0:
             return np.zeros((0, p2))
-        old_b = artifact_partition(len(self.layer_params), p)
-        miss = np.zeros((p, p2))
-        for s in range(p):
-            held = np.zeros(len(lp), dtype=bool)
-            held[old_b[s] : old_b[s + 1]] = True
-            for j in range(p2):
-                need = np.zeros(len(lp), dtype=bool)
-                need[new_b[j] : new_b[j + 1]] = True
-                miss[s, j] = float(lp[need & ~held].sum())
-        return miss
+        n = len(self.layer_params)
+        return _missing_matrix(self.layer_params, artifact_partition(n, p), artifact_partition(n, p2), p)
 
     @functools.lru_cache(maxsize=200_000)
     def repartition_transfer_ms(self, p: int, p2: int, survivors: Tuple[int, ...]) -> float:
@@ -825,6 +830,7 @@ class DefaultCostModel(MigrationCostModel):
         self.layer_params = [float(x) for x in layer_params]
         self.c = constants
 
+    @functools.lru_cache(maxsize=None)
     def _bounds(self, p: int) -> List[int]:
         return balanced_partition(self.layer_params, p) if p <= len(self.layer_params) else [0] * (p + 1)
 
@@ -874,16 +880,7 @@ class DefaultCostModel(MigrationCostModel):
 
     @functools.lru_cache(maxsize=None)
     def _missing_bytes(self, p: int, p2: int) -> np.ndarray:
-        old, new = self._bounds(p) if p else [0], self._bounds(p2)
-        lp = np.asarray(self.layer_params)
-        miss = np.zeros((max(p, 0), p2))
-        for s in range(p):
-            for j in range(p2):
-                need = np.zeros(len(lp), dtype=bool)
-                need[new[j] : new[j + 1]] = True
-                need[old[s] : old[s + 1]] = False
-                miss[s, j] = self.c.bytes_per_param * lp[need].sum()
-        return miss
+        return _missing_matrix(self.layer_params, self._bounds(p) if p else [0], self._bounds(p2), p) * self.c.bytes_per_param
 
     @functools.lru_cache(maxsize=200_000)
     def repartition_transfer_ms(self, p: int, p2: int, survivors: Tuple[int, ...]) -> float:
@@ -894,6 +891,13 @@ class DefaultCostModel(MigrationCostModel):
         # every new stage is filled from the survivor that lacks the least, all transfers in parallel
         miss = self._missing_bytes(p, p2)
         return self.transfer_ms(float(miss.min(axis=0).max()))
+
+    def repartition_transfer_batch(self, p: int, p2: int, survivors: np.ndarray) -> np.ndarray:
+        survivors = np.asarray(survivors)
+        if p == 0:
+            return np.zeros(len(survivors))
+        base = self.repartition_transfer_ms(p, p2, (1,) * p)
+        return np.where((survivors == 0).any(axis=1), np.inf, base)
 
     def repartition_rest_ms(
         self, n: int, d: int, p: int, n_in: int, n_out: int, d2: int, p2: int, fallback: bool

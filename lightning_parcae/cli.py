@@ -1,0 +1,174 @@
+"""The ``parcae`` command: ``simulate``, ``predict`` and ``run``.
+
+Problem: a user's first questions come before any code is written -- "on a trace like mine, what would each
+policy train and cost?" (``parcae simulate``), "how predictable is my availability?" (``parcae predict``) -- and
+the next one is "run it" (``parcae run``). Each sub-command validates its options and prints a clear error
+(exit code 2) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from lightning_parcae.errors import ParcaeError
+
+__all__ = ["main", "build_parser"]
+
+_POLICY_DEFAULT = "ideal,throughput,restart,parcae,parcae-oracle"
+
+
+def _trace_arg(value: str) -> str:
+    return value
+
+
+def _load_trace(spec: str, interval_s: float):  # type: ignore[no-untyped-def]
+    from lightning_parcae.traces import BUNDLED_TRACES, bundled_trace_path, load_trace
+
+    path = bundled_trace_path(spec) if spec in BUNDLED_TRACES else spec
+    return load_trace(path, interval_s=interval_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``parcae`` (sub-commands ``simulate``, ``predict``, ``run``)."""
+    from lightning_parcae.costmodel import reference_models
+
+    p = argparse.ArgumentParser(
+        prog="parcae",
+        description="Proactive, liveput-optimized training on preemptible instances (Parcae, NSDI '24).",
+    )
+    sub = p.add_subparsers(dest="command", metavar="{simulate,predict,run}")
+    sub.required = True
+    trace_help = "a trace file (events CSV, counts CSV, segment JSON lines, SkyPilot JSON) or a bundled name: p3, hh_55_65, hl_15_25, lh_80_90, ll_10_11"
+
+    s = sub.add_parser(
+        "simulate",
+        help="compare policies on an availability trace",
+        description="Replay a trace through each policy with the same cost model and print samples trained, "
+        "throughput, reconfigurations, time lost and dollars per policy.",
+    )
+    s.add_argument("--trace", default="p3", help=trace_help + " (default: p3)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--model-table", default=None, help=f"a bundled profiled table: {', '.join(reference_models())} (default: gpt-1.5b)")
+    g.add_argument("--profile", default=None, help="a per-layer profile JSON (see docs/planner.md)")
+    s.add_argument("--policy", default=_POLICY_DEFAULT, help=f"comma-separated policies (default: {_POLICY_DEFAULT})")
+    s.add_argument("--look-ahead", type=int, default=12, help="intervals the parcae policies plan over (default 12)")
+    s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence, arima, artifact")
+    s.add_argument("--cost-model", default="artifact", choices=["artifact", "default"], help="artifact: the Parcae artifact's accounting (needs --model-table); default: our runtime's costs")
+    s.add_argument("--price", type=float, default=0.918, help="USD per instance-hour (default 0.918: p3.2xlarge at a 70%% spot discount)")
+    s.add_argument("--interval", type=float, default=60.0, help="interval length in seconds (default 60)")
+    s.add_argument("--start-hour", type=float, default=0.0, help="simulate from this hour of the trace")
+    s.add_argument("--end-hour", type=float, default=None, help="simulate up to this hour of the trace")
+    s.add_argument("--report", default=None, help="write the JSON report here")
+    s.add_argument("--plot", default=None, help="write a PNG (availability, D x P, cumulative samples) here")
+
+    q = sub.add_parser(
+        "predict",
+        help="score the availability predictors on a trace",
+        description="Walk the trace online and print the mean absolute error of each predictor per horizon step.",
+    )
+    q.add_argument("--trace", default="p3", help=trace_help)
+    q.add_argument("--horizon", type=int, default=12, help="forecast steps (default 12)")
+    q.add_argument("--interval", type=float, default=60.0, help="interval length in seconds (default 60)")
+    q.add_argument("--predictors", default=None, help="comma-separated names (default: all)")
+
+    r = sub.add_parser(
+        "run",
+        help="run a training script on a one-machine cluster (optionally replaying a trace)",
+        description="Start a loopback coordination store and N worker processes; see docs/run.md. "
+        "Everything after -- is the training command.",
+        add_help=False,
+    )
+    r.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _simulate(a: argparse.Namespace) -> int:
+    from lightning_parcae.costmodel import load_cost_model
+    from lightning_parcae.errors import ConfigurationError
+    from lightning_parcae.sim import simulate
+
+    if a.look_ahead < 1:
+        raise ConfigurationError(f"--look-ahead {a.look_ahead}: plan over at least 1 interval")
+    model = a.model_table if (a.model_table or a.profile) else "gpt-1.5b"
+    if a.profile and a.cost_model == "artifact":
+        raise ConfigurationError("--profile works with --cost-model default (the artifact's accounting needs one of its tables)")
+    trace = _load_trace(a.trace, a.interval)
+    if a.start_hour or a.end_hour is not None:
+        trace = trace.slice(a.start_hour * 3600.0, None if a.end_hour is None else a.end_hour * 3600.0)
+        if len(trace) == 0:
+            raise ConfigurationError(f"--start-hour {a.start_hour} / --end-hour {a.end_hour} select no interval of {a.trace}")
+    cm = load_cost_model(a.cost_model, model=None if a.profile else model, profile_path=a.profile)
+    policies = [x.strip() for x in a.policy.split(",") if x.strip()]
+    settings = {"model": model if not a.profile else a.profile, "cost_model": a.cost_model, "trace": a.trace}
+    comp = simulate(trace, cm, policies, look_ahead=a.look_ahead, predictor=a.predictor, price=a.price, settings=settings)
+    print(
+        f"trace {a.trace}: {len(trace)} intervals of {trace.interval_s:g} s, up to {trace.max_n} instances; "
+        f"model {settings['model']}; cost model {a.cost_model}; look-ahead {a.look_ahead}; predictor {a.predictor}"
+    )
+    print(comp.table())
+    if a.report:
+        comp.save_json(a.report)
+        print(f"report: {a.report}")
+    if a.plot:
+        comp.plot(a.plot)
+        print(f"plot: {a.plot}")
+    return 0
+
+
+def _predict(a: argparse.Namespace) -> int:
+    from lightning_parcae.errors import ConfigurationError
+    from lightning_parcae.predictor import PREDICTORS, format_mae_table, mae_table
+
+    if a.horizon < 1:
+        raise ConfigurationError(f"--horizon {a.horizon}: forecast at least 1 step")
+    names = [x.strip() for x in a.predictors.split(",")] if a.predictors else list(PREDICTORS)
+    unknown = [n for n in names if n not in PREDICTORS]
+    if unknown:
+        raise ConfigurationError(f"unknown predictors {unknown}: choose from {', '.join(PREDICTORS)}")
+    trace = _load_trace(a.trace, a.interval)
+    table = mae_table(trace.counts(), [a.horizon], names=names)
+    print(f"trace {a.trace}: {len(trace)} intervals; mean absolute error (instances) per horizon step")
+    print(format_mae_table(table))
+    return 0
+
+
+def _run(a: argparse.Namespace) -> int:
+    try:
+        from lightning_parcae import run as run_mod
+    except ImportError as e:  # pragma: no cover - the launcher ships with the package
+        print(f"parcae run is unavailable: {e}", file=sys.stderr)
+        return 2
+    return int(run_mod.main(a.args) or 0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``parcae`` console script.
+
+    Args:
+        argv: Arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code (2 for a configuration error).
+    """
+    args: List[str] = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if args and args[0] == "run":
+        ns = argparse.Namespace(args=args[1:])
+        handler = _run
+    else:
+        ns = parser.parse_args(args)
+        handler = {"simulate": _simulate, "predict": _predict, "run": _run}[ns.command]
+    try:
+        return handler(ns)
+    except ParcaeError as e:
+        print(f"parcae {args[0] if args else ''}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
