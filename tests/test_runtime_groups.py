@@ -30,6 +30,8 @@ def test_groups_raise_configuration_error_if_shape_does_not_cover_world() -> Non
 
 
 def test_groups_rebuild_in_place_if_generation_advances() -> None:
+    if dist.is_initialized():  # left up by an in-process Trainer run in this session
+        dist.destroy_process_group()
     store = dist.HashStore()
     g0 = ProcessGroups(0, 0, 1, 1, 1, store).build()
     assert dist.is_initialized() and g0.built
