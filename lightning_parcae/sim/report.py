@@ -57,8 +57,12 @@ class Comparison:
         return "\n".join(rows)
 
     def to_json(self) -> dict:
-        """The report: ``{"policies": {name: {...}}, "trace": {...}, "settings": {...}}``."""
-        return {
+        """The report: ``{"policies": {name: {...}}, "trace": {...}, "settings": {...}}``.
+
+        Undefined numbers (e.g. USD per million samples of a policy that trained nothing) are ``None``, so the
+        report is strict JSON.
+        """
+        return _finite_or_none({
             "policies": {
                 name: dict(
                     r.summary(self.price),
@@ -78,16 +82,21 @@ class Comparison:
                 "max_instances": self.trace.max_n,
             },
             "settings": dict(self.settings, price_usd_per_instance_hour=self.price),
-        }
+        })
 
     def save_json(self, path: str) -> None:
         """Write :meth:`to_json` atomically (temp file, then rename)."""
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, suffix=".json.tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=1, allow_nan=False, default=_json_default)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=1, allow_nan=False, default=_json_default)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
 
     def plot(self, path: str) -> None:
         """Save a PNG: availability, chosen D x P per policy, cumulative samples per policy."""
@@ -113,6 +122,17 @@ class Comparison:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fig.savefig(path, dpi=90)
         plt.close(fig)
+
+
+def _finite_or_none(o: object) -> object:
+    """``o`` with every non-finite float (inf, nan) replaced by None, recursively."""
+    if isinstance(o, dict):
+        return {k: _finite_or_none(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite_or_none(v) for v in o]
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return o
 
 
 def _json_default(o: object) -> object:
