@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -226,7 +227,12 @@ def expected_transition_cost(
 
 
 _Moments = Tuple[float, float, float, int]
-_TRANSFER_CACHE: Dict[Tuple[int, int, int, int, int, int, int, int, int], Tuple[float, float, _Moments, bool]] = {}
+_TransferKey = Tuple[int, int, int, int, int, int, int, int]
+# One cache per cost model, dropped with it: keying a global dict by id(cm) would hand a new model, allocated at
+# a freed model's address, the old model's results.
+_TRANSFER_CACHE: "weakref.WeakKeyDictionary[MigrationCostModel, Dict[_TransferKey, Tuple[float, float, _Moments, bool]]]" = (
+    weakref.WeakKeyDictionary()
+)
 _EXACT_MOMENTS: _Moments = (0.0, 0.0, 0.0, 1)
 
 
@@ -238,8 +244,9 @@ def _repartition_transfer(
     The moments ``(var(T), var(F), cov(T, F), draws)`` of the finite transfer T and the fallback indicator F are
     those of the draws when sampling (zeros when exact); the caller combines them with the d2-dependent rest.
     """
-    key = (id(cm), n, d, p, n_out, p2, max_patterns, samples, seed)
-    hit = _TRANSFER_CACHE.get(key)
+    cache = _TRANSFER_CACHE.setdefault(cm, {})
+    key = (n, d, p, n_out, p2, max_patterns, samples, seed)
+    hit = cache.get(key)
     if hit is not None:
         return hit
     if n_out == 0:
@@ -260,9 +267,9 @@ def _repartition_transfer(
             cov = np.cov(np.stack([finite, fb.astype(float)]), ddof=1)
             moments = (float(cov[0, 0]), float(cov[1, 1]), float(cov[0, 1]), len(vals))
         out = (float(probs[fb].sum()), float((probs * finite).sum()), moments, exact)
-    if len(_TRANSFER_CACHE) > 100_000:
-        _TRANSFER_CACHE.clear()
-    _TRANSFER_CACHE[key] = out
+    if len(cache) > 100_000:
+        cache.clear()
+    cache[key] = out
     return out
 
 
