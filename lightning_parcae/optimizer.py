@@ -25,10 +25,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from lightning_parcae.costmodel import MigrationCostModel, Shape
-from lightning_parcae.errors import ConfigurationError, InfeasibleShapeError
+from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.liveput import expected_transition_cost
 
-__all__ = ["Plan", "LiveputOptimizer", "fit_shape"]
+__all__ = ["Plan", "LiveputOptimizer", "fit_shape", "PAUSED"]
+
+PAUSED: Shape = (0, 0)
+"""The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
 
 FutureInterval = Tuple[int, int, int]
 """``(prev_n, n_in, n_out)`` of one future interval."""
@@ -107,8 +110,12 @@ class LiveputOptimizer:
                 for s in self.thr.candidates(n, hints)
                 if (self.min_p is None or s[1] >= self.min_p) and (self.max_p is None or s[1] <= self.max_p)
             ]
-            thr = np.array([self.thr.throughput(*s) for s in shapes], dtype=float)
-            conc = np.array([self.cm.concurrent_restart_ms(*s) for s in shapes], dtype=float)
+            if not shapes:
+                # Nothing can run on n instances (below the model's minimum depth): the job pauses. PAUSED has
+                # no throughput and no cost; leaving it is a start from scratch (see transition_costs).
+                shapes = [PAUSED]
+            thr = np.array([self.thr.throughput(*s) if s != PAUSED else 0.0 for s in shapes], dtype=float)
+            conc = np.array([self.cm.concurrent_restart_ms(*s) if s != PAUSED else 0.0 for s in shapes], dtype=float)
             self._targets_cache[key] = (shapes, thr, conc)
         return self._targets_cache[key]
 
@@ -118,7 +125,11 @@ class LiveputOptimizer:
         vec = self._cost_cache.get(key)
         if vec is None:
             vec = np.array(
-                [expected_transition_cost(self.cm, n, shape, n_in, n_out, t).mean for t in targets], dtype=float
+                [
+                    0.0 if t == PAUSED else expected_transition_cost(self.cm, n, shape, n_in, n_out, t).mean
+                    for t in targets
+                ],
+                dtype=float,
             )
             if len(self._cost_cache) > 200_000:
                 self._cost_cache.clear()
@@ -146,8 +157,8 @@ class LiveputOptimizer:
         Returns:
             The plan.
 
-        Raises:
-            InfeasibleShapeError: If no allowed shape fits the instances of some future interval.
+        If no allowed shape fits some future interval's instances, the plan pauses there (:data:`PAUSED`); the
+        plan's ``next_shape`` is PAUSED when the job cannot run in the next interval at all.
         """
         if not future:
             raise ConfigurationError("future is empty: give at least the next interval's (prev_n, n_in, n_out)")
@@ -172,11 +183,6 @@ class LiveputOptimizer:
         prev_n = n
         for step, ((n_in, n_out), after) in enumerate(zip(events, counts)):
             shapes, thr, conc = self.targets(after, hints)
-            if not shapes:
-                raise InfeasibleShapeError(
-                    f"no allowed shape fits {after} instances (interval {step} of the look-ahead): the model's "
-                    f"pipeline-depth limits are {self.thr.limits}; wait for more instances or relax the limits"
-                )
             keys = sorted(frontier)
             s_samples = np.array([frontier[k][0] for k in keys])
             s_remain = np.array([frontier[k][1] for k in keys])

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from lightning_parcae.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.liveput import expected_transition_cost
-from lightning_parcae.optimizer import LiveputOptimizer, fit_shape
+from lightning_parcae.optimizer import PAUSED, LiveputOptimizer, fit_shape
 from lightning_parcae.predictor import Predictor, make_predictor
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
@@ -231,10 +231,11 @@ def _liveput(
         plan = opt.plan(n, shape, future, remain_ms=acct.remain)
         res.decide_s += time.perf_counter() - t0
         after = prev + n_in - n_out
-        target = fit_shape(plan.next_shape, after)
-        if target[0] * target[1] == 0:
-            target = (0, 0)
-        if target == (0, 0):
+        target = fit_shape(plan.next_shape, after) if plan.next_shape != PAUSED else PAUSED
+        if target[0] * target[1] == 0 or cm.throughput.throughput(*target) <= 0:
+            target = PAUSED  # nothing allowed fits: the job waits (its state is kept in the checkpoint)
+        if target == PAUSED:
+            acct.remain = 0.0
             _record(res, after, target, 0.0, 0.0, 0.0)
         else:
             cost = expected_transition_cost(cm, prev, shape, n_in, n_out, target).mean
