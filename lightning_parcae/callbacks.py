@@ -191,7 +191,7 @@ class ParcaeRunCallback(pl.Callback):
             return
         if self.every_n_steps and step % self.every_n_steps == 0 and step > self._resumed_step:
             self._save(trainer, "periodic")
-        if now - self._last_progress >= self.progress_every_s:
+        if len(self._window) > 1 and now - self._last_progress >= self.progress_every_s:
             self._last_progress = now
             self._emit(trainer, "progress", samples_per_s=self._rate())
 

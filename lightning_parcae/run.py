@@ -608,7 +608,9 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     axes[1].set_ylabel("shape in use")
     axes[1].legend(loc="best", fontsize=8)
     prog = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "progress"]
-    axes[2].plot([e["time"] - t0 for e in prog], [e.get("samples_per_s", 0) for e in prog], ".-")
+    for g in sorted({e.get("generation", 0) for e in prog}):  # one line per generation: no line across restarts
+        pts = [e for e in prog if e.get("generation", 0) == g]
+        axes[2].plot([e["time"] - t0 for e in pts], [e.get("samples_per_s", 0) for e in pts], ".-", color="C0")
     axes[2].set_ylabel("samples/s")
     axes[2].set_xlabel("wall time (s); red: restart downtime (restart fallback)")
     fig.suptitle(f"parcae run: {report['num_restarts']} restarts, {report['time_lost_s']:.1f} s lost, "
