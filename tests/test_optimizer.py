@@ -1,0 +1,284 @@
+"""Tests of lightning_parcae.optimizer: the receding-horizon liveput DP."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Sequence, Tuple
+
+import numpy as np
+import pytest
+
+from lightning_parcae.costmodel import ArtifactCostModel, MigrationCostModel, ShapeLimits, TableThroughput
+from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.liveput import expected_transition_cost
+from lightning_parcae.optimizer import PAUSED, LiveputOptimizer, fit_shape
+
+
+class ToyCost(MigrationCostModel):
+    """Hand-priced costs: keeping the depth costs ``inter_ms`` when a stage must be refilled (else 0), changing
+    the depth costs ``repartition_ms``; starting from nothing is free."""
+
+    def __init__(self, table, inter_ms=0.0, repartition_ms=0.0, concurrent_ms=0.0, limits=ShapeLimits()) -> None:
+        self.throughput = TableThroughput(table, global_batch=64, limits=limits)
+        self.inter_ms, self.repartition_ms, self.concurrent_ms = inter_ms, repartition_ms, concurrent_ms
+
+    def stage_term(self, d, p, d2, stage, victims):
+        return (1.0 if d2 > d - victims else 0.0), 0.0
+
+    def combine(self, n, d, p, n_in, n_out, d2, m, a):
+        return self.inter_ms if m > 0 else 0.0
+
+    def repartition_transfer_ms(self, p, p2, survivors):
+        return 0.0
+
+    def repartition_rest_ms(self, n, d, p, n_in, n_out, d2, p2, fallback):
+        return 0.0 if p == 0 else self.repartition_ms
+
+    def concurrent_restart_ms(self, d2, p2):
+        return self.concurrent_ms
+
+    def restart_ms(self, d, p, kind):
+        return 0.0
+
+    def checkpoint_ms(self):
+        return 0.0
+
+    def full_state_transfer_ms(self, p):
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def gpt() -> ArtifactCostModel:
+    return ArtifactCostModel("gpt-1.5b")
+
+
+def _chain(n: int, counts: Sequence[int]) -> list:
+    out, prev = [], n
+    for c in counts:
+        out.append((prev, max(c - prev, 0), max(prev - c, 0)))
+        prev = c
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- basics
+
+
+def test_plan_picks_throughput_best_if_look_ahead_one_and_zero_costs() -> None:
+    table = TableThroughput.from_reference("gpt-1.5b").table
+    cm = ToyCost(table, limits=ShapeLimits(6, 32))
+    opt = LiveputOptimizer(cm, look_ahead=1)
+    for n in range(6, 33):
+        plan = opt.plan(n, (0, 0), [(n, 0, 0)])
+        best = cm.throughput.best(n)
+        best_thr = cm.throughput.throughput(*best)
+        assert cm.throughput.throughput(*plan.next_shape) == best_thr, n
+        ties = [s for s in cm.throughput.candidates(n) if cm.throughput.throughput(*s) == best_thr]
+        if len(ties) == 1:
+            assert plan.next_shape == best, n
+        else:  # e.g. N=17: (1,17) and (2,8) both 29.484/s; the optimizer prefers the shallower pipeline
+            assert plan.next_shape == min(ties, key=lambda s: (s[1], s)), n
+        assert plan.sequence == (plan.next_shape,)
+        assert plan.expected_samples == pytest.approx(best_thr * 60.0)
+        assert plan.first_cost_ms == 0.0 and plan.counts == (n,)
+
+
+def test_plan_never_returns_shape_that_does_not_fit_if_random_futures(gpt) -> None:
+    rng = random.Random(5)
+    opt = LiveputOptimizer(gpt, look_ahead=4)
+    shape, n = (0, 0), 12
+    for _ in range(25):
+        counts = [min(20, max(8, n + rng.randint(-3, 3)))]
+        for _ in range(3):
+            counts.append(min(20, max(8, counts[-1] + rng.randint(-2, 2))))
+        plan = opt.plan(n, shape, _chain(n, counts))
+        assert plan.counts == tuple(counts)
+        assert len(plan.sequence) == 4 and plan.sequence[0] == plan.next_shape
+        for (d, p), c in zip(plan.sequence, counts):
+            assert d * p <= c and 6 <= p <= 32 and gpt.throughput.throughput(d, p) > 0
+        shape, n = plan.next_shape, counts[0]
+
+
+def test_plan_respects_min_p_and_max_p_if_overridden(gpt) -> None:
+    for lo, hi in [(8, 8), (10, 16), (6, 7), (13, 32)]:
+        opt = LiveputOptimizer(gpt, look_ahead=3, min_p=lo, max_p=hi)
+        plan = opt.plan(0, (0, 0), [(0, 24, 0), (24, 0, 2), (22, 3, 0)])
+        assert all(lo <= p <= hi for _, p in plan.sequence), (lo, hi, plan.sequence)
+    zero = ToyCost(TableThroughput.from_reference("gpt-1.5b").table)
+    assert LiveputOptimizer(zero, look_ahead=1).plan(0, (0, 0), [(0, 32, 0)]).next_shape == (4, 8)
+    assert LiveputOptimizer(zero, look_ahead=1, min_p=9).plan(0, (0, 0), [(0, 32, 0)]).next_shape == (3, 10)
+    assert LiveputOptimizer(zero, look_ahead=1, max_p=7).plan(0, (0, 0), [(0, 32, 0)]).next_shape == (4, 7)
+
+
+def test_plan_avoids_throughput_best_if_known_removal_next_interval() -> None:
+    # On 8 instances (2,4) is best (100/s) but after one removal only (1,4) at 50/s keeps the depth; (1,7) trains 90/s
+    # and survives the removal with one spare 1/8 of the time (an inter-stage refill of 1 s otherwise), while moving
+    # from (2,4) to (1,7) later costs a 50-s repartition.
+    table = {(2, 4): 100.0, (1, 7): 90.0, (1, 4): 50.0}
+    cm = ToyCost(table, inter_ms=1000.0, repartition_ms=50_000.0)
+    future = [(8, 0, 0), (8, 0, 1)] + [(7, 0, 0)] * 4
+    assert cm.throughput.best(8) == (2, 4)
+    plan = LiveputOptimizer(cm, look_ahead=6).plan(8, (0, 0), future)
+    assert plan.next_shape == (1, 7) != cm.throughput.best(8)
+    assert plan.sequence == ((1, 7),) * 6
+    # hand-derived: 5400 + 90 * (60 - 7/8 s) + 4 * 5400
+    assert plan.expected_samples == pytest.approx(5400 + 90 * (60 - 0.875) + 4 * 5400, rel=1e-12)
+    # without the look-ahead, or without the removal, the throughput-optimal shape wins
+    assert LiveputOptimizer(cm, look_ahead=1).plan(8, (0, 0), future).next_shape == (2, 4)
+    assert LiveputOptimizer(cm, look_ahead=6).plan(8, (0, 0), [(8, 0, 0)] * 6).next_shape == (2, 4)
+
+
+def test_plan_uses_only_look_ahead_intervals_if_future_longer() -> None:
+    table = {(2, 4): 100.0, (1, 7): 90.0, (1, 4): 50.0}
+    cm = ToyCost(table, inter_ms=1000.0, repartition_ms=50_000.0)
+    future = [(8, 0, 0), (8, 0, 1)] + [(7, 0, 0)] * 4
+    plan = LiveputOptimizer(cm, look_ahead=2).plan(8, (0, 0), future)
+    assert len(plan.sequence) == 2 and plan.counts == (8, 7)
+
+
+# ---------------------------------------------------------------------------------------------------- carry-over
+
+
+def test_plan_pays_remaining_migration_if_remain_ms_below_interval() -> None:
+    cm = ToyCost({(2, 4): 100.0, (1, 7): 90.0}, repartition_ms=50_000.0, concurrent_ms=500.0)
+    plan = LiveputOptimizer(cm, look_ahead=1).plan(8, (2, 4), [(8, 0, 0)], remain_ms=20_000.0)
+    assert plan.next_shape == (2, 4)
+    assert plan.first_cost_ms == 20_000.0
+    assert plan.expected_samples == pytest.approx(100.0 * 40.0)
+
+
+def test_plan_adds_concurrent_restart_if_changing_during_unfinished_migration() -> None:
+    # staying pays the 50 s still unfinished; switching replaces it with 5 s + 0.5 s concurrent restart
+    cm = ToyCost({(2, 4): 100.0, (1, 7): 90.0}, repartition_ms=5_000.0, concurrent_ms=500.0)
+    plan = LiveputOptimizer(cm, look_ahead=1).plan(8, (2, 4), [(8, 0, 0)], remain_ms=50_000.0)
+    assert plan.next_shape == (1, 7)
+    assert plan.first_cost_ms == pytest.approx(5_500.0)
+    assert plan.expected_samples == pytest.approx(90.0 * 54.5)
+
+
+def test_plan_carries_unfinished_cost_into_next_interval_if_remain_exceeds_interval() -> None:
+    cm = ToyCost({(2, 4): 100.0})
+    plan = LiveputOptimizer(cm, look_ahead=2).plan(8, (2, 4), [(8, 0, 0), (8, 0, 0)], remain_ms=70_000.0)
+    assert plan.sequence == ((2, 4), (2, 4))
+    assert plan.first_cost_ms == 70_000.0
+    assert plan.expected_samples == pytest.approx(100.0 * 50.0)  # nothing in the first interval, 50 s in the next
+    one = LiveputOptimizer(cm, look_ahead=1).plan(8, (2, 4), [(8, 0, 0)], remain_ms=70_000.0)
+    assert one.expected_samples == 0.0
+
+
+def _brute_best(cm, opt, n, shape, future, remain=0.0):
+    """Best expected samples over every shape sequence, with the artifact's per-interval accounting."""
+    counts, prev, events = [], n, []
+    for _, n_in, n_out in future:
+        events.append((n_in, n_out))
+        prev = prev + n_in - n_out
+        counts.append(prev)
+    cands = [opt.targets(c, ())[0] for c in counts]
+    best, best_seq, carried = -1.0, None, False
+    for seq in itertools.product(*cands):
+        s, rem, cur, cur_n = 0.0, remain, shape, n
+        for (n_in, n_out), tgt, c in zip(events, seq, counts):
+            cost = expected_transition_cost(cm, cur_n, cur, n_in, n_out, tgt).mean
+            if cost > 0:
+                rem = cost + cm.concurrent_restart_ms(*tgt) if rem > 0 else cost
+            work = 60_000.0 - rem
+            if work >= 0:
+                s += cm.throughput.throughput(*tgt) * work / 1000.0
+            else:
+                carried = True
+            rem = max(0.0, -work)
+            cur, cur_n = tgt, c
+        if s > best:
+            best, best_seq = s, seq
+    return best, best_seq, carried
+
+
+@pytest.mark.parametrize(
+    "n, shape, counts",
+    [
+        (12, (2, 6), [12, 10, 11]),
+        (0, (0, 0), [12, 12, 9]),
+        (13, (1, 13), [13, 14, 12]),
+        (10, (1, 10), [12, 12, 12]),
+    ],
+)
+def test_plan_matches_exhaustive_search_if_small_gpt_horizon(gpt, n, shape, counts) -> None:
+    opt = LiveputOptimizer(gpt, look_ahead=3)
+    future = _chain(n, counts)
+    plan = opt.plan(n, shape, future)
+    best, seq, carried = _brute_best(gpt, opt, n, shape, future)
+    assert not carried or best >= plan.expected_samples - 1e-6
+    if not carried:  # every migration fits its interval: the (shape, unfinished) DP is exact
+        assert plan.expected_samples == pytest.approx(best, rel=1e-12)
+    # the plan's own sequence achieves what it claims
+    s, cur, cur_n = 0.0, shape, n
+    for (_, n_in, n_out), tgt, c in zip(future, plan.sequence, counts):
+        cost = expected_transition_cost(gpt, cur_n, cur, n_in, n_out, tgt).mean
+        s += gpt.throughput.throughput(*tgt) * max(0.0, 60_000.0 - cost) / 1000.0
+        cur, cur_n = tgt, c
+    assert s == pytest.approx(plan.expected_samples, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+def test_plan_pauses_if_no_shape_fits_a_future_interval(gpt) -> None:
+    # 4 instances in interval 1: no gpt-1.5b shape (P >= 6) fits, so the plan waits there and restarts after
+    opt = LiveputOptimizer(gpt, look_ahead=3)
+    plan = opt.plan(8, (1, 8), [(8, 0, 0), (8, 0, 4), (4, 4, 0)])
+    assert plan.sequence[1] == PAUSED
+    assert plan.next_shape == (1, 8)  # keep running until the drop (any change would cost a restart)
+    # resuming is a fresh start: the best shape on 8 counting its start cost ((1,7): cheaper groups than (1,8))
+    def resumed(t):
+        return gpt.throughput.throughput(*t) * (60_000.0 - expected_transition_cost(gpt, 4, PAUSED, 4, 0, t).mean) / 1000.0
+    best_resume = max(gpt.throughput.candidates(8), key=resumed)
+    assert plan.sequence[2] == best_resume == (1, 7)
+    expected = gpt.throughput.throughput(1, 8) * 60.0 + resumed(best_resume)
+    assert plan.expected_samples == pytest.approx(expected, rel=1e-12)
+
+
+def test_plan_returns_paused_if_nothing_fits_next_interval(gpt) -> None:
+    plan = LiveputOptimizer(gpt, look_ahead=2).plan(0, PAUSED, [(0, 5, 0), (5, 0, 0)])
+    assert plan.next_shape == PAUSED and plan.sequence == (PAUSED, PAUSED)
+    assert plan.expected_samples == 0.0 and plan.first_cost_ms == 0.0
+    # limits that exclude every depth pause too
+    plan = LiveputOptimizer(gpt, look_ahead=1, min_p=33).plan(0, PAUSED, [(0, 32, 0)])
+    assert plan.next_shape == PAUSED
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(interval_s=0), "interval_s=0"),
+        (dict(look_ahead=0), "look_ahead=0"),
+        (dict(min_p=9, max_p=8), "min_p=9 > max_p=8"),
+    ],
+)
+def test_optimizer_raises_configuration_error_if_bad_settings(gpt, kwargs, match) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        LiveputOptimizer(gpt, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((12, (1, 12), []), {}, "future is empty"),
+        ((-1, (0, 0), [(0, 12, 0)]), {}, "n=-1"),
+        ((12, (1, 12), [(12, 0, 0)]), dict(remain_ms=-5.0), "remain_ms=-5.0"),
+        ((10, (2, 6), [(10, 0, 0)]), {}, r"shape \(2, 6\) needs 12 instances but only 10"),
+    ],
+)
+def test_plan_raises_configuration_error_if_bad_inputs(gpt, args, kwargs, match) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        LiveputOptimizer(gpt, look_ahead=2).plan(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- fit_shape
+
+
+@pytest.mark.parametrize(
+    "shape, n, expected",
+    [((4, 8), 32, (4, 8)), ((4, 8), 20, (2, 8)), ((4, 8), 8, (1, 8)), ((4, 8), 7, (1, 7)), ((2, 9), 30, (2, 9))],
+)
+def test_fit_shape_keeps_depth_or_falls_back_to_one_pipeline_if_too_big(shape, n, expected) -> None:
+    assert fit_shape(shape, n) == expected

@@ -1,0 +1,307 @@
+"""Tests of lightning_parcae.sim: the policies' accounting, the artifact baselines on p3, and the reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_parcae.costmodel import ArtifactCostModel, DefaultCostModel, TableThroughput
+from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.sim import POLICIES, Comparison, run_policy, simulate
+from lightning_parcae.traces import Trace, bundled_trace_path, from_counts, load_trace
+
+DATA = Path(__file__).resolve().parent.parent / "lightning_parcae" / "data"
+TABLES = json.loads((DATA / "throughput_tables.json").read_text())
+LAYERS = json.loads((DATA / "artifact_layer_params.json").read_text())
+
+# Derived by the independent re-implementation below (ARTIFACT_MODEL.md "Accounting"/"Baselines") on the bundled
+# p3 trace with the gpt-1.5b table; the simulator must reproduce them.
+P3_GPT15B_IDEAL = 1506023.7
+P3_GPT15B_THROUGHPUT = 1171346.157848395
+
+
+@pytest.fixture(scope="module")
+def gpt() -> ArtifactCostModel:
+    return ArtifactCostModel("gpt-1.5b")
+
+
+@pytest.fixture(scope="module")
+def p3() -> Trace:
+    return load_trace(bundled_trace_path("p3"))
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+
+def _ref_best(model: str, n: int):
+    table = {tuple(int(x) for x in k.split(",")): v[1] for k, v in TABLES["strategy_tables"][model].items()}
+    best, thr = None, 0.0
+    for d in range(1, n + 1):
+        for p in range(1, n + 1):
+            if d * p <= n and table.get((d, p), 0.0) > thr:
+                best, thr = (d, p), table[(d, p)]
+    return best, thr
+
+
+def _ref_p2p_ms(volume: float) -> float:
+    table = sorted((int(k), float(v)) for k, v in TABLES["p2p_cost"]["table"].items())
+    if volume <= table[0][0]:
+        return table[0][1] / 1000.0
+    if volume > table[-1][0]:
+        return volume / table[-1][0] * table[-1][1] / 1000.0
+    for (s0, u0), (s1, u1) in zip(table, table[1:]):
+        if s0 < volume <= s1:
+            return (u0 + (u1 - u0) * (volume - s0) / (s1 - s0)) / 1000.0
+    raise AssertionError("unreachable")
+
+
+def _ref_restart_gpt15b(d: int, p: int, kind: str) -> float:
+    groups = 35 + (500.0 if kind == "add" else 39.3) * (d + p + 1 + d * p)
+    build = _ref_p2p_ms(50257 * 1024 * 4) + 430 * math.ceil(48 / p)
+    return (6600 if kind == "add" else 0.0) + groups + 240 + build
+
+
+def _ref_stage_sum_p2p_gpt15b(p: int) -> float:
+    layers = LAYERS["gpt-1.5b"]["layers"]
+    chunk = (len(layers) - 1) // p
+    sizes = [chunk + 1] + [chunk] * (p - 1)
+    for i in range((len(layers) - 1) % p):
+        sizes[-i - 2] += 1
+    total, start = 0.0, 0
+    for s in sizes:
+        total += _ref_p2p_ms(12 * sum(layers[start : start + s]))
+        start += s
+    return total
+
+
+def _ref_ideal(intervals) -> float:
+    total = 0.0
+    for prev, n_in, n_out in intervals:
+        _, thr = _ref_best("gpt-1.5b", prev + n_in - n_out)
+        total += thr * 60
+    return total
+
+
+def _ref_throughput(intervals) -> float:
+    samples, remain = 0.0, 0.0
+    for k, (prev, n_in, n_out) in enumerate(intervals):
+        (d, p), thr = _ref_best("gpt-1.5b", prev + n_in - n_out)
+        if k == 0 or n_in + n_out > 0:
+            kind = "add" if (n_in > 0 or k == 0) else "remove"
+            cost = _ref_restart_gpt15b(d, p, kind) + (14000 if k > 0 else 0) + _ref_stage_sum_p2p_gpt15b(p)
+            remain = cost + _ref_restart_gpt15b(d, p, kind) if remain > 0 else cost
+        samples += thr * max(0.0, 60 - remain / 1000)
+        remain = max(0.0, remain - 60000)
+    return samples
+
+
+# ---------------------------------------------------------------------------------------------------- p3 baselines
+
+
+def test_ideal_policy_equals_artifact_accounting_if_p3_gpt15b(gpt, p3) -> None:
+    res = run_policy("ideal", gpt, p3.as_tuples())
+    ref = _ref_ideal(p3.as_tuples())
+    print(f"p3 gpt-1.5b ideal samples: {res.samples!r} (reference {ref!r})")
+    assert res.samples == pytest.approx(ref, rel=1e-9)
+    assert res.samples == pytest.approx(P3_GPT15B_IDEAL, rel=1e-9)
+    assert len(res.counts) == 683 and res.reconfigurations == 0 and res.lost_s == 0.0
+
+
+def test_throughput_policy_equals_artifact_accounting_if_p3_gpt15b(gpt, p3) -> None:
+    res = run_policy("throughput", gpt, p3.as_tuples())
+    ref = _ref_throughput(p3.as_tuples())
+    print(f"p3 gpt-1.5b throughput-optimized samples: {res.samples!r} (reference {ref!r})")
+    assert res.samples == pytest.approx(ref, rel=1e-9)
+    assert res.samples == pytest.approx(P3_GPT15B_THROUGHPUT, rel=1e-9)
+    assert res.reconfigurations == 163  # the 163 intervals with events (the first, 0 -> 18, is one of them)
+
+
+def test_throughput_policy_equals_artifact_accounting_if_p3_slices(gpt, p3) -> None:
+    tuples = p3.as_tuples()
+    for a, b in [(90, 150), (330, 390), (480, 540), (600, 683)]:
+        res = run_policy("throughput", gpt, tuples[a:b])
+        assert res.samples == pytest.approx(_ref_throughput(tuples[a:b]), rel=1e-9), (a, b)
+
+
+def test_parcae_oracle_trains_at_least_throughput_if_p3_slice_gpt15b(gpt, p3) -> None:
+    iv = p3.as_tuples()[88:118]  # two removals, then adds: a busy half hour
+    oracle = run_policy("parcae-oracle", gpt, iv, look_ahead=8)
+    thr = run_policy("throughput", gpt, iv)
+    ideal = run_policy("ideal", gpt, iv)
+    print(f"p3[88:118] gpt-1.5b: ideal {ideal.samples:.1f}, throughput {thr.samples:.1f}, oracle {oracle.samples:.1f}")
+    assert thr.samples < oracle.samples <= ideal.samples
+    for (d, p), n in zip(oracle.shapes, oracle.counts):
+        assert d * p <= n and 6 <= p <= 32
+
+
+@pytest.mark.slow
+def test_parcae_oracle_trains_at_least_throughput_if_whole_p3_gpt15b(gpt, p3) -> None:
+    oracle = run_policy("parcae-oracle", gpt, p3.as_tuples(), look_ahead=8)
+    print(f"p3 gpt-1.5b parcae-oracle samples: {oracle.samples!r}")
+    assert P3_GPT15B_THROUGHPUT < oracle.samples <= P3_GPT15B_IDEAL
+
+
+# ---------------------------------------------------------------------------------------------------- synthetic trace
+
+COUNTS = [12, 12, 14, 10, 10, 16, 16, 13, 12, 12]
+
+
+@pytest.fixture(scope="module")
+def synthetic() -> Trace:
+    return from_counts(COUNTS, start_n=12, source="synthetic")
+
+
+@pytest.fixture(scope="module")
+def synthetic_results(gpt, synthetic):
+    return {name: run_policy(name, gpt, synthetic.as_tuples(), look_ahead=4) for name in POLICIES}
+
+
+def test_ideal_policy_trains_at_least_every_other_policy_if_synthetic_trace(synthetic_results) -> None:
+    ideal = synthetic_results["ideal"]
+    for name, res in synthetic_results.items():
+        assert res.samples <= ideal.samples + 1e-9, name
+        assert len(res.cumulative) == len(COUNTS)
+        assert res.cumulative[-1] == pytest.approx(res.samples)
+        assert all(b >= a for a, b in zip(res.cumulative, res.cumulative[1:])), name
+        assert res.counts == COUNTS, name
+        for (d, p), n in zip(res.shapes, res.counts):
+            assert d * p <= n, name
+
+
+def test_throughput_policy_pays_restart_on_every_event_if_synthetic_trace(gpt, synthetic, synthetic_results) -> None:
+    res = synthetic_results["throughput"]
+    for k, iv in enumerate(synthetic):
+        shape = gpt.throughput.best(iv.n)
+        assert res.shapes[k] == shape
+        if k == 0:
+            assert res.cost_ms[k] == pytest.approx(gpt.reactive_restart_ms(*shape, "add", first=True))
+        elif iv.n_in or iv.n_out:
+            kind = "add" if iv.n_in else "remove"
+            assert res.cost_ms[k] == pytest.approx(gpt.reactive_restart_ms(*shape, kind, first=False)), k
+        else:
+            assert res.cost_ms[k] == 0.0, k
+    assert res.reconfigurations == 1 + sum(1 for iv in synthetic if iv.n_in or iv.n_out)
+
+
+def test_restart_policy_trains_nothing_if_fewer_instances_than_fixed_shape(gpt, synthetic_results) -> None:
+    res = synthetic_results["restart"]
+    fixed = gpt.throughput.best(COUNTS[0])
+    assert fixed == (2, 6)
+    for k, n in enumerate(COUNTS):
+        gained = res.cumulative[k] - (res.cumulative[k - 1] if k else 0.0)
+        if n < fixed[0] * fixed[1]:
+            assert res.shapes[k] == (0, 0) and gained == 0.0, k
+        else:
+            assert res.shapes[k] == fixed, k
+    assert res.shapes[3] == (0, 0)  # 10 instances < 12
+
+
+def test_parcae_policies_plan_with_costs_if_synthetic_trace(synthetic_results) -> None:
+    for name in ("parcae", "parcae-oracle"):
+        res = synthetic_results[name]
+        assert res.samples > 0 and res.decide_s > 0
+        assert res.cost_ms[0] > 0  # starting the job is never free
+
+
+def test_policies_run_with_default_cost_model_if_synthetic_trace(synthetic) -> None:
+    cm = DefaultCostModel(TableThroughput.from_reference("gpt-1.5b"), LAYERS["gpt-1.5b"]["layers"])
+    results = {name: run_policy(name, cm, synthetic.as_tuples(), look_ahead=3) for name in POLICIES}
+    for name, res in results.items():
+        assert 0 <= res.samples <= results["ideal"].samples + 1e-9, name
+
+
+def test_accounting_charges_concurrent_restart_if_change_during_unfinished_migration(gpt) -> None:
+    # removals in consecutive intervals: the second restart starts while the first (> 60 s with 14 s checkpoint,
+    # ~23 s restart and ~21 s state) is unfinished... check the artifact rule on the throughput policy directly
+    iv = from_counts([32, 30, 28, 28], start_n=32).as_tuples()
+    res = run_policy("throughput", gpt, iv)
+    assert res.samples == pytest.approx(_ref_throughput(iv), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+def test_run_policy_raises_if_unknown_policy_or_empty_trace(gpt) -> None:
+    with pytest.raises(ConfigurationError, match="unknown policy 'greedy'.*ideal"):
+        run_policy("greedy", gpt, [(12, 0, 0)])
+    with pytest.raises(ConfigurationError, match="no intervals"):
+        run_policy("ideal", gpt, [])
+
+
+def test_simulate_raises_if_unknown_policy_or_negative_price(gpt, synthetic) -> None:
+    with pytest.raises(ConfigurationError, match=r"unknown policies \['nope'\]"):
+        simulate(synthetic, gpt, ["ideal", "nope"])
+    with pytest.raises(ConfigurationError, match="price=-1"):
+        simulate(synthetic, gpt, ["ideal"], price=-1)
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+
+
+@pytest.fixture(scope="module")
+def comparison(gpt, synthetic) -> Comparison:
+    return simulate(synthetic, gpt, ["ideal", "throughput", "restart", "parcae-oracle"], look_ahead=3, settings={"model": "gpt-1.5b"})
+
+
+def test_comparison_to_json_has_policy_samples_if_simulated(comparison) -> None:
+    rep = comparison.to_json()
+    assert set(rep["policies"]) == {"ideal", "throughput", "restart", "parcae-oracle"}
+    for name, entry in rep["policies"].items():
+        assert isinstance(entry["samples"], float)
+        assert entry["samples"] == pytest.approx(comparison.results[name].samples)
+        assert len(entry["timeline"]["shapes"]) == len(COUNTS)
+    assert rep["trace"]["intervals"] == len(COUNTS) and rep["trace"]["max_instances"] == 16
+    assert rep["settings"]["model"] == "gpt-1.5b" and rep["settings"]["look_ahead"] == 3
+    json.dumps(rep, allow_nan=False)
+
+
+def test_comparison_table_lists_every_policy_if_simulated(comparison) -> None:
+    table = comparison.table()
+    lines = table.splitlines()
+    assert lines[0].split()[0] == "policy" and len(lines) == 2 + 4
+    for name in comparison.results:
+        assert any(line.startswith(name) for line in lines[2:])
+    assert "+0.0%" in table  # the throughput row against itself
+
+
+def test_comparison_save_json_writes_valid_json_atomically_if_path_exists(comparison, tmp_path) -> None:
+    path = tmp_path / "sub" / "report.json"
+    comparison.save_json(str(path))
+    comparison.save_json(str(path))  # overwrite in place
+    loaded = json.loads(path.read_text())
+    assert loaded["policies"]["ideal"]["samples"] == pytest.approx(comparison.results["ideal"].samples)
+    assert sorted(os.listdir(path.parent)) == ["report.json"]  # no temp file left behind
+
+
+def test_comparison_save_json_writes_null_if_policy_trains_nothing(gpt, tmp_path) -> None:
+    # 4 instances: no gpt-1.5b shape fits, nothing trains and USD per million samples is undefined
+    comp = simulate(from_counts([4, 4]), gpt, ["ideal", "throughput"])
+    path = tmp_path / "empty.json"
+    comp.save_json(str(path))
+    loaded = json.loads(path.read_text())
+    assert loaded["policies"]["ideal"]["samples"] == 0.0
+    assert loaded["policies"]["ideal"]["usd_per_million_samples"] is None
+    assert sorted(os.listdir(tmp_path)) == ["empty.json"]
+    assert "nan" in comp.table()
+
+
+def test_comparison_plot_writes_png_if_simulated(comparison, tmp_path) -> None:
+    path = tmp_path / "plots" / "cmp.png"
+    comparison.plot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 1000
+
+
+def test_parcae_policies_wait_if_instances_drop_below_minimum_depth() -> None:
+    # gpt-6.7b needs P >= 12: with 10 instances the parcae policies pause (shape (0,0), nothing trained) and resume
+    cm = ArtifactCostModel("gpt-6.7b")
+    trace = from_counts([16, 16, 10, 10, 16, 16], start_n=16)
+    for name in ("parcae", "parcae-oracle"):
+        res = run_policy(name, cm, trace.as_tuples(), look_ahead=3)
+        assert res.shapes[2] == res.shapes[3] == (0, 0), name
+        assert res.cumulative[3] == res.cumulative[1], name
+        assert res.shapes[5] != (0, 0) and res.cumulative[5] > res.cumulative[3], name
