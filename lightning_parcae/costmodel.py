@@ -793,9 +793,14 @@ class MigrationConstants:
             (lat, per_byte), *_ = np.linalg.lstsq(a, y, rcond=None)
             if per_byte > 0:
                 c = replace(c, transfer_latency_ms=max(0.0, float(lat)), bandwidth_bytes_per_s=1000.0 / float(per_byte))
-        restarts = [ms for k, _, _, ms in measurements if k == MigrationKind.RESTART.value]
+        # DefaultCostModel.restart_ms adds the group rebuild to restart_ms: fit only what remains after it.
+        restarts = [
+            ms - c.group_base_ms - c.group_per_process_ms * n
+            for k, _, n, ms in measurements
+            if k == MigrationKind.RESTART.value
+        ]
         if restarts:
-            c = replace(c, restart_ms=float(np.mean(restarts)))
+            c = replace(c, restart_ms=max(0.0, float(np.mean(restarts))))
         unknown = {k for k, *_ in measurements} - {m.value for m in MigrationKind}
         if unknown:
             raise ConfigurationError(

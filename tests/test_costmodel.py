@@ -621,7 +621,7 @@ def test_migration_constants_fit_recovers_constants_if_synthetic_measurements() 
     meas = [("intra-stage", 0.0, n, groups(n)) for n in (4, 8, 16, 32)]
     for b, n, kind in [(1e8, 8, "inter-stage"), (5e8, 16, "repartition"), (2e9, 12, "inter-stage")]:
         meas.append((kind, b, n, groups(n) + truth.transfer_latency_ms + 1000.0 * b / truth.bandwidth_bytes_per_s))
-    meas += [("restart", 0.0, 16, 9000.0), ("restart", 0.0, 8, 9200.0)]
+    meas += [("restart", 0.0, 16, 9000.0 + groups(16)), ("restart", 0.0, 8, 9200.0 + groups(8))]
     fit = MigrationConstants.fit(meas)
     assert fit.group_base_ms == pytest.approx(37.0, rel=1e-9)
     assert fit.group_per_process_ms == pytest.approx(2.5, rel=1e-9)
@@ -638,7 +638,17 @@ def test_migration_constants_fit_keeps_base_if_no_measurements() -> None:
 
 def test_migration_constants_fit_accepts_enum_kinds_if_given() -> None:
     fit = MigrationConstants.fit([(MigrationKind.RESTART, 0.0, 4, 5000.0)])
-    assert fit.restart_ms == 5000.0
+    base = MigrationConstants()
+    assert fit.restart_ms == 5000.0 - base.group_base_ms - 4 * base.group_per_process_ms
+
+
+def test_migration_constants_fit_reproduces_measured_restart_if_priced_by_default_model() -> None:
+    # Regression: fit() used to store the mean measured restart as restart_ms, but DefaultCostModel.restart_ms
+    # adds the group rebuild on top, so a fitted model priced every restart one group rebuild too high.
+    meas = [("intra-stage", 0.0, n, 20.0 + 3.0 * n) for n in (2, 4, 8)] + [("restart", 0.0, 8, 6000.0)]
+    fit = MigrationConstants.fit(meas)
+    dcm = DefaultCostModel(TableThroughput({(2, 4): 10.0}, 8), [1.0] * 8, fit)
+    assert dcm.restart_ms(2, 4, "remove") == pytest.approx(6000.0)
 
 
 def test_migration_constants_fit_raises_if_unknown_kind() -> None:
