@@ -20,10 +20,6 @@ __all__ = ["main", "build_parser"]
 _POLICY_DEFAULT = "ideal,throughput,restart,parcae,parcae-oracle"
 
 
-def _trace_arg(value: str) -> str:
-    return value
-
-
 def _load_trace(spec: str, interval_s: float):  # type: ignore[no-untyped-def]
     from lightning_parcae.traces import BUNDLED_TRACES, bundled_trace_path, load_trace
 

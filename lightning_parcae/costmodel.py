@@ -684,18 +684,7 @@ class ArtifactCostModel(MigrationCostModel):
         # New stages in order each take the surviving old node that misses the fewest parameters; only the
         # LAST new stage's missing volume is counted (the artifact's quirk, kept on purpose). Ties go to the
         # lowest old stage (the artifact breaks ties by node id; that only matters between equal volumes).
-        miss = self._missing_params(p, p2)
-        left = list(survivors)
-        last = 0.0
-        for j in range(p2):
-            best_s, best_v = -1, math.inf
-            for s in range(len(left)):
-                if left[s] > 0 and miss[s, j] < best_v:
-                    best_s, best_v = s, miss[s, j]
-            if best_s >= 0:
-                left[best_s] -= 1
-                last = best_v
-        return self.p2p_ms(12 * last)
+        return float(self._greedy_batch(p, p2, np.asarray([survivors], dtype=np.int64).reshape(1, p))[0])
 
     def repartition_transfer_batch(self, p: int, p2: int, survivors: np.ndarray) -> np.ndarray:
         # The greedy of repartition_transfer_ms, vectorized over patterns (argmin keeps the lowest stage on ties).
@@ -721,6 +710,8 @@ class ArtifactCostModel(MigrationCostModel):
         left = np.array(survivors, dtype=np.int64, copy=True)
         rows = np.arange(len(left))
         last = np.zeros(len(left))
+        if left.shape[1] == 0:  # the job had no stages yet: nothing to keep, nothing missing is counted
+            return self.p2p_ms_batch(last)
         for j in range(p2):
             masked = np.where(left > 0, miss[None, :, j], np.inf)
             best = masked.argmin(axis=1)

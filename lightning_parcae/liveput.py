@@ -339,5 +339,10 @@ def liveput(
         return Expectation(sum(prob * best(v) for v, prob in victim_patterns(n, d, p, n_out)))
     draws = _sampled_patterns(n, d, p, n_out, samples, seed)
     cache: Dict[Tuple[int, ...], float] = {}
-    vals = np.array([cache.setdefault(tuple(map(int, r)), best(tuple(map(int, r)))) for r in draws])
+    vals = np.empty(len(draws))
+    for i, row in enumerate(draws):
+        key = tuple(int(v) for v in row)
+        if key not in cache:
+            cache[key] = best(key)
+        vals[i] = cache[key]
     return Expectation(float(vals.mean()), float(vals.std(ddof=1) / math.sqrt(len(vals))), exact=False)
