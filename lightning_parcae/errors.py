@@ -19,6 +19,8 @@ __all__ = [
     "ForeignTrainerError",
     "CoordinationError",
     "NoticeSourceError",
+    "PeerLostError",
+    "FencedError",
 ]
 
 
@@ -60,3 +62,15 @@ class CoordinationError(ParcaeError, RuntimeError):
 
 class NoticeSourceError(ParcaeError, RuntimeError):
     """A preemption-notice source (cloud metadata, signal, replay) could not be read or is misconfigured."""
+
+
+class PeerLostError(ParcaeError, RuntimeError):
+    """A member of the current generation died or stopped answering; the collective in flight was abandoned.
+
+    Raised out of a guarded wait (see :mod:`lightning_parcae.runtime.liveness`) so that the step in flight is
+    discarded on every survivor and the job recovers under a new generation.
+    """
+
+
+class FencedError(ParcaeError, RuntimeError):
+    """This process is no longer a member of the job's current generation (it was declared dead or replaced)."""

@@ -1,0 +1,167 @@
+"""The job's shared records in the coordination store: generations, standbys, commits, history.
+
+Problem: processes that come and go must agree on one sequence of configurations without a central server of our
+own. The store (TCPStore hosted by the launcher, or etcd) is the only shared memory, and it has no transactions
+beyond ``add`` and ``compare_set``. This module fixes the key layout and the few atomic operations the runtime
+protocol needs:
+
+``parcae/genrec/<g>``
+    The generation record (JSON): members in rank order, partition, shape, the migration plan from ``g-1``, the
+    step it starts at, why. Written once with ``compare_set`` -- when several survivors propose generation ``g``
+    after a failure, the first proposal wins and everyone reads the winner.
+``parcae/current``
+    The newest generation that has been *started* (a hint for joiners and for fencing; records are the truth).
+``parcae/standby/<i>``, ``parcae/standby/count``
+    Members waiting to join, in arrival order (``add`` gives each its slot).
+``parcae/commit/<g>/<step>``
+    Two-phase step: every member adds 1 once its gradients are reduced; the step may be applied once the count
+    equals the generation's world size (``.../done`` is set by the last one). After a failure the count decides,
+    for everyone alike, whether the interrupted step was complete (apply it) or not (discard it).
+``parcae/recover/<g>/<member>``
+    Survivors of an aborted generation ``g`` announce themselves here.
+``parcae/history``
+    Instance counts observed at each planning interval (the predictor's input), appended by the leader.
+
+Records are signed with the job token when there is one (:mod:`lightning_parcae.runtime.store`), else plain JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from lightning_parcae.runtime.store import _decode_record, _encode_record
+
+__all__ = ["Coordinator", "genrec_key"]
+
+
+def genrec_key(generation: int) -> str:
+    """Store key of generation ``generation``'s record."""
+    return f"parcae/genrec/{generation}"
+
+
+class Coordinator:
+    """Typed access to the job's records.
+
+    Args:
+        store: A client of the coordination store (the caller's thread owns it).
+        token: The job token (records are signed and verified) or None (plain JSON).
+    """
+
+    def __init__(self, store: dist.Store, token: Optional[str] = None) -> None:
+        self.store = store
+        self.token = token or None
+
+    # ------------------------------------------------------------------------------------------------ records
+    def _enc(self, key: str, value: dict[str, Any]) -> bytes:
+        if self.token:
+            return _encode_record(key, value, self.token)
+        return json.dumps(value, sort_keys=True).encode()
+
+    def _dec(self, key: str, raw: bytes) -> dict[str, Any]:
+        if self.token:
+            return _decode_record(key, raw, self.token)
+        return json.loads(raw.decode())
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        """Write a record."""
+        self.store.set(key, self._enc(key, value))
+
+    def get(self, key: str, timeout_s: Optional[float] = 0.0) -> Optional[dict[str, Any]]:
+        """Read a record; None if it is not there (after waiting up to ``timeout_s``; None waits forever)."""
+        if timeout_s is None:
+            self.store.wait([key])
+        elif timeout_s > 0:
+            try:
+                self.store.wait([key], timedelta(seconds=timeout_s))
+            except (RuntimeError, LookupError):
+                return None
+        elif not self.store.check([key]):
+            return None
+        return self._dec(key, bytes(self.store.get(key)))
+
+    # ------------------------------------------------------------------------------------------------ generations
+    def propose(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Propose ``record`` as generation ``record["generation"]``; returns the record that won.
+
+        The first proposal for a generation wins (``compare_set``); later ones get the winner back.
+        """
+        key = genrec_key(int(record["generation"]))
+        raw = self._enc(key, record)
+        won = bytes(self.store.compare_set(key, "", raw))
+        return self._dec(key, won)
+
+    def generation(self, g: int, timeout_s: Optional[float] = 0.0) -> Optional[dict[str, Any]]:
+        """Generation ``g``'s record (None if absent)."""
+        return self.get(genrec_key(g), timeout_s)
+
+    def set_current(self, g: int) -> None:
+        """Advance ``parcae/current`` to ``g`` (never moves it back)."""
+        cur = self.current()
+        if g > cur:
+            self.store.set("parcae/current", str(g))
+
+    def current(self) -> int:
+        """The newest started generation (-1 before the first)."""
+        if not self.store.check(["parcae/current"]):
+            return -1
+        return int(bytes(self.store.get("parcae/current")).decode())
+
+    # ------------------------------------------------------------------------------------------------ standbys
+    def register_standby(self, member: str) -> int:
+        """Announce ``member`` as waiting to join; returns its arrival slot."""
+        slot = int(self.store.add("parcae/standby/count", 1)) - 1
+        self.store.set(f"parcae/standby/{slot}", member)
+        return slot
+
+    def standbys(self) -> list[str]:
+        """Members that ever registered as standby, in arrival order."""
+        n = int(self.store.add("parcae/standby/count", 0))
+        out = []
+        for i in range(n):
+            key = f"parcae/standby/{i}"
+            if self.store.check([key]):
+                out.append(bytes(self.store.get(key)).decode())
+        return out
+
+    # ------------------------------------------------------------------------------------------------ two-phase step
+    @staticmethod
+    def commit_key(g: int, step: int) -> str:
+        """Counter of members that finished reducing the gradients of ``step`` in generation ``g``."""
+        return f"parcae/commit/{g}/{step}"
+
+    def commit_arrive(self, g: int, step: int, world: int) -> bool:
+        """Count this member in; True if it was the last (then ``.../done`` is set)."""
+        n = int(self.store.add(self.commit_key(g, step), 1))
+        if n >= world:
+            self.store.set(self.commit_key(g, step) + "/done", "1")
+            return True
+        return False
+
+    def commit_count(self, g: int, step: int) -> int:
+        """Members counted in for ``step`` of generation ``g``."""
+        return int(self.store.add(self.commit_key(g, step), 0))
+
+    # ------------------------------------------------------------------------------------------------ recovery
+    def announce_survivor(self, g: int, member: str, info: dict[str, Any]) -> None:
+        """Tell the other survivors of aborted generation ``g`` that ``member`` is alive."""
+        self.put(f"parcae/recover/{g}/{member}", {**info, "t": time.time()})
+
+    def survivor(self, g: int, member: str) -> Optional[dict[str, Any]]:
+        """``member``'s survivor announcement for generation ``g`` (None if absent)."""
+        return self.get(f"parcae/recover/{g}/{member}")
+
+    # ------------------------------------------------------------------------------------------------ history
+    def history(self) -> list[int]:
+        """Instance counts of past planning intervals."""
+        rec = self.get("parcae/history")
+        return list(rec["counts"]) if rec else []
+
+    def append_history(self, n: int, keep: int = 1000) -> None:
+        """Append one interval's count (the leader is the only writer)."""
+        counts = (self.history() + [int(n)])[-keep:]
+        self.put("parcae/history", {"counts": counts})

@@ -1,0 +1,109 @@
+"""The reconfiguration lifecycle: an explicit state machine that every process walks through and logs.
+
+Problem: live reconfiguration interleaves training, planning, state transfer, failure recovery and, in the worst
+case, a restart from a checkpoint. Without a written-down state machine it is impossible to say what a process is
+allowed to do next (may a process that is recovering accept a plan? may a standby train?), and impossible to see
+afterwards where the time went.
+
+States (one process's view)::
+
+    STANDBY ──admitted──▶ MIGRATING
+    TRAINING ──interval due / notice seen──▶ PLANNING ──new generation agreed──▶ MIGRATING ──▶ TRAINING
+                                              └──no change──▶ TRAINING
+    TRAINING / PLANNING / MIGRATING ──peer lost (heartbeat or collective error)──▶ RECOVERING
+    RECOVERING ──survivors agree on a generation──▶ MIGRATING
+    RECOVERING / MIGRATING ──some stage has no live replica──▶ FALLBACK  (exit; relaunch from the checkpoint)
+    any ──not a member of the agreed generation──▶ FENCED (exit)
+    TRAINING ──fit ends──▶ STOPPED
+
+Every transition is logged (``lightning_parcae.lifecycle`` logger) with the time spent in the state it leaves,
+and handed to an optional ``on_transition`` callback (the strategy turns it into a JSON-lines event).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+__all__ = ["Phase", "Lifecycle", "IllegalTransitionError"]
+
+log = logging.getLogger("lightning_parcae.lifecycle")
+
+
+class Phase(str, enum.Enum):
+    """Where a process is in the reconfiguration lifecycle."""
+
+    STARTING = "starting"
+    STANDBY = "standby"
+    TRAINING = "training"
+    PLANNING = "planning"
+    MIGRATING = "migrating"
+    RECOVERING = "recovering"
+    FALLBACK = "fallback"
+    FENCED = "fenced"
+    STOPPED = "stopped"
+
+
+_ALLOWED: dict[Phase, frozenset[Phase]] = {
+    Phase.STARTING: frozenset({Phase.TRAINING, Phase.STANDBY, Phase.MIGRATING, Phase.STOPPED}),
+    Phase.STANDBY: frozenset({Phase.MIGRATING, Phase.FENCED, Phase.STOPPED}),
+    Phase.TRAINING: frozenset({Phase.PLANNING, Phase.RECOVERING, Phase.STOPPED, Phase.FENCED}),
+    Phase.PLANNING: frozenset({Phase.TRAINING, Phase.MIGRATING, Phase.RECOVERING, Phase.FENCED}),
+    Phase.MIGRATING: frozenset({Phase.TRAINING, Phase.RECOVERING, Phase.FALLBACK, Phase.FENCED, Phase.STOPPED}),
+    Phase.RECOVERING: frozenset({Phase.MIGRATING, Phase.FALLBACK, Phase.FENCED, Phase.RECOVERING}),
+    Phase.FALLBACK: frozenset({Phase.STOPPED}),
+    Phase.FENCED: frozenset({Phase.STOPPED}),
+    Phase.STOPPED: frozenset(),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A transition the state machine does not allow (a bug in the runtime, never a user error)."""
+
+
+@dataclass
+class Lifecycle:
+    """One process's current phase, with timing.
+
+    Args:
+        member: Member id (for log lines).
+        on_transition: Called as ``on_transition(old, new, seconds_in_old, info)`` after each transition.
+    """
+
+    member: str = ""
+    on_transition: Optional[Callable[[Phase, Phase, float, dict[str, Any]], None]] = None
+    phase: Phase = Phase.STARTING
+    since: float = field(default_factory=time.monotonic)
+    history: list[tuple[str, str, float]] = field(default_factory=list)
+
+    def to(self, new: Phase, **info: Any) -> float:
+        """Move to ``new``; returns the seconds spent in the phase left.
+
+        Raises:
+            IllegalTransitionError: if ``new`` is not reachable from the current phase.
+        """
+        old = self.phase
+        if new not in _ALLOWED[old] and new != old:
+            raise IllegalTransitionError(f"{self.member}: {old.value} -> {new.value} is not a lifecycle transition")
+        now = time.monotonic()
+        spent = now - self.since
+        self.phase, self.since = new, now
+        self.history.append((old.value, new.value, spent))
+        extra = " ".join(f"{k}={v}" for k, v in info.items())
+        level = logging.WARNING if new in (Phase.RECOVERING, Phase.FALLBACK, Phase.FENCED) else logging.INFO
+        log.log(level, "%s: %s -> %s after %.3f s %s", self.member, old.value, new.value, spent, extra)
+        if self.on_transition is not None:
+            self.on_transition(old, new, spent, info)
+        return spent
+
+    def elapsed(self) -> float:
+        """Seconds in the current phase."""
+        return time.monotonic() - self.since
+
+    @staticmethod
+    def allowed(old: Phase, new: Phase) -> bool:
+        """Whether ``old -> new`` is a transition of the state machine."""
+        return new in _ALLOWED[old]

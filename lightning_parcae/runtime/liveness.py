@@ -1,0 +1,311 @@
+"""Liveness: heartbeats and abortable waits, so that a lost peer is noticed in seconds, not at a collective timeout.
+
+Problem: when an instance disappears without notice, gloo tells only the ranks that shared a TCP connection with it
+("Connection closed by peer"); every other rank stays blocked in its collective until the process-group timeout
+(30 minutes by default). A *hung* peer (SIGSTOP, or a VM that vanishes without a TCP reset) is not noticed by
+anyone. ``abort()`` does not unblock a pending gloo operation either. So failure detection cannot rely on the
+collectives themselves.
+
+Solution:
+
+* Every process runs a heartbeat thread with **its own store client**: it bumps ``parcae/hb/<member>`` every
+  ``interval_s``, watches the heartbeats of the members it is told to watch (the leader watches everyone, everyone
+  watches the leader), and declares a member dead when its counter has not moved for ``dead_after_s`` (measured on
+  the local clock, so clock skew between machines does not matter). A death is published as
+  ``parcae/abort/<generation>`` (first writer wins, the value is the reason); every thread polls that key.
+* Every collective of the runtime is issued asynchronously and waited through :func:`guarded_wait`, which waits in
+  short slices (``Work.wait(timeout)`` can be repeated) and raises :class:`~lightning_parcae.errors.PeerLostError`
+  as soon as the generation is aborted, or when the operation itself fails (a closed connection), after publishing
+  the abort so the others stop too. An abandoned operation may still complete later and write into its buffers:
+  the caller must not reuse them, and the work object is parked (:meth:`Liveness.park`) so that dropping it never
+  blocks.
+* The same thread reads ``parcae/notice/<member>`` (a preemption notice written by a launcher or agent) and sets
+  :attr:`Liveness.noticed`; SIGTERM does the same through the strategy's signal handler.
+
+Without an active :class:`Liveness` (static jobs), :func:`guarded_wait` is a plain ``work.wait()``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+from lightning_parcae.errors import PeerLostError
+
+__all__ = ["Liveness", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key"]
+
+log = logging.getLogger(__name__)
+
+
+def hb_key(member: str) -> str:
+    """Store key of ``member``'s heartbeat."""
+    return f"parcae/hb/{member}"
+
+
+def abort_key(generation: int) -> str:
+    """Store key whose presence aborts ``generation`` (value: the reason)."""
+    return f"parcae/abort/{generation}"
+
+
+def notice_key(member: str) -> str:
+    """Store key of a preemption notice for ``member`` (written by a launcher/agent; value: JSON)."""
+    return f"parcae/notice/{member}"
+
+
+class Liveness:
+    """Heartbeat thread + abort flag of one process.
+
+    Args:
+        store_factory: Opens a *new* client of the coordination store (the thread must not share the main
+            thread's connection).
+        member: This process's member id.
+        interval_s: Heartbeat period.
+        dead_after_s: A watched member whose heartbeat has not changed for this long is declared dead.
+        poll_s: Slice length of :meth:`wait`.
+    """
+
+    def __init__(
+        self,
+        store_factory: Callable[[], dist.Store],
+        member: str,
+        *,
+        interval_s: float = 0.2,
+        dead_after_s: float = 3.0,
+        poll_s: float = 0.02,
+    ) -> None:
+        self.store_factory = store_factory
+        self.member = member
+        self.interval_s = interval_s
+        self.dead_after_s = dead_after_s
+        self.poll_s = poll_s
+        self.generation = -1
+        self.step = 0
+        self.phase = "starting"
+        self.aborted = threading.Event()
+        self.noticed = threading.Event()
+        self.reason = ""
+        self._watch: list[str] = []
+        self._seen: dict[str, tuple[Any, float]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._store: Optional[dist.Store] = None
+        self._parked: list[Any] = []
+        self._waiter_thread: Optional[_Waiter] = None
+
+    # ------------------------------------------------------------------------------------------------ control
+    def start(self) -> "Liveness":
+        """Open the thread's store client, write the first heartbeat and start the thread."""
+        self._store = self.store_factory()
+        self._beat(0)
+        self._thread = threading.Thread(target=self._run, name=f"parcae-heartbeat-{self.member}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread (the last heartbeat stays in the store and goes stale)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval_s + 1.0)
+
+    def set_generation(self, generation: int, watch: Sequence[str]) -> None:
+        """Enter ``generation``: clear the abort flag and watch ``watch`` (member ids, this one excluded)."""
+        with self._lock:
+            self.generation = generation
+            self._watch = [m for m in watch if m != self.member]
+            now = time.monotonic()
+            self._seen = {m: (None, now) for m in self._watch}
+            self.aborted.clear()
+            self.reason = ""
+
+    def abort(self, reason: str, generation: Optional[int] = None) -> None:
+        """Publish the abort of ``generation`` (default: the current one) and raise the local flag."""
+        g = self.generation if generation is None else generation
+        store = self._store
+        if store is not None:
+            try:
+                store.compare_set(abort_key(g), "", reason)
+            except Exception as exc:  # noqa: BLE001 -- the local flag still stops this process
+                log.warning("could not publish the abort of generation %d: %s", g, exc)
+        if g == self.generation:
+            self.reason = self.reason or reason
+            self.aborted.set()
+
+    def park(self, obj: Any) -> None:
+        """Keep a reference to an abandoned work/group forever: dropping it could block until its timeout."""
+        self._parked.append(obj)
+
+    # ------------------------------------------------------------------------------------------------ waiting
+    def wait(self, work: Any, what: str = "collective") -> None:
+        """Wait for ``work``; raise :class:`PeerLostError` if the generation is aborted or the op fails.
+
+        gloo offers no abortable wait for point-to-point operations (a timed-out ``recv`` closes the connection,
+        and ``is_completed()`` never turns true for it), so the blocking ``work.wait()`` runs on a helper thread
+        while this thread watches the abort flag. On abort the helper (possibly stuck forever on a dead peer) is
+        abandoned with the work and a fresh one serves the next generation.
+        """
+        if self.aborted.is_set():
+            self.park(work)
+            raise PeerLostError(f"{what} abandoned: generation {self.generation} aborted ({self.reason})")
+        box = self._waiter().submit(work)
+        while not box.done.wait(self.poll_s):
+            if self.aborted.is_set():
+                self.park(work)
+                self._retire_waiter()
+                raise PeerLostError(f"{what} abandoned: generation {self.generation} aborted ({self.reason})")
+        if box.error is not None:
+            self.park(work)
+            reason = f"{self.member}: {what} failed: {str(box.error).splitlines()[0][:200]}"
+            self.abort(reason)
+            raise PeerLostError(reason)
+
+    def _waiter(self) -> "_Waiter":
+        if self._waiter_thread is None:
+            self._waiter_thread = _Waiter(self.member)
+        return self._waiter_thread
+
+    def _retire_waiter(self) -> None:
+        if self._waiter_thread is not None:
+            self.park(self._waiter_thread)
+            self._waiter_thread = None
+
+    def wait_key(self, store: dist.Store, key: str, what: str) -> None:
+        """Wait until ``key`` exists in ``store``, aborting like :meth:`wait`."""
+        while True:
+            if self.aborted.is_set():
+                raise PeerLostError(f"{what} abandoned: generation {self.generation} aborted ({self.reason})")
+            try:
+                store.wait([key], timedelta(seconds=max(self.poll_s, 0.05)))
+                return
+            except (RuntimeError, LookupError) as exc:
+                if "timeout" in str(exc).lower() or "timed out" in str(exc).lower() or isinstance(exc, LookupError):
+                    continue
+                raise
+
+    # ------------------------------------------------------------------------------------------------ thread
+    def _beat(self, counter: int) -> None:
+        assert self._store is not None
+        payload = {"c": counter, "g": self.generation, "step": self.step, "phase": self.phase}
+        self._store.set(hb_key(self.member), json.dumps(payload))
+
+    def _run(self) -> None:
+        counter = 0
+        store = self._store
+        assert store is not None
+        while not self._stop.wait(self.interval_s):
+            counter += 1
+            try:
+                self._beat(counter)
+                with self._lock:
+                    g, watch = self.generation, list(self._watch)
+                if g >= 0 and not self.aborted.is_set() and store.check([abort_key(g)]):
+                    reason = bytes(store.get(abort_key(g))).decode(errors="replace")
+                    with self._lock:
+                        if g == self.generation:
+                            self.reason = reason
+                            self.aborted.set()
+                if not self.noticed.is_set() and store.check([notice_key(self.member)]):
+                    self.noticed.set()
+                now = time.monotonic()
+                for m in watch:
+                    raw = bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else b""
+                    dead_for: Optional[float] = None
+                    with self._lock:
+                        if g != self.generation or m not in self._seen:
+                            continue
+                        last, since = self._seen[m]
+                        if raw != last:
+                            self._seen[m] = (raw, now)
+                        elif now - since > self.dead_after_s:
+                            dead_for = now - since
+                    if dead_for is not None and not self.aborted.is_set():
+                        self.abort(f"{m} missed heartbeats for {dead_for:.1f} s (declared dead by {self.member})", g)
+            except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
+                log.warning("heartbeat of %s: %s", self.member, exc)
+
+    def last_seen(self, member: str) -> Optional[dict[str, Any]]:
+        """The latest heartbeat payload of ``member`` (None if it never beat)."""
+        store = self._store
+        if store is None or not store.check([hb_key(member)]):
+            return None
+        return json.loads(bytes(store.get(hb_key(member))).decode())
+
+
+class _Box:
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+
+class _Waiter:
+    """A daemon thread that runs blocking ``work.wait()`` calls in submission order."""
+
+    def __init__(self, member: str) -> None:
+        self._queue: "queue.SimpleQueue[_Box]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"parcae-wait-{member}", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Any) -> _Box:
+        box = _Box(work)
+        self._queue.put(box)
+        return box
+
+    def _run(self) -> None:
+        while True:
+            box = self._queue.get()
+            try:
+                box.work.wait()
+            except BaseException as exc:  # noqa: BLE001 -- handed to the waiting thread
+                box.error = exc
+            box.done.set()
+
+
+_ACTIVE: list[Optional[Liveness]] = [None]
+
+
+def activate(liveness: Optional[Liveness]) -> None:
+    """Make ``liveness`` the one :func:`guarded_wait` uses (None: plain waits)."""
+    _ACTIVE[0] = liveness
+
+
+def active() -> Optional[Liveness]:
+    """The active :class:`Liveness`, if any."""
+    return _ACTIVE[0]
+
+
+def guarded_post(post: Callable[[], Any], what: str = "collective") -> Any:
+    """Issue an async operation; with an active :class:`Liveness`, a failure to post (a peer's connection is
+    already closed) becomes :class:`PeerLostError` and aborts the generation."""
+    live = _ACTIVE[0]
+    if live is None:
+        return post()
+    if live.aborted.is_set():
+        raise PeerLostError(f"{what} not started: generation {live.generation} aborted ({live.reason})")
+    try:
+        return post()
+    except RuntimeError as exc:
+        reason = f"{live.member}: posting {what} failed: {str(exc).splitlines()[0][:200]}"
+        live.abort(reason)
+        raise PeerLostError(reason) from None
+
+
+def guarded(post: Callable[[], Any], what: str = "collective") -> None:
+    """Post and wait (:func:`guarded_post` + :func:`guarded_wait`)."""
+    guarded_wait(guarded_post(post, what), what)
+
+
+def guarded_wait(work: Any, what: str = "collective") -> None:
+    """Wait for an async collective: abortable when a :class:`Liveness` is active, else ``work.wait()``."""
+    live = _ACTIVE[0]
+    if live is None:
+        work.wait()
+    else:
+        live.wait(work, what)

@@ -1,0 +1,59 @@
+"""The job's records in the store: first proposal wins, signed records, standbys, two-phase commit counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from lightning_parcae.runtime.coordinator import Coordinator, genrec_key
+from lightning_parcae.runtime.store import TamperedRecordError, install_token, new_token
+
+
+@pytest.fixture
+def store() -> dist.Store:
+    return dist.HashStore()
+
+
+def test_coordinator_returns_the_first_proposal_if_two_survivors_propose_the_same_generation(store) -> None:
+    c = Coordinator(store)
+    a = c.propose({"generation": 5, "members": ["m0", "m2"]})
+    b = c.propose({"generation": 5, "members": ["m2"]})
+    assert a == b == {"generation": 5, "members": ["m0", "m2"]}
+    assert c.generation(5) == a and c.generation(6) is None
+
+
+def test_coordinator_rejects_a_generation_record_if_it_was_forged_without_the_token(store) -> None:
+    token = new_token()
+    install_token(store, token)
+    c = Coordinator(store, token)
+    store.set(genrec_key(1), b'{"generation": 1, "members": ["intruder"]}')
+    with pytest.raises(TamperedRecordError):
+        c.generation(1)
+
+
+def test_coordinator_lists_standbys_in_arrival_order_if_several_register(store) -> None:
+    c = Coordinator(store)
+    assert [c.register_standby(m) for m in ("x", "y", "z")] == [0, 1, 2]
+    assert c.standbys() == ["x", "y", "z"]
+
+
+def test_coordinator_reports_the_last_arrival_if_every_member_counted_in(store) -> None:
+    c = Coordinator(store)
+    assert [c.commit_arrive(3, 7, 3) for _ in range(3)] == [False, False, True]
+    assert c.commit_count(3, 7) == 3 and store.check([c.commit_key(3, 7) + "/done"])
+    assert c.commit_count(3, 8) == 0
+
+
+def test_coordinator_never_moves_current_back_if_an_older_generation_starts_late(store) -> None:
+    c = Coordinator(store)
+    assert c.current() == -1
+    c.set_current(4)
+    c.set_current(2)
+    assert c.current() == 4
+
+
+def test_coordinator_keeps_the_availability_history_if_appended(store) -> None:
+    c = Coordinator(store)
+    for n in (4, 3, 5):
+        c.append_history(n)
+    assert c.history() == [4, 3, 5]
