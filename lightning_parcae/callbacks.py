@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 
-__all__ = ["ParcaeRunCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "append_event"]
+__all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "append_event"]
 
 RUN_DIR_ENV = "PARCAE_RUN_DIR"
 """Set by ``parcae run``: the run directory (checkpoints, events, logs)."""
@@ -163,7 +163,8 @@ class ParcaeRunCallback(pl.Callback):
         """Take SIGTERM back from Lightning (flag only) and report the start of this generation."""
         if not self.active:
             return
-        self._install_handler()
+        if _elastic(trainer) is None:  # live reconfiguration handles SIGTERM itself (migrate, not stop)
+            self._install_handler()
         self._resumed_step = int(trainer.global_step)
         self._emit(trainer, "start", resumed_from=self._resumed_step, resume_ckpt=resume_path())
 
@@ -181,7 +182,8 @@ class ParcaeRunCallback(pl.Callback):
         self._window = [w for w in self._window if now - w[0] <= 5.0] or [(now, step)]
         if self._agreed_stop:
             return
-        stop = trainer.strategy.reduce_boolean_decision(self.notified, all=False)
+        stop = False if _elastic(trainer) is not None else trainer.strategy.reduce_boolean_decision(
+            self.notified, all=False)
         if stop:
             self._agreed_stop = True
             self.stopped_for_restart = True
@@ -216,3 +218,70 @@ def _batch_len(batch: Any) -> int:
     if isinstance(batch, dict) and batch:
         return _batch_len(next(iter(batch.values())))
     return 0
+
+
+def _elastic(trainer: pl.Trainer) -> Any:
+    return getattr(trainer.strategy, "elastic_runtime", None)
+
+
+class ParcaeElasticCallback(pl.Callback):
+    """The interval callback of live reconfiguration (added by ``ParcaeStrategy`` when ``elastic`` is on).
+
+    After every optimizer step it hands control to the strategy's
+    :class:`~lightning_parcae.runtime.elastic.ElasticRuntime`, which agrees with every process on notices and
+    plans, lets the leader run the predictor and the liveput optimizer when an interval is due, and switches,
+    recovers or falls back in place. It then logs the job's configuration to Lightning's loggers and progress bar:
+    ``parcae/N``, ``parcae/D``, ``parcae/P``, ``parcae/generation``, ``parcae/samples_per_s``,
+    ``parcae/predicted_N`` (next interval), ``parcae/liveput`` and ``parcae/migration_s`` (time of the last
+    migration).
+
+    Args:
+        log_metrics: Log the metrics above (``self.log`` on every step; ``N``, ``D``, ``P`` on the progress bar).
+    """
+
+    def __init__(self, log_metrics: bool = True) -> None:
+        super().__init__()
+        self.log_metrics = log_metrics
+        self._t: Optional[float] = None
+        self._rate = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A joiner becomes a training member once its loop state has been restored."""
+        er = _elastic(trainer)
+        if er is None:
+            return
+        er.install_signal_handler()  # after Lightning's own: SIGTERM means "migrate away", not "stop"
+        if er.joining and er.life.phase.value != "training":
+            er.joined(trainer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Step boundary: agree, plan, switch or recover; then log the configuration."""
+        er = _elastic(trainer)
+        if er is None:
+            return
+        er.boundary(trainer)
+        now = time.time()
+        b = getattr(trainer.strategy, "_global_batch", None) or 0
+        if self._t is not None and now > self._t:
+            inst = b / (now - self._t)
+            self._rate = inst if self._rate == 0.0 else 0.8 * self._rate + 0.2 * inst
+        self._t = now
+        if not self.log_metrics or er.layout is None:
+            return
+        lay = er.layout
+        pred = er.stats.get("predicted_N")
+        values = {
+            "parcae/N": float(len(lay.members)), "parcae/D": float(lay.data_parallel),
+            "parcae/P": float(lay.pipeline_stages), "parcae/generation": float(er.generation),
+            "parcae/samples_per_s": float(self._rate),
+            "parcae/migration_s": float(er.migrations[-1]["duration_s"]) if er.migrations else 0.0,
+        }
+        if pred:
+            values["parcae/predicted_N"] = float(pred[0])
+        if er.stats.get("liveput") is not None:
+            values["parcae/liveput"] = float(er.stats["liveput"])
+        for k, v in values.items():
+            pl_module.log(k, v, on_step=True, on_epoch=False, prog_bar=k in ("parcae/N", "parcae/D", "parcae/P"),
+                          sync_dist=False, batch_size=1)

@@ -61,6 +61,7 @@ from lightning_parcae.runtime.checkpoint import (
 )
 from lightning_parcae.runtime.data import GlobalBatchSampler, global_batch_size, reshard_dataloader
 from lightning_parcae.runtime.groups import ProcessGroups
+from lightning_parcae.runtime.liveness import guarded
 from lightning_parcae.runtime.partition import (
     balance_stages,
     choose_pipeline_stages,
@@ -159,6 +160,15 @@ class ParcaeStrategy(ParallelStrategy):
         start_method: ``"popen"`` (re-run the script per process, like Lightning's DDP) or ``"spawn"``.
         process_group_backend: ``"gloo"`` / ``"nccl"`` (default: by device).
         timeout: collective timeout.
+        elastic: live reconfiguration (``None``: on when ``PARCAE_ELASTIC=1``, which ``parcae run`` sets). Needs a
+            coordination store that outlives the workers (``PARCAE_STORE``); see ``docs/elastic.md``.
+        interval_s: elastic only: planning interval (predictor + liveput optimizer) in wall seconds.
+        interval_steps: elastic only: planning interval in optimizer steps (0: wall time only).
+        look_ahead: elastic only: intervals the liveput optimizer plans over.
+        predictor: elastic only: ``"persistence"``, ``"arima"`` or ``"artifact"``.
+        heartbeat_s: elastic only: heartbeat period.
+        dead_after_s: elastic only: a member silent this long is declared dead.
+        max_pipeline_stages: elastic only: deepest pipeline the optimizer may choose (default: number of layers).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
     """
@@ -178,6 +188,14 @@ class ParcaeStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
+        elastic: Optional[bool] = None,
+        interval_s: float = 60.0,
+        interval_steps: int = 0,
+        look_ahead: int = 12,
+        predictor: str = "persistence",
+        heartbeat_s: float = 0.2,
+        dead_after_s: float = 3.0,
+        max_pipeline_stages: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -231,12 +249,41 @@ class ParcaeStrategy(ParallelStrategy):
         self._cursor_epoch = -1
         self._cursor = 0
         self._resume_data: Optional[dict[str, Any]] = None
+        # live reconfiguration
+        if elastic is None:
+            elastic = os.environ.get("PARCAE_ELASTIC", "0") not in ("", "0", "false")
+        self.elastic = bool(elastic)
+        self.elastic_options: dict[str, Any] = dict(
+            interval_s=interval_s, interval_steps=interval_steps, look_ahead=look_ahead, predictor=predictor,
+            heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
+        )
+        self.max_pipeline_stages = max_pipeline_stages
+        self.elastic_runtime: Optional[Any] = None
+        self._full_stack: Optional[nn.Sequential] = None
+        self._local_dump = False
+        self._step_batch: Optional[tuple[int, Any]] = None
+        self.last_step_indices: list[int] = []
+        self._train_loader: Optional[Any] = None
+        self._bg_writer: Optional[Any] = None
 
     # ============================================================================================ Lightning plumbing
     @property
     def is_distributed(self) -> bool:
         """Always distributed: Lightning must treat every process as one rank of the job."""
         return True
+
+    @property
+    def _solo(self) -> bool:
+        """A joiner before it trains: Lightning's set-up collectives would not be matched by the running members,
+        so ``broadcast`` / ``barrier`` / ``reduce`` act locally until it has joined."""
+        er = self.elastic_runtime
+        return er is not None and er.joining and er.life.phase.value != "training"
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A joiner restores after ``setup`` (its stage exists only then); everyone else restores before."""
+        er = self.elastic_runtime
+        return er is not None and er.joining
 
     @property
     def root_device(self) -> torch.device:
@@ -297,12 +344,22 @@ class ParcaeStrategy(ParallelStrategy):
         self.set_world_ranks()
         world = self.world_size
         p = len(self.partition) if self.partition else (self.pipeline_stages_option or 1)
-        if world % p:
+        joiner = self.elastic and os.environ.get("PARCAE_JOIN", "0") not in ("", "0", "false")
+        if world % p and not joiner:
             raise ConfigurationError(
                 f"pipeline_stages={p} does not divide devices x nodes = {world}; D = devices / P must be whole"
             )
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self._process_group_backend = backend
+        if self.elastic and self.elastic_runtime is None:
+            from lightning_parcae.runtime.elastic import ElasticRuntime  # noqa: PLC0415
+
+            self.elastic_runtime = ElasticRuntime.from_env(self, **self.elastic_options)
+            self._store = self.elastic_runtime.connect()
+            self._timeout = min(self._timeout, timedelta(minutes=5))
+            if self.elastic_runtime.joining:
+                self._join_environment(backend)
+                return
         if self._store is None and world == 1:
             self._store = dist.HashStore()
         elif self._store is None:
@@ -321,6 +378,30 @@ class ParcaeStrategy(ParallelStrategy):
         generation = int(os.environ.get("PARCAE_GENERATION_BASE", "0")) + _next_generation()
         self.groups = ProcessGroups(generation, self.global_rank, world, world // p, p, self._store, backend,
                                     self._timeout).build()
+        if self.elastic_runtime is not None:
+            self.elastic_runtime.boot_register(generation, self.global_rank)
+
+    def _join_environment(self, backend: str) -> None:
+        """A joiner: wait as a standby until admitted, receive state, build the admitting generation's groups."""
+        er = self.elastic_runtime
+        assert er is not None
+        rec = er.join_wait()
+        layout = er.layout
+        assert layout is not None
+        rank = layout.members.index(er.member)
+        self._set_ranks(rank, len(layout.members))
+        self.partition = list(layout.partition)
+        self.stack_path = rec["stack_path"]
+        self.layer_names = list(rec["layer_names"])
+        self.layer_times = list(rec.get("layer_times") or [])
+        self.groups = ProcessGroups(int(rec["generation"]), rank, len(layout.members), layout.data_parallel,
+                                    layout.pipeline_stages, self._store, backend, self._timeout).build()
+
+    def _set_ranks(self, rank: int, world: int) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(rank)
+            self.cluster_environment.set_world_size(world)
+        rank_zero_only.rank = rank
 
     # ============================================================================================ setup
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -339,13 +420,19 @@ class ParcaeStrategy(ParallelStrategy):
             )
         self.model = self.precision_plugin.convert_module(module)
         self._install_data_hook(trainer)
-        if self._stage is None:
+        joining = self.elastic_runtime is not None and self.elastic_runtime.joining and self._stage is None
+        if joining:
+            self._install_live_restore(trainer)
+            self._full_stack = self._stack()
+            self._build_stage()
+        elif self._stage is None:
             self.model_to_device()
             self._partition_module(trainer)
         else:  # a later Trainer stage (validate/test after fit): same partition, new groups
             self._p2p = P2P(self.root_device, self.groups.pipeline_group)
         self.model_to_device()
-        self._sync_replicas()
+        if not joining:
+            self._sync_replicas()
         self._bind_metrics()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -355,6 +442,123 @@ class ParcaeStrategy(ParallelStrategy):
 
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if self.elastic_runtime is not None and trainer.state.fn == TrainerFn.FITTING:
+            if "_after_closure" not in self.precision_plugin.__dict__:
+                self.precision_plugin._after_closure = self._after_closure_commit(  # type: ignore[method-assign]
+                    self.precision_plugin._after_closure
+                )
+            self._setup_elastic(trainer, joining)
+
+    # ============================================================================================ live reconfiguration
+    def _setup_elastic(self, trainer: "pl.Trainer", joining: bool) -> None:
+        """Attach the interval callback; initial members agree on generation 0, a joiner starts heartbeating."""
+        from lightning_parcae.callbacks import ParcaeElasticCallback  # noqa: PLC0415
+
+        er = self.elastic_runtime
+        assert er is not None
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigurationError(
+                f"live reconfiguration needs accumulate_grad_batches=1 (got {trainer.accumulate_grad_batches}): a "
+                "membership change between the micro-steps of one accumulated step cannot be replayed; raise the "
+                "DataLoader's batch_size instead"
+            )
+        if not any(isinstance(cb, ParcaeElasticCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(ParcaeElasticCallback())
+        from lightning_parcae.runtime.liveness import activate  # noqa: PLC0415
+
+        if joining:
+            return  # er.joined() runs once the loop state is restored (on_train_start)
+        er.boot_publish(trainer)
+        activate(er.live)
+
+    def _install_live_restore(self, trainer: "pl.Trainer") -> None:
+        """A joiner 'resumes' from the state received from live peers, through Lightning's own restore path."""
+        from lightning_parcae.runtime.elastic import LIVE_CHECKPOINT  # noqa: PLC0415
+
+        connector = trainer._checkpoint_connector
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path: Any = None, **kwargs: Any) -> None:
+            original(LIVE_CHECKPOINT, **kwargs)
+            connector.resume_start = original  # type: ignore[method-assign]
+
+        connector.resume_start = resume_start  # type: ignore[method-assign]
+
+    def apply_layout(self, trainer: "pl.Trainer", layout: Any, generation: int, received: Mapping[int, Any],
+                     group_of: list[dict[str, int]]) -> None:
+        """Rebuild this process's groups, stage, optimizer binding and data slice for ``layout`` (in place)."""
+        from lightning_parcae.runtime.migration import load_layer_payload, rebind_optimizer  # noqa: PLC0415
+
+        module = self.lightning_module
+        assert module is not None and self._full_stack is not None
+        rank = layout.members.index(self.elastic_runtime.member)  # type: ignore[union-attr]
+        world, d, p = len(layout.members), layout.data_parallel, layout.pipeline_stages
+        self._set_ranks(rank, world)
+        backend = self._process_group_backend or "gloo"
+        self.groups = ProcessGroups(generation, rank, world, d, p, self._store, backend, self._timeout).build()
+        self.partition = list(layout.partition)
+        # layers that arrived: load into the full stack (global names are "<stack_path>.<layer>.<param>")
+        replace_submodule(module, self.stack_path, self._full_stack)  # type: ignore[arg-type]
+        try:
+            for payload in received.values():
+                load_layer_payload(module, payload, self.root_device)
+        finally:
+            self._build_stage()
+        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
+        held = set(self.layer_names[a:b])
+        for name, layer in self._full_stack._modules.items():
+            layer.to(self.root_device if name in held else torch.device("cpu"))  # type: ignore[union-attr]
+        opt_state: list[dict[str, Any]] = [dict() for _ in self.optimizers]
+        for payload in received.values():
+            for k, per in enumerate(payload["optim"]):
+                if k < len(opt_state):
+                    opt_state[k].update(per)
+        for k, opt in enumerate(self.optimizers):
+            inner = getattr(opt, "_optimizer", opt)
+            rebind_optimizer(inner, module, group_of[k] if k < len(group_of) else {}, opt_state[k])
+        if self._train_sampler is not None:
+            self._train_sampler.reshard(d, self.groups.coords.replica, d * self.micro_batches)
+        self._bind_metrics()
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """One optimizer step; under live reconfiguration a step interrupted by a lost peer is applied everywhere
+        or discarded everywhere (two-phase), then re-run on the recovered shape with the same global batch."""
+        er = self.elastic_runtime
+        if er is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        from lightning_parcae.errors import PeerLostError  # noqa: PLC0415
+
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        step = int(trainer.global_step)
+        cursor = (self._cursor_epoch, self._cursor)
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        while True:
+            self._committing = step
+            try:
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+            except PeerLostError as exc:
+                log.warning("step %d interrupted: %s", step, exc)
+                if er.decide_commit(step):
+                    inner.step()  # everyone reduced its gradients: apply the step as the others did
+                    er.recover(trainer)
+                    return None
+                for p in (self.lightning_module.parameters() if self.lightning_module is not None else []):
+                    p.grad = None
+                self._pending_grads = None
+                self._cursor_epoch, self._cursor = cursor
+                er.recover(trainer)
+            finally:
+                self._committing = None
+
+    def _after_closure_commit(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def after_closure(model: Any, optimizer: Any) -> Any:
+            out = original(model, optimizer)
+            er = self.elastic_runtime
+            if er is not None and getattr(self, "_committing", None) is not None:
+                er.commit(int(self._committing))
+            return out
+
+        return after_closure
 
     def model_to_device(self) -> None:
         """Move the (local) module to this process's device."""
@@ -403,13 +607,14 @@ class ParcaeStrategy(ParallelStrategy):
             self.groups = self.groups.rebuilt(world // len(sizes), len(sizes))
         self.layer_times = times
         self.partition = sizes
+        self._full_stack = stack
         self._build_stage()
 
     def _build_stage(self) -> None:
         """(Re)build this process's stage module, proxy and transport from ``partition`` and ``groups``."""
         assert self.groups is not None and self.lightning_module is not None and self.stack_path is not None
         a, b = stage_bounds(self.partition)[self.groups.coords.stage]
-        full = self._stack()
+        full = self._full_stack if self._full_stack is not None else self._stack()
         self._stage = cut_stage(full, self.layer_names[a:b])
         replace_submodule(self.lightning_module, self.stack_path, self._stage)
         self._proxy = StageProxy(self._stage)
@@ -531,6 +736,7 @@ class ParcaeStrategy(ParallelStrategy):
             )
             if train:
                 self._train_sampler = sampler
+                self._train_loader = loader
                 self._global_batch = sampler.global_batch
                 if self._resume_data is not None:
                     sampler.start_at(self._resume_data["epoch"], self._resume_data["cursor"],
@@ -582,7 +788,7 @@ class ParcaeStrategy(ParallelStrategy):
         g = self.groups
         assert module is not None and g is not None and self._p2p is not None and self._stage is not None
         trainer = module.trainer
-        batch, rest = args[0], tuple(args[1:])
+        batch, rest = self._effective_batch(args[0]), tuple(args[1:])
         m_total = self.micro_batches
         micro = split_micro_batches(batch, m_total)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -620,6 +826,33 @@ class ParcaeStrategy(ParallelStrategy):
         if isinstance(last, Mapping):
             return {**last, "loss": loss}
         return loss
+
+    def _effective_batch(self, batch: Any) -> Any:
+        """This pipeline's slice of the current global batch -- re-cut if the shape changed after it was loaded.
+
+        Lightning prefetches the next batch (and DataLoader workers prefetch more), so a batch may have been sliced
+        for the previous D. The sampler recorded each batch's global indices; a stale slice is rebuilt here from the
+        dataset with the loader's ``collate_fn``. A step re-run after a failure reuses the batch it started with.
+        """
+        sampler = self._train_sampler
+        if sampler is None or self.groups is None:
+            return batch
+        if self._step_batch is not None and self._step_batch[0] == id(batch):
+            record = self._step_batch[1]
+        elif sampler.records:
+            record = sampler.records.popleft()
+            self._step_batch = (id(batch), record)
+        else:
+            return batch
+        d, replica, chunk = record
+        g = self.groups
+        self.last_step_indices = sampler.slice_of(chunk, g.data_parallel, g.coords.replica)
+        if (d, replica) == (g.data_parallel, g.coords.replica):
+            return batch
+        loader = self._train_loader
+        assert loader is not None
+        fresh = loader.collate_fn([loader.dataset[i] for i in self.last_step_indices])
+        return self.batch_to_device(fresh)
 
     def _mirror_train(self, micro: list[Any], rest: tuple[Any, ...], kwargs: dict[str, Any],
                       outputs: list[Tensor], results: list[Any]) -> list[Any]:
@@ -719,7 +952,7 @@ class ParcaeStrategy(ParallelStrategy):
                 continue  # counted once, on stage 0
             sq += p.grad.detach().float().pow(2).sum()
         if g.pipeline_stages > 1:
-            dist.all_reduce(sq, group=g.pipeline_group)
+            guarded(lambda: dist.all_reduce(sq, group=g.pipeline_group, async_op=True), "gradient-norm all-reduce")
         total = sq.sqrt()
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
         for p in params:
@@ -732,7 +965,7 @@ class ParcaeStrategy(ParallelStrategy):
         With ``group=None`` the reduction runs over all ranks; since the P stages of a pipeline hold identical
         (mirrored) values, ``mean`` / ``max`` / ``min`` are unaffected and ``sum`` is divided by P.
         """
-        if not isinstance(tensor, Tensor) or self.groups is None or self.groups.world == 1:
+        if not isinstance(tensor, Tensor) or self.groups is None or self.groups.world == 1 or self._solo:
             return tensor
         op = _op_name(reduce_op)
         out = tensor.detach().clone()
@@ -748,7 +981,7 @@ class ParcaeStrategy(ParallelStrategy):
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002
         """All (or any) over every rank of the job."""
-        if self.groups is None or self.groups.world == 1:
+        if self.groups is None or self.groups.world == 1 or self._solo:
             return decision
         t = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(t, op=ReduceOp.SUM)
@@ -756,7 +989,7 @@ class ParcaeStrategy(ParallelStrategy):
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         """Barrier over every rank."""
-        if not dist.is_initialized():
+        if not dist.is_initialized() or self._solo:
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -765,7 +998,7 @@ class ParcaeStrategy(ParallelStrategy):
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Broadcast a picklable object from global rank ``src``."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_initialized() or dist.get_world_size() == 1 or self._solo:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -785,6 +1018,8 @@ class ParcaeStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        if self._local_dump:
+            return local
         parts = self._replica0_gather(local)
         if parts is None or self.global_rank != 0:
             return local
@@ -798,6 +1033,8 @@ class ParcaeStrategy(ParallelStrategy):
         inner = getattr(optimizer, "_optimizer", optimizer)
         assert self.lightning_module is not None
         local = named_optimizer_state(inner, self.lightning_module)
+        if self._local_dump:
+            return local
         parts = self._replica0_gather(local)
         if parts is None or self.global_rank != 0:
             return local
@@ -821,12 +1058,45 @@ class ParcaeStrategy(ParallelStrategy):
             checkpoint = plain_containers(checkpoint)
             if storage_options is not None or "://" in str(filepath):
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            elif self.elastic_runtime is not None:
+                self._save_in_background(checkpoint, str(filepath))
             else:
                 atomic_save(checkpoint, filepath)
 
+    def _save_in_background(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Write a (gathered, copied) checkpoint from a thread so training does not wait for the disk.
+
+        One write at a time: a new save first waits for the previous one, so ``last.ckpt`` is never older than the
+        newest finished write and never torn (the write itself is atomic).
+        """
+        import threading  # noqa: PLC0415
+
+        from lightning_parcae.runtime.checkpoint import _to_cpu  # noqa: PLC0415
+
+        snapshot = _to_cpu(checkpoint)  # copies: the optimizer keeps updating the live tensors
+        if self._bg_writer is not None:
+            self._bg_writer.join()
+        self._bg_writer = threading.Thread(target=atomic_save, args=(snapshot, path), name="parcae-ckpt",
+                                           daemon=False)
+        self._bg_writer.start()
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a background checkpoint write has finished."""
+        if self._bg_writer is not None:
+            self._bg_writer.join()
+            self._bg_writer = None
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read a checkpoint (always ``weights_only=True``) and remember its sample cursor."""
-        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        """Read a checkpoint (always ``weights_only=True``) and remember its sample cursor.
+
+        A joiner's checkpoint is not a file: it is the state it received from live peers.
+        """
+        from lightning_parcae.runtime.elastic import LIVE_CHECKPOINT  # noqa: PLC0415
+
+        if checkpoint_path == LIVE_CHECKPOINT and self.elastic_runtime is not None:
+            checkpoint = self.elastic_runtime.joiner_checkpoint()
+        else:
+            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
         parcae = checkpoint.get(_CKPT_KEY)
         if isinstance(parcae, Mapping) and "data" in parcae:
             self._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"]),
@@ -890,6 +1160,15 @@ class ParcaeStrategy(ParallelStrategy):
             trainer._data_connector.__dict__.pop("_prepare_dataloader", None)
             self._prepare_patch = None
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
+        self.precision_plugin.__dict__.pop("_after_closure", None)
+        self.wait_for_checkpoint()
+        if self.elastic_runtime is not None:
+            from lightning_parcae.runtime.lifecycle import Phase  # noqa: PLC0415
+
+            finished = self.elastic_runtime.life.phase == Phase.TRAINING
+            if finished:
+                self.elastic_runtime.life.to(Phase.STOPPED)
+            self.elastic_runtime.close(finished=finished)
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()
@@ -956,7 +1235,7 @@ def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> N
     for same in by_dtype.values():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
+        guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce")
         if scale != 1.0:
             flat.mul_(scale)
         offset = 0

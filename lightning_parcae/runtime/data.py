@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -67,7 +68,21 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self._warned = False
         self._resume: Optional[tuple[int, Optional[torch.Tensor]]] = None
         self._rng_state: Optional[torch.Tensor] = None
+        self.records: deque[tuple[int, int, list[int]]] = deque()
         self.sampler = self  # so that Lightning's _set_sampler_epoch finds set_epoch
+
+    def reshard(self, replicas: int, replica: int, unit: int) -> None:
+        """Change D and this pipeline's index (live reconfiguration); batches from now on use the new slice.
+
+        Batches already drawn (prefetched by Lightning or DataLoader workers) keep their old slice; their
+        :attr:`records` let the strategy re-slice them (:meth:`slice_of`).
+        """
+        self.replicas, self.replica, self.unit = replicas, replica, unit
+
+    def slice_of(self, chunk: list[int], replicas: int, replica: int) -> list[int]:
+        """Pipeline ``replica``'s part of a training global batch ``chunk`` split over ``replicas``."""
+        per = len(chunk) // replicas
+        return chunk[replica * per : (replica + 1) * per]
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration uses (called by Lightning)."""
@@ -131,12 +146,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order = self._order()
         start, self.cursor = self.cursor, 0
+        self.records.clear()
         for a in range(start, len(order), self.global_batch):
             chunk = order[a : a + self.global_batch]
             if len(chunk) < self.global_batch and self.drop_last:
                 return
             part = self._slice(chunk)
             if part is not None:
+                # (D, replica, global batch) of every batch handed out, consumed in order by the strategy
+                self.records.append((self.replicas, self.replica, chunk))
                 yield part
 
     def __len__(self) -> int:

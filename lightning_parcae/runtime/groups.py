@@ -170,6 +170,32 @@ class ProcessGroups:
         self._data_groups = []
         self._built = False
 
+    def abandon(self) -> list[Any]:
+        """Forget this generation *without* shutting its groups down (after a failure); returns them to park.
+
+        ``destroy_process_group`` shuts every backend down, and a gloo backend with an operation stuck on a dead
+        peer blocks that shutdown until the operation's timeout. After a failure the survivors instead drop the
+        generation from torch's registry (so the next generation can initialize) and keep the old group objects
+        referenced forever (their destructor would block the same way). This uses torch's private registry, the
+        same steps ``destroy_process_group`` takes after its shutdown calls.
+        """
+        from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+        kept: list[Any] = list(self._pipeline_groups) + list(self._data_groups)
+        if dist.is_initialized():
+            kept.extend(c10d._world.pg_map.keys())
+            c10d._update_default_pg(None)
+            for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks,
+                          c10d._world.pg_backend_config, c10d._world.pg_to_tag, c10d._world.tags_to_pg,
+                          c10d._world.pg_coalesce_state):
+                table.clear()
+            c10d._unregister_all_process_groups()
+            c10d._world.group_count = 0
+        self._pipeline_groups = []
+        self._data_groups = []
+        self._built = False
+        return kept
+
     def rebuilt(self, data_parallel: int, pipeline_stages: int, rank: Optional[int] = None,
                 world: Optional[int] = None) -> "ProcessGroups":
         """Destroy this generation and build generation ``g + 1`` with a new shape (collective).

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parcae.runtime.liveness import guarded, guarded_post, guarded_wait
 from lightning_parcae.errors import BatchSplitError, ConfigurationError, ModelLayoutError
 
 __all__ = [
@@ -246,43 +247,45 @@ class P2P:
             )
         data = t.detach().contiguous()
         if with_header:
-            self._pending.append(dist.isend(self._header(data), dst, tag=3 * tag))
-        self._pending.append(dist.isend(data, dst, tag=3 * tag + (1 if with_header else 2)))
+            header = self._header(data)
+            self._pending.append(guarded_post(lambda: dist.isend(header, dst, tag=3 * tag), "pipeline send"))
+        self._pending.append(guarded_post(lambda: dist.isend(data, dst, tag=3 * tag + (1 if with_header else 2)),
+                                          "pipeline send"))
 
     def recv(self, src: int, tag: int) -> Tensor:
         """Receive a tensor with header from global rank ``src`` (blocking)."""
         h = torch.empty(2 + _MAX_NDIM, dtype=torch.int64, device=self.device)
-        dist.recv(h, src, tag=3 * tag)
+        guarded(lambda: dist.irecv(h, src, tag=3 * tag), "pipeline receive")
         shape, dtype = self._parse(h)
         t = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(t, src, tag=3 * tag + 1)
+        guarded(lambda: dist.irecv(t, src, tag=3 * tag + 1), "pipeline receive")
         return t
 
     def recv_like(self, ref: Tensor, src: int, tag: int) -> Tensor:
         """Receive a tensor shaped like ``ref`` (a gradient) from global rank ``src`` (blocking)."""
         t = torch.empty(ref.shape, dtype=ref.dtype, device=self.device)
-        dist.recv(t, src, tag=3 * tag + 2)
+        guarded(lambda: dist.irecv(t, src, tag=3 * tag + 2), "pipeline gradient receive")
         return t
 
     def wait_all(self) -> None:
         """Wait for every posted send."""
-        for work in self._pending:
-            work.wait()
-        self._pending.clear()
+        pending, self._pending = self._pending, []
+        for work in pending:
+            guarded_wait(work, "pipeline send")
 
     def broadcast(self, t: Optional[Tensor], src: int) -> Tensor:
         """Broadcast a tensor of unknown shape from global rank ``src`` over the pipeline group."""
         h = self._header(t) if t is not None and dist.get_rank() == src else torch.empty(
             2 + _MAX_NDIM, dtype=torch.int64, device=self.device
         )
-        dist.broadcast(h, src, group=self.group)
+        guarded(lambda: dist.broadcast(h, src, group=self.group, async_op=True), "pipeline broadcast")
         shape, dtype = self._parse(h)
         if dist.get_rank() == src:
             assert t is not None
             data = t.detach().contiguous()
         else:
             data = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.broadcast(data, src, group=self.group)
+        guarded(lambda: dist.broadcast(data, src, group=self.group, async_op=True), "pipeline broadcast")
         return data
 
 

@@ -1,0 +1,123 @@
+"""A tiny deterministic training job for the live-reconfiguration tests (run as a worker process).
+
+Every sample carries its index, so the test can check that each one is consumed exactly once. After every step,
+stage-0 ranks append the sample ids of their slice, and every rank appends a digest of its stage's parameters
+(replicas of a stage must agree). At the end every process writes its parameters (global names) to
+``<out>/final_<member>.pt``. ``--reference`` trains the same job in one plain process (no strategy) and writes
+``<out>/reference.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import pytorch_lightning as pl
+
+
+class Indexed(Dataset):
+    """Synthetic regression data: (x, y, index)."""
+
+    def __init__(self, n: int = 512) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randn(n, 2, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
+                                 nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class Recorder(pl.Callback):
+    def __init__(self, out: str, delay: float) -> None:
+        self.out = out
+        self.delay = delay
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        s = trainer.strategy
+        er = getattr(s, "elastic_runtime", None)
+        member = er.member if er else "single"
+        g = s.groups
+        stage = g.coords.stage if g else 0
+        prefix = f"{s.stack_path}." if getattr(s, "stack_path", None) else "net."
+        digest = {k: float(v.double().sum()) + float(v.double().abs().sum()) * 1e-3
+                  for k, v in pl_module.state_dict().items() if k.startswith(prefix)}
+        rec = {"step": int(trainer.global_step), "gen": er.generation if er else 0, "member": member,
+               "stage": stage, "replica": g.coords.replica if g else 0, "digest": digest, "t": time.time()}
+        if stage == 0:
+            rec["ids"] = list(map(int, s.last_step_indices)) if hasattr(s, "last_step_indices") else []
+        with open(os.path.join(self.out, f"steps_{member}.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.delay:
+            time.sleep(self.delay)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-steps", type=int, default=24)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--pipeline-stages", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--interval-steps", type=int, default=0)
+    ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--ckpt-every", type=int, default=0)
+    ap.add_argument("--reference", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    loader = DataLoader(Indexed(), batch_size=args.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(11))
+    model = Net()
+    common = dict(accelerator="cpu", max_steps=args.max_steps, max_epochs=-1, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    if args.reference:
+        trainer = pl.Trainer(devices=1, **common)
+        trainer.fit(model, loader)
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "reference.pt"))
+        return
+    from lightning_parcae.callbacks import ParcaeRunCallback, resume_path
+    from lightning_parcae.strategy import ParcaeStrategy
+
+    strategy = ParcaeStrategy(pipeline_stages=args.pipeline_stages, micro_batches=args.micro_batches, elastic=True,
+                              interval_s=0, interval_steps=args.interval_steps, heartbeat_s=0.1, dead_after_s=1.5)
+    callbacks: list[pl.Callback] = [Recorder(args.out, args.delay)]
+    if args.ckpt_every:
+        callbacks.append(ParcaeRunCallback(every_n_steps=args.ckpt_every, check_token=False))
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    trainer = pl.Trainer(devices=devices, strategy=strategy, callbacks=callbacks, **common)
+    trainer.fit(model, loader, ckpt_path=resume_path())
+    er = strategy.elastic_runtime
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    torch.save(state, os.path.join(args.out, f"final_{er.member}.pt"))
+
+
+if __name__ == "__main__":
+    main()
