@@ -37,11 +37,12 @@ class Indexed(Dataset):
 
 
 class Net(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16) -> None:
         super().__init__()
         torch.manual_seed(3)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16),
-                                 nn.Tanh(), nn.Linear(16, 2))
+        h = hidden
+        self.net = nn.Sequential(nn.Linear(8, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h),
+                                 nn.Tanh(), nn.Linear(h, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -90,12 +91,14 @@ def main() -> None:
     ap.add_argument("--interval-steps", type=int, default=0)
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--ckpt-every", type=int, default=0)
+    ap.add_argument("--hidden", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=512, help="dataset size (a multiple of the batch size)")
     ap.add_argument("--reference", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    loader = DataLoader(Indexed(), batch_size=args.batch_size, shuffle=True,
+    loader = DataLoader(Indexed(args.samples), batch_size=args.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(11))
-    model = Net()
+    model = Net(args.hidden)
     common = dict(accelerator="cpu", max_steps=args.max_steps, max_epochs=-1, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     if args.reference:

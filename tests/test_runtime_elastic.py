@@ -30,8 +30,9 @@ BATCH = 16
 def _assert_invariant(job: ElasticJob, tmp_path: Path, args: list[str], max_steps: int) -> None:
     steps = job.steps()
     assert max(r["step"] for r in steps) == max_steps, job.tail()
-    ids = check_samples_once(steps, max_steps, BATCH)
-    epoch = 512
+    batch = int(args[args.index("--batch-size") + 1]) if "--batch-size" in args else BATCH
+    ids = check_samples_once(steps, max_steps, batch)
+    epoch = int(args[args.index("--samples") + 1]) if "--samples" in args else 512
     for a in range(0, len(ids), epoch):  # each epoch (512 samples) is a permutation: nothing repeated or skipped
         chunk = ids[a : a + epoch]
         assert len(set(chunk)) == len(chunk), "a sample was consumed twice within one epoch"
@@ -123,3 +124,30 @@ def test_elastic_falls_back_to_the_checkpoint_if_every_replica_of_a_stage_dies(t
             and e.get("resumed_from")]
     assert lost and 4 <= lost[-1]["resumed_from"] <= 9  # resumed from the last periodic checkpoint before the loss
     _assert_invariant(job, tmp_path, args, 20)
+
+
+@pytest.mark.slow
+def test_elastic_fences_a_member_if_it_hangs_past_the_heartbeat_timeout_and_wakes_up(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    args = ["--max-steps", "30", "--pipeline-stages", "1", "--interval-steps", "0", "--delay", "0.2",
+            "--batch-size", "24", "--samples", "480"]
+    job = ElasticJob(tmp_path / "job", args)
+    try:
+        job.start(3)
+        job.wait_step(4)
+        t0 = time.time()
+        os.kill(job.procs["m2"].pid, signal.SIGSTOP)  # a frozen VM: no TCP reset, no heartbeat
+        job.wait_step(9)
+        os.kill(job.procs["m2"].pid, signal.SIGCONT)
+        rc = job.wait(240)
+    finally:
+        job.stop()
+    assert rc["m2"] == 77, job.tail()  # woke up, found itself out of the job, left without touching it
+    assert rc["m0"] == 0 and rc["m1"] in (0, 76)
+    rec = [e for e in job.events() if e.get("event") == "recovering" and e.get("member") == "m0"]
+    assert rec and "m2" in rec[0]["dead"]
+    assert rec[0]["time"] - t0 < 10.0  # detected by heartbeats within seconds, not by a collective timeout
+    _assert_invariant(job, tmp_path, args, 30)

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_parcae.costmodel import DefaultCostModel, Shape, ShapeLimits, ThroughputModel
-from lightning_parcae.errors import ConfigurationError, FencedError, PeerLostError
+from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planner import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.predictor import make_predictor
@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lightning_parcae.strategy import ParcaeStrategy
 
-__all__ = ["ElasticRuntime", "RuntimeThroughput", "FALLBACK_EXIT", "RELEASED_EXIT", "LIVE_CHECKPOINT"]
+__all__ = ["ElasticRuntime", "RuntimeThroughput", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ FALLBACK_EXIT = 75
 """Exit status of a member when some stage lost every replica: restart the job from the last checkpoint."""
 RELEASED_EXIT = 76
 """Exit status of a healthy member the new shape does not use: restart it as a standby (``PARCAE_JOIN=1``)."""
+FENCED_EXIT = 77
+"""Exit status of a member that woke up after the others declared it dead (it must not touch the job again)."""
 LIVE_CHECKPOINT = "parcae-live://peers"
 """The checkpoint path a joiner 'resumes' from: the state it received from live peers, not a file."""
 
@@ -189,6 +191,7 @@ class ElasticRuntime:
         self._optimizer: Optional[LiveputOptimizer] = None
         self._boot_rank = -1
         self._step_snapshot: Optional[int] = None
+        self._request_done: Any = None
         self.run_dir = os.environ.get("PARCAE_RUN_DIR")
 
     # ============================================================================================ connection
@@ -582,6 +585,9 @@ class ElasticRuntime:
         avail = staying + standbys
         cur = (old.data_parallel, old.pipeline_stages)
         shape = self._choose_shape(len(old.members) + len(standbys), len(avail), observe=not leaving)
+        requested = self._requested_shape(len(avail))
+        if requested is not None:
+            shape, reason = requested, f"{reason}; operator requested D={requested[0]} P={requested[1]}"
         if shape != cur or standbys or leaving:
                 self.event("decision", reason=reason, N=len(avail), current=list(cur), chosen=list(shape) if shape else None,
                        standbys=standbys, leaving=leaving, predicted=self.stats.get("predicted_N"),
@@ -600,6 +606,25 @@ class ElasticRuntime:
         rec = self._record(self.generation + 1, plan.new, plan, plan.kind.value, int(trainer.global_step),
                            reason=reason)
         return self.coord.propose(rec)
+
+    def _requested_shape(self, n: int) -> Optional[Shape]:
+        """An operator's one-off resize request (record ``parcae/request`` = ``{"id", "D", "P"}``), if new and valid.
+
+        This is how a person (or a benchmark) forces a shape regardless of the optimizer; it is applied at the next
+        planning interval, once per ``id``.
+        """
+        assert self.coord is not None
+        req = self.coord.get("parcae/request")
+        if not req or req.get("id") == self._request_done:
+            return None
+        self._request_done = req.get("id")
+        shape = (int(req.get("D", 0)), int(req.get("P", 0)))
+        thr = self._optimizer.thr if self._optimizer is not None else None
+        if shape[0] * shape[1] > n or shape[1] > len(self.s.layer_names) or (thr and thr.throughput(*shape) <= 0):
+            log.warning("ignoring the requested shape %s: it does not fit %d instances / this job's batch", shape, n)
+            self.event("request_ignored", requested=list(shape), N=n)
+            return None
+        return shape
 
     def _propose_fallback(self, step: int, reason: str) -> dict[str, Any]:
         assert self.coord is not None and self.layout is not None
@@ -773,8 +798,13 @@ class ElasticRuntime:
         else:
             rec = existing
         if self.member not in rec.get("transition", old.members):
+            # e.g. a process that hung (SIGSTOP, a frozen VM) past the heartbeat timeout and then woke up
+            msg = f"{self.member} is not a member of generation {g + 1} (declared dead while silent); exiting"
+            log.warning(msg)
+            print(msg, file=sys.stderr, flush=True)
+            self.event("fenced", reason=msg)
             self.life.to(Phase.FENCED, reason="not in the survivors' generation")
-            raise FencedError(f"{self.member} is not a member of generation {g + 1}; exiting")
+            _exit(FENCED_EXIT)
         self.switch(trainer, rec)
 
     def fallback(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
