@@ -15,8 +15,18 @@ The planner side (:mod:`~lightning_parcae.traces`, :mod:`~lightning_parcae.predi
 :mod:`~lightning_parcae.planner`, :mod:`~lightning_parcae.sim`) is plain Python/numpy. The runtime
 (:mod:`~lightning_parcae.strategy`, :mod:`~lightning_parcae.runtime`) imports it, never the reverse.
 
-See ``docs/failure_contract.md`` for what happens on a notice, a sudden loss, a scale-up and the loss of a whole
-stage.
+Failure contract (``ParcaeStrategy(elastic=True)``, the default under ``parcae run``; details in
+``docs/failure_contract.md``). In every case training ends with the parameters an uninterrupted run would reach:
+
+* **Notice** (cloud metadata, SIGTERM, trace replay): at the next step boundary every member learns it, the leader
+  plans the next shape and the member under notice hands over what it holds, then exits. No step is lost.
+* **Sudden loss** (SIGKILL, a hung or vanished VM): heartbeats declare the member dead within seconds; the step in
+  flight is applied everywhere or discarded everywhere (two-phase commit), survivors rebuild in place and re-run
+  a discarded step with the same global batch.
+* **Scale-up**: the new process waits as a warm standby and joins at a planning interval with its layers from live
+  peers and the loop state from the leader -- no disk, no restart of the others.
+* **A whole stage lost** (no live replica of some layer): every member says so loudly and exits with status 75;
+  ``parcae run`` restarts the job from the last periodic checkpoint, losing only the steps since it.
 """
 
 from __future__ import annotations
