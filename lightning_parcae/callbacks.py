@@ -174,7 +174,10 @@ class ParcaeRunCallback(pl.Callback):
         """Agree on a stop, checkpoint every K steps, and emit progress."""
         if not self.active:
             return
-        if not self._samples_per_step:
+        global_batch = getattr(trainer.strategy, "_global_batch", None)
+        if global_batch:  # the global batch stays fixed while D changes under live reconfiguration
+            self._samples_per_step = int(global_batch)
+        elif not self._samples_per_step:
             self._samples_per_step = _batch_len(batch) * int(getattr(trainer.strategy, "data_parallel", 1))
         now = time.time()
         step = int(trainer.global_step)

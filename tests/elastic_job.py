@@ -53,8 +53,11 @@ class Net(pl.LightningModule):
         self.log("loss", loss)
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
+    def configure_optimizers(self) -> dict:
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        # a scheduler whose state must survive migrations and reach joiners (the LR changes every 5 steps)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class Recorder(pl.Callback):

@@ -32,3 +32,57 @@ def test_runtime_throughput_forbids_shapes_if_d_does_not_split_the_global_batch(
     assert thr.throughput(2, 1) > thr.throughput(1, 2) > 0.0
     assert thr.throughput(1, 5) == 0.0  # more stages than layers
     assert thr.candidates(3) == [(1, 2), (1, 3), (2, 1)]
+
+
+class _Owner:
+    """Just enough of a strategy for ElasticRuntime's commit logic."""
+
+    layer_names: list[str] = []
+
+
+def _runtime(store, member: str, members: tuple[str, ...]):  # noqa: ANN001, ANN202
+    from lightning_parcae.planner import Layout
+    from lightning_parcae.runtime.coordinator import Coordinator
+    from lightning_parcae.runtime.elastic import ElasticRuntime
+    from lightning_parcae.runtime.liveness import Liveness
+
+    er = ElasticRuntime(_Owner(), store_url="unused", token=None, member=member)  # type: ignore[arg-type]
+    er.store, er.coord = store, Coordinator(store)
+    er.live = Liveness(lambda: store, member, poll_s=0.01)
+    er.live.set_generation(4, [])
+    er.generation, er.layout = 4, Layout(members, (1,))
+    return er
+
+
+def test_commit_applies_the_step_everywhere_if_every_member_counted_in() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    a, b = _runtime(store, "a", ("a", "b")), _runtime(store, "b", ("a", "b"))
+    import threading
+
+    t = threading.Thread(target=a.commit, args=(9,))
+    t.start()
+    b.commit(9)  # the last to arrive decides "apply"; the waiter sees it
+    t.join(5)
+    assert not t.is_alive()
+    # a failure discovered *after* everyone counted in cannot turn the step into a discard
+    assert a.decide_commit(9) is True
+
+
+def test_commit_discards_the_step_for_everyone_if_a_member_never_counted_in() -> None:
+    import pytest
+    import torch.distributed as dist
+
+    from lightning_parcae.errors import PeerLostError
+
+    store = dist.HashStore()
+    a, b = _runtime(store, "a", ("a", "b", "c")), _runtime(store, "b", ("a", "b", "c"))
+    a.live.abort("c died")  # noqa: the heartbeat thread would do this
+    with pytest.raises(PeerLostError):
+        a.commit(3)  # counted in, then the generation was aborted while waiting for c
+    assert a.decide_commit(3) is False  # 2 of 3 counted in: discard
+    # b arrives late (it was slow, not dead): it must obey the decision already taken, not apply the step
+    with pytest.raises(PeerLostError, match="discarded"):
+        b.commit(3)
+    assert b.decide_commit(3) is False

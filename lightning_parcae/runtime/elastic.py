@@ -192,6 +192,7 @@ class ElasticRuntime:
         self._boot_rank = -1
         self._step_snapshot: Optional[int] = None
         self._request_done: Any = None
+        self._standby_seen: dict[str, bytes] = {}
         self.run_dir = os.environ.get("PARCAE_RUN_DIR")
 
     # ============================================================================================ connection
@@ -495,27 +496,30 @@ class ElasticRuntime:
 
     # ============================================================================================ planning
     def _fresh_standbys(self) -> list[str]:
-        """Registered standbys whose heartbeat moves (checked over two heartbeat periods)."""
+        """Registered standbys whose heartbeat moves and says ``standby``.
+
+        A heartbeat "moves" if it changed since the previous planning interval; a standby seen for the first time
+        is watched for two heartbeat periods (the only time the leader waits).
+        """
         assert self.coord is not None and self.layout is not None
         cands = [m for m in dict.fromkeys(self.coord.standbys()) if m not in self.layout.members]
-        if not cands:
-            return []
 
-        def beats() -> dict[str, Optional[bytes]]:
-            out: dict[str, Optional[bytes]] = {}
-            for m in cands:
-                out[m] = bytes(self.store.get(hb_key(m))) if self.store.check([hb_key(m)]) else None
-            return out
+        def beats(members: list[str]) -> dict[str, Optional[bytes]]:
+            return {m: bytes(self.store.get(hb_key(m))) if self.store.check([hb_key(m)]) else None for m in members}
 
-        first = beats()
-        time.sleep(2.5 * self.heartbeat_s)
-        second = beats()
+        now = beats(cands)
+        new = [m for m in cands if m not in self._standby_seen and now[m] is not None]
+        moved = {m for m in cands if m in self._standby_seen and now[m] != self._standby_seen[m]}
+        if new:
+            time.sleep(2.5 * self.heartbeat_s)
+            later = beats(new)
+            moved |= {m for m in new if later[m] != now[m]}
+            now.update(later)
+        self._standby_seen = {m: b for m, b in now.items() if b is not None}
         alive = []
         for m in cands:
-            b = second[m]
-            if b is None or b == first[m]:
-                continue
-            if json.loads(b.decode()).get("phase") == "standby":
+            b = now[m]
+            if m in moved and b is not None and json.loads(b.decode()).get("phase") == "standby":
                 alive.append(m)
         return alive
 
@@ -743,10 +747,20 @@ class ElasticRuntime:
             won = bytes(self.store.compare_set(key, "", b"apply"))
             if won != b"apply":
                 raise PeerLostError(f"step {step} was discarded by a survivor before everyone counted in")
+            self._forget_commit(step - 1)
             return
         self.live.wait_key(self.store, key, f"commit of step {step}")
         if bytes(self.store.get(key)) != b"apply":
             raise PeerLostError(f"step {step} was discarded after a failure")
+
+    def _forget_commit(self, step: int) -> None:
+        """Delete a finished step's commit keys (everyone has passed it), so the store does not grow per step."""
+        base = Coordinator.commit_key(self.generation, step)
+        for key in (base, base + "/done", base + "/decision"):
+            try:
+                self.store.delete_key(key)
+            except Exception:  # noqa: BLE001 -- a store without delete (older etcd v2 API) just keeps them
+                return
 
     def recover(self, trainer: "pl.Trainer") -> None:
         """Survivors of an aborted generation agree on the next one (survivors only) and migrate to it."""

@@ -27,6 +27,7 @@ Without an active :class:`Liveness` (static jobs), :func:`guarded_wait` is a pla
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import queue
@@ -139,8 +140,17 @@ class Liveness:
             self.aborted.set()
 
     def park(self, obj: Any) -> None:
-        """Keep a reference to an abandoned work/group forever: dropping it could block until its timeout."""
+        """Keep an abandoned work/group alive for the life of the process.
+
+        Dropping it could block until its timeout, and destroying a gloo group whose threads are stuck on a dead
+        peer at interpreter exit aborts the process ("terminate called without an active exception"). So its
+        reference count is raised once more than any owner will ever release: it is never destroyed (a bounded
+        leak of one generation's groups per failure).
+        """
+        if obj is None:
+            return
         self._parked.append(obj)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
     # ------------------------------------------------------------------------------------------------ waiting
     def wait(self, work: Any, what: str = "collective") -> None:
