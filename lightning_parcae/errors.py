@@ -20,7 +20,6 @@ __all__ = [
     "CoordinationError",
     "NoticeSourceError",
     "PeerLostError",
-    "FencedError",
 ]
 
 
@@ -70,7 +69,3 @@ class PeerLostError(ParcaeError, RuntimeError):
     Raised out of a guarded wait (see :mod:`lightning_parcae.runtime.liveness`) so that the step in flight is
     discarded on every survivor and the job recovers under a new generation.
     """
-
-
-class FencedError(ParcaeError, RuntimeError):
-    """This process is no longer a member of the job's current generation (it was declared dead or replaced)."""

@@ -4,6 +4,20 @@ The invariant every test checks (the package's promise): training under membersh
 parameters as an uninterrupted single-process run (same global batch, same data order) up to floating-point
 reassociation; every sample of every step is consumed exactly once; the replicas of a stage agree after every step.
 Events are injected at steps drawn from a seeded RNG (the seed is in the test id, so a failure can be replayed).
+
+Regressions these tests caught while the runtime was written (each would make one of them hang or fail):
+
+* Lightning installs its own SIGTERM handler at fit start, so a notice *stopped* the member instead of letting it
+  migrate away; the runtime re-installs its flag-only handler at ``on_train_start``.
+* A gloo ``recv`` waited with a timeout closes the connection ("Application timeout caused pair closure") and
+  ``is_completed()`` never turns true for it, so the first abortable wait killed healthy pipelines; waits now run on
+  a helper thread.
+* A joiner's Lightning set-up (``log_dir`` broadcast, barriers) issued collectives the running members never
+  matched; they are local until the joiner has joined.
+* ``destroy_process_group`` blocked forever on a survivor whose operation was stuck on the dead peer; a failed
+  generation's groups are now abandoned, not shut down -- and never destroyed, since destroying them at exit
+  aborted the process ("terminate called without an active exception").
+* The recovery's transition world listed the dead member, so survivors waited for it in ``init_process_group``.
 """
 
 from __future__ import annotations

@@ -189,8 +189,6 @@ class ElasticRuntime:
         self._last_interval_step = 0
         self._predictor: Any = None
         self._optimizer: Optional[LiveputOptimizer] = None
-        self._boot_rank = -1
-        self._step_snapshot: Optional[int] = None
         self._request_done: Any = None
         self._standby_seen: dict[str, bytes] = {}
         self.run_dir = os.environ.get("PARCAE_RUN_DIR")
@@ -260,7 +258,6 @@ class ElasticRuntime:
         """Initial members: publish this process's member id under its boot rank (before groups are used)."""
         assert self.store is not None
         self.generation = generation
-        self._boot_rank = rank
         self.store.set(f"parcae/boot/{generation}/{rank}", self.member)
 
     def boot_publish(self, trainer: "pl.Trainer") -> None:
@@ -324,16 +321,15 @@ class ElasticRuntime:
         return rec
 
     def _layer_bytes(self) -> list[int]:
+        """Bytes each layer carries in a migration: parameters plus their optimizer state (from the record when
+        known, so every process prices moves identically)."""
         rec_bytes = self.record.get("layer_bytes") if self.record else None
         if rec_bytes and len(rec_bytes) == len(self.s.layer_names):
             return [int(b) for b in rec_bytes]
-        from lightning_parcae.runtime.partition import layer_memory_bytes  # noqa: PLC0415
-
         full = self.s._full_stack
         assert full is not None
         factor = 1.0 + self.s.optimizer_state_factor
-        return [int(layer_memory_bytes(full._modules[n], factor - 1.0) * 0 + factor *
-                    sum(p.numel() * p.element_size() for p in full._modules[n].parameters()))
+        return [int(factor * sum(p.numel() * p.element_size() for p in full._modules[n].parameters()))
                 for n in self.s.layer_names]
 
     def _enter(self, rec: dict[str, Any]) -> None:
