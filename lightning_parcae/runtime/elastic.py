@@ -642,6 +642,7 @@ class ElasticRuntime:
         if failed:
             assert self.live is not None
             self.live.park(s.groups.abandon())
+            _exit_without_destructors_at_shutdown()
         else:
             s.groups.destroy()
 
@@ -838,6 +839,33 @@ class ElasticRuntime:
         if self.live is not None:
             activate(None)
             self.live.stop()
+
+
+_HARD_EXIT: list[bool] = []
+
+
+def _exit_without_destructors_at_shutdown() -> None:
+    """After a failure, end the process with ``os._exit`` once the script has finished.
+
+    An abandoned generation keeps gloo threads blocked on the dead peer; C++ destructors that run at normal
+    interpreter exit then abort the process ("terminate called without an active exception", status -6) even
+    though training finished. The exit status is 1 if an exception escaped the script, else 0; non-daemon threads
+    (a background checkpoint write) have finished by the time ``atexit`` handlers run.
+    """
+    if _HARD_EXIT:
+        return
+    _HARD_EXIT.append(True)
+    import atexit  # noqa: PLC0415
+
+    failed: list[bool] = []
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        failed.append(True)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    atexit.register(lambda: _exit(1 if failed else 0))
 
 
 def _exit(code: int) -> None:
