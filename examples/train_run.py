@@ -1,15 +1,18 @@
-"""The tiny MLP of ``train_tiny.py``, ready for ``parcae run`` (restart fallback: checkpoint, stop, resume).
+"""The tiny MLP of ``train_tiny.py``, ready for ``parcae run`` (live reconfiguration, or the restart fallback).
 
-Problem it shows: under ``parcae run`` workers are stopped and relaunched whenever the (replayed) spot availability
-changes. A script survives that with two lines: add :class:`~lightning_parcae.callbacks.ParcaeRunCallback` and pass
-:func:`~lightning_parcae.callbacks.resume_path` to ``trainer.fit``. The launcher gives each worker torchrun-style
-environment variables, so ``devices`` is the local world size it was started with.
+Problem it shows: under ``parcae run`` the set of worker processes changes whenever the (replayed) spot
+availability changes. With ``--elastic`` (the default) the strategy reconfigures in place (``ParcaeStrategy`` reads
+``PARCAE_ELASTIC=1`` from the launcher); with ``--restart-fallback`` workers are stopped and relaunched. One script
+survives both with two lines: add :class:`~lightning_parcae.callbacks.ParcaeRunCallback` (periodic checkpoints,
+progress events) and pass :func:`~lightning_parcae.callbacks.resume_path` to ``trainer.fit``. The launcher gives
+each worker torchrun-style environment variables, so ``devices`` is the local world size it was started with.
 
     python -m lightning_parcae.run --instances 2 -- python examples/train_run.py --max-steps 200
-    python -m lightning_parcae.run --instances 3 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
+    python -m lightning_parcae.run --instances 4 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
 
-``PARCAE_PIPELINE_STAGES`` (set by the launcher from ``--pipeline-stages``) chooses P; ``auto`` lets the strategy
-pick P from a short profile.
+``PARCAE_PIPELINE_STAGES`` (set by the launcher from ``--pipeline-stages``) chooses P of the first generation;
+``auto`` lets the strategy pick P from a short profile. ``PARCAE_INTERVAL_S`` (the launcher's scaled trace
+interval) is the planning interval of live reconfiguration.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint every N steps")
     parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (slows the demo down)")
+    parser.add_argument("--interval-s", type=float, default=float(os.environ.get("PARCAE_INTERVAL_S", "60")),
+                        help="live reconfiguration: planning interval in seconds (default $PARCAE_INTERVAL_S, or 60)")
     parser.add_argument("--crash", action="store_true", help="fail at start (used by the tests)")
     args = parser.parse_args()
     if args.crash:
@@ -59,7 +64,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     train = DataLoader(synthetic(2048, 1), batch_size=args.batch_size, shuffle=True, generator=gen)
     p = None if args.pipeline_stages == "auto" else int(args.pipeline_stages)
-    strategy = ParcaeStrategy(pipeline_stages=p, micro_batches=args.micro_batches)
+    # elastic: on when the launcher sets PARCAE_ELASTIC=1; the leader plans D x P once per (scaled) trace interval
+    strategy = ParcaeStrategy(pipeline_stages=p, micro_batches=args.micro_batches, interval_s=args.interval_s)
     run_cb = ParcaeRunCallback(every_n_steps=args.ckpt_every)
     callbacks: list[pl.Callback] = [run_cb]
     if args.step_delay > 0:

@@ -4,21 +4,28 @@ Problem: Parcae's value shows only when instances come and go, and trying that o
 costly. ``parcae run`` turns one machine into a small cluster: it hosts the coordination store on loopback, creates
 the job token, starts one worker process per instance (one per GPU when there are GPUs) with torchrun-compatible
 environment variables, and -- with ``--trace`` -- replays a spot-availability trace, time-compressed, by sending
-preemption notices (SIGTERM, plus a signed record in the store), killing instances after the grace period, and
-adding new ones.
+preemption notices, killing instances after the grace period, and adding new ones.
 
-What happens on a membership change TODAY is the *restart fallback*: in-place live reconfiguration (issue 4) is not
-implemented yet, so, like a torchrun-style elastic job, the launcher stops the whole group (gracefully: the notice
-lets every rank agree on a stop step and rank 0 write ``run_dir/ckpt/last.ckpt``, see
-:class:`~lightning_parcae.callbacks.ParcaeRunCallback`) and relaunches it at the new size, resuming from that
-checkpoint (``PARCAE_RESUME_CKPT``). The time each restart costs is measured and reported; it is the baseline that
-issue 4's in-place migration will replace.
+Two ways to handle a membership change:
+
+* ``--elastic`` (the default): *live reconfiguration in place* (:mod:`lightning_parcae.runtime.elastic`). Workers
+  run with ``PARCAE_ELASTIC=1``. A removed instance gets a notice (SIGTERM, and a ``parcae/notice/<member>`` key in
+  the store), hands its state to the others and exits 0 by itself; if it is still alive when the (scaled) grace
+  period ends it gets SIGKILL and the others recover from a sudden loss. An added instance is a *joiner*
+  (``PARCAE_JOIN=1``): a warm standby the leader admits at a planning interval. The others keep running. A worker
+  that exits with ``RELEASED_EXIT`` (76, healthy but unused by the new shape) is restarted as a joiner; one that
+  exits with ``FALLBACK_EXIT`` (75, some stage lost every replica) makes the launcher wait for everyone to exit and
+  relaunch all instances from ``run_dir/ckpt/last.ckpt`` -- the only case that restarts the job.
+* ``--restart-fallback``: like a torchrun-style elastic job, every change stops the whole group (gracefully: the
+  notice lets every rank agree on a stop step and rank 0 write ``run_dir/ckpt/last.ckpt``, see
+  :class:`~lightning_parcae.callbacks.ParcaeRunCallback`) and relaunches it at the new size, resuming from that
+  checkpoint (``PARCAE_RESUME_CKPT``). The time each restart costs is measured and reported.
 
 Usage::
 
-    python -m lightning_parcae.run --instances 3 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
+    python -m lightning_parcae.run --instances 4 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
 
-Outputs in the run directory: ``events.jsonl`` (launcher and worker events), ``logs/gen<G>_rank<R>.log``,
+Outputs in the run directory: ``events.jsonl`` (launcher and worker events), ``logs/*.log`` (one per process),
 ``ckpt/last.ckpt``, ``report.json`` and ``report.png``.
 """
 
@@ -42,10 +49,18 @@ from typing import Any, Optional, Sequence
 from lightning_parcae.callbacks import WRONG_TOKEN_EXIT, append_event
 from lightning_parcae.errors import ConfigurationError, CoordinationError, ParcaeError
 
-__all__ = ["build_parser", "main", "RunConfig", "Launcher", "host_capacity", "scale_counts"]
+__all__ = ["build_parser", "main", "RunConfig", "Launcher", "host_capacity", "scale_counts", "initial_members",
+           "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT"]
 
-MODE = "restart-fallback"
-"""How membership changes are handled today (issue 4's in-place migration will replace it)."""
+ELASTIC = "elastic"
+"""Mode: membership changes are live reconfigurations in place (the default)."""
+RESTART_FALLBACK = "restart-fallback"
+"""Mode: every membership change stops the whole group and relaunches it from the checkpoint."""
+MODE = RESTART_FALLBACK  # kept for compatibility: the mode the launcher had before live reconfiguration
+FALLBACK_EXIT = 75
+"""Worker exit status: some stage lost every replica; relaunch everyone from the checkpoint (= runtime's)."""
+RELEASED_EXIT = 76
+"""Worker exit status: healthy, but the new shape does not use it; restart it as a joiner (= runtime's)."""
 _DEFAULT_TIME_SCALE = 20.0  # a 1-hour segment of 60-s intervals replays in 3 minutes
 _POLL_S = 0.2
 
@@ -58,9 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="parcae run",
         description="Run a training script on a one-machine cluster of N instances, optionally replaying a spot "
-        "availability trace (membership changes use the restart fallback until in-place migration lands).",
-        epilog="example: parcae run --instances 3 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000",
+        "availability trace. Membership changes are live reconfigurations in place (--elastic, the default) or full "
+        "restarts from the checkpoint (--restart-fallback).",
+        epilog="example: parcae run --instances 4 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000",
     )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--elastic", dest="mode", action="store_const", const=ELASTIC,
+                      help="live reconfiguration in place: notices, kills and additions change D x P while the "
+                      "others keep training; only a stage with no live replica restarts from the checkpoint "
+                      "(default)")
+    mode.add_argument("--restart-fallback", dest="mode", action="store_const", const=RESTART_FALLBACK,
+                      help="every membership change stops the whole group and relaunches it from the checkpoint")
+    p.set_defaults(mode=ELASTIC)
     p.add_argument("--instances", type=int, required=True, help="instances (worker processes) of a static cluster; "
                    "with --trace, the default for --max-instances")
     p.add_argument("--trace", default=None, help="trace file (events/counts/segment/skypilot) or bundled name "
@@ -74,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trace's peak count is scaled down to this many instances (default --instances)")
     p.add_argument("--pipeline-stages", default="1",
                    help="P for every generation (D = instances // P), or 'auto' to let the strategy choose; passed "
-                   "to workers as PARCAE_PIPELINE_STAGES")
+                   "to workers as PARCAE_PIPELINE_STAGES (with --elastic: P of each (re)launch only; the liveput "
+                   "optimizer chooses D x P after that)")
     p.add_argument("--run-dir", default=None, help="run directory (default ./parcae_runs/<timestamp>)")
     p.add_argument("--store-host", default="127.0.0.1", help="address the hosted store binds to (loopback only)")
     p.add_argument("--store", default=None,
@@ -107,6 +132,7 @@ class RunConfig:
     startup_timeout_s: float = 120.0
     progress_every_s: float = 2.0
     plot: bool = True
+    mode: str = ELASTIC
     schedule: list[int] = field(default_factory=list)
     """Instances during each (scaled) replay interval; empty for a static cluster."""
     trace_counts: list[int] = field(default_factory=list)
@@ -187,12 +213,35 @@ def _config(argv: Sequence[str]) -> RunConfig:
         interval_s=ns.interval, grace_s=ns.grace, max_instances=max_inst, pipeline_stages=ns.pipeline_stages,
         store_host=ns.store_host, store_url=ns.store, store_timeout_s=ns.store_timeout,
         startup_timeout_s=ns.startup_timeout, progress_every_s=ns.progress_every, plot=not ns.no_plot,
+        mode=ns.mode,
     )
     if ns.trace is not None:
         cfg.trace_counts, cfg.schedule = _load_schedule(ns.trace, ns.interval, max_inst)
         if not any(cfg.schedule):
             raise ConfigurationError(f"trace {ns.trace!r} never has any instance: nothing to run")
     return cfg
+
+
+def initial_members(n: int, pipeline_stages: str) -> tuple[int, int]:
+    """How many of ``n`` instances start a (re)launch as initial members under ``--elastic``, and their P.
+
+    The first generation's D must split the script's global batch; the launcher does not know the batch, so it
+    takes the largest count whose D is a power of two (any usual batch size splits). The other instances start as
+    warm standbys, and the liveput optimizer admits them when a shape that uses them is better.
+
+    Args:
+        n: Instances available (>= 1).
+        pipeline_stages: ``--pipeline-stages`` (a number or ``auto``).
+
+    Returns:
+        (members, P): ``members`` is ``D * P`` with D a power of two (for ``auto``, P is 0: the strategy picks a
+        divisor of ``members``).
+    """
+    p = 0 if pipeline_stages == "auto" else min(int(pipeline_stages), n)
+    d = 1
+    while (2 * d) * max(p, 1) <= n:
+        d *= 2
+    return d * max(p, 1), p
 
 
 def _load_schedule(name: str, interval_s: float, cap: int) -> tuple[list[int], list[int]]:
@@ -227,6 +276,19 @@ class _Worker:
     rank: int
     proc: subprocess.Popen[bytes]
     log_path: Path
+    # --elastic only
+    member: str = ""
+    instance: int = -1
+    joiner: bool = False
+    launch: int = 0
+    started: float = 0.0
+    noticed_at: Optional[float] = None
+    """When the trace removed this worker's instance (its notice); None if it was not removed."""
+    deadline: Optional[float] = None
+    sigterm_sent: bool = False
+    killed: bool = False
+    """The launcher sent SIGKILL (grace period over, a removed standby, a fallback's stragglers, the end)."""
+    handled: bool = False
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -265,6 +327,27 @@ class Launcher:
         self.latest: dict[str, Any] = {}
         self._last_line = 0.0
         self.timeline: list[dict[str, Any]] = []  # (time, N, D, P) whenever the running group changes
+        # --elastic: instances (id -> its current process, None while it has none), processes, what they report
+        self.instances: dict[int, Optional[_Worker]] = {}
+        self._next_instance = 0
+        self._incarnations: dict[int, int] = {}
+        self.launch = -1
+        self.phases: dict[str, str] = {}
+        self.migrations: dict[int, dict[str, Any]] = {}
+        self.decision: dict[str, Any] = {}
+        self.egen = -1
+        self.changes: list[dict[str, Any]] = []
+        self.shapes: list[dict[str, Any]] = []  # (t, N members, D, P, generation) whenever the job's shape changes
+        self.finished = False
+        self._finished_at: Optional[float] = None
+        self._fallback: Optional[dict[str, Any]] = None
+        self._last_ckpt_step = 0
+        self._need_launch = False
+        self._fallback_seen: set[str] = set()
+        self._fallback_reason = ""
+        self._recoveries: set[Any] = set()
+        self._recovering_since: dict[int, float] = {}
+        self._kill_times: list[float] = []
 
     # ------------------------------------------------------------------------------------------------ store
     def _open_store(self) -> None:
@@ -291,7 +374,7 @@ class Launcher:
     # ------------------------------------------------------------------------------------------------ events
     def event(self, kind: str, **fields: Any) -> None:
         """Append a launcher event to ``events.jsonl``."""
-        append_event(self.cfg.run_dir, {"source": "launcher", "event": kind, "mode": MODE,
+        append_event(self.cfg.run_dir, {"source": "launcher", "event": kind, "mode": self.cfg.mode,
                                         "elapsed_s": time.time() - self.t0, **fields})
 
     def _read_events(self) -> None:
@@ -320,6 +403,13 @@ class Launcher:
                     if ev.get("step", 0) > self._resume_step and not self._gen_first_step:
                         self._gen_first_step = True
                         self._finish_restart(ev)
+                if ev.get("event") == "checkpoint":
+                    self._last_ckpt_step = int(ev.get("step", 0))
+                if ev.get("event") == "end" and self.cfg.mode == ELASTIC and not self.finished:
+                    self.finished, self._finished_at = True, time.time()
+                    self.event("finished", step=ev.get("step"))
+            elif ev.get("source") == "elastic":
+                self._on_elastic_event(ev)
 
     # ------------------------------------------------------------------------------------------------ workers
     def _shape_for(self, n: int) -> tuple[int, int, int]:
@@ -340,7 +430,7 @@ class Launcher:
         port = _free_port()
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        base = {k: v for k, v in os.environ.items() if k not in ("PARCAE_RESUME_CKPT",)}
+        base = {k: v for k, v in os.environ.items() if k not in ("PARCAE_RESUME_CKPT", "PARCAE_ELASTIC", "PARCAE_JOIN")}
         self.workers = []
         for rank in range(workers):
             env = {
@@ -350,7 +440,7 @@ class Launcher:
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "PARCAE_STORE": self.store_url, "PARCAE_JOB_TOKEN": self.token, "PARCAE_RUN_DIR": str(cfg.run_dir),
                 "PARCAE_GENERATION": str(self.generation), "PARCAE_GENERATION_BASE": str(1000 * self.generation),
-                "PARCAE_PIPELINE_STAGES": cfg.pipeline_stages, "PARCAE_MODE": MODE,
+                "PARCAE_PIPELINE_STAGES": cfg.pipeline_stages, "PARCAE_MODE": cfg.mode, "PARCAE_ELASTIC": "0",
             }
             env.setdefault("OMP_NUM_THREADS", "1")
             if ckpt.exists():
@@ -454,11 +544,355 @@ class Launcher:
         while time.time() < t_end and any(w.alive() for w in self.workers):
             time.sleep(0.05)
         for w in self.workers:
+            if w.handled and not w.alive():
+                continue  # exited and accounted for long ago: its pid may belong to someone else by now
             self._signal(w, signal.SIGKILL)  # also reaps grandchildren left in the group
             try:
                 w.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+
+    # ------------------------------------------------------------------------------------------------ elastic
+    def _say(self, msg: str) -> None:
+        print(f"[parcae run {time.time() - self.t0:6.1f}s] {msg}", file=self.out, flush=True)
+
+    def _on_elastic_event(self, ev: dict[str, Any]) -> None:
+        """Follow what the workers' live-reconfiguration runtime reports (phases, plans, migrations, losses)."""
+        member = str(ev.get("member", ""))
+        kind = ev.get("event")
+        t = float(ev.get("time", time.time())) - self.t0
+        if kind == "phase":
+            self.phases[member] = str(ev.get("new"))
+            g = int(ev.get("generation", -1))
+            if ev.get("new") == "recovering":
+                self._recovering_since.setdefault(g, t)
+            if ev.get("new") == "training" and ev.get("old") == "starting" and g > self.egen:  # a (re)launch trains
+                self.egen = g
+                d, p = int(ev.get("D", 0) or 0), int(ev.get("P", 0) or 0)
+                self.shapes.append({"t": t, "N": d * p, "D": d, "P": p, "generation": g, "why": "launch"})
+        elif kind == "decision":
+            self.decision = ev
+            if ev.get("chosen") != ev.get("current") or ev.get("leaving"):
+                cur, new = ev.get("current") or [0, 0], ev.get("chosen")
+                to = f"{new[0]}x{new[1]}" if new else "no shape (fallback)"
+                self._say(f"plan: {cur[0]}x{cur[1]} -> {to} for N={ev.get('N')} ({ev.get('reason')}; predicted "
+                          f"N={ev.get('predicted')})")
+        elif kind == "migration":
+            g = int(ev.get("generation", -1))
+            m = self.migrations.get(g)
+            if m is None:
+                m = {"generation": g, "kind": ev.get("kind"), "reason": ev.get("reason", ""),
+                     "duration_s": 0.0, "transfer_s": 0.0, "bytes_moved": int(ev.get("bytes_moved", 0) or 0),
+                     "step": int(ev.get("step", 0) or 0), "D": ev.get("D"), "P": ev.get("P"), "N": ev.get("N"),
+                     "joiners": list(ev.get("joiners") or []), "t_end": t, "members": [], "printed": False,
+                     "recovery": "recovery" in str(ev.get("reason", "")), "lost_from": None}
+                if m["recovery"]:  # the job stalled from the loss (our SIGKILL, if any) until the survivors resumed
+                    prev = max((x["t_end"] for x in self.migrations.values()), default=0.0)
+                    kills = [k for k in self._kill_times if prev <= k <= t]
+                    m["lost_from"] = min(kills) if kills else self._recovering_since.get(g - 1)
+                self.migrations[g] = m
+                if g > self.egen:
+                    self.egen = g
+                    self.shapes.append({"t": t, "N": ev.get("N"), "D": ev.get("D"), "P": ev.get("P"),
+                                        "generation": g, "why": ev.get("kind")})
+            m["duration_s"] = max(m["duration_s"], float(ev.get("duration_s", 0.0) or 0.0))
+            m["transfer_s"] = max(m["transfer_s"], float(ev.get("transfer_s", 0.0) or 0.0))
+            m["t_end"] = max(m["t_end"], t)
+            m["members"].append(member)
+            if len(m["members"]) >= int(m["N"] or 0) - len(m["joiners"]):
+                self._print_migration(m)
+        elif kind == "left":
+            self._say(f"{member} left ({ev.get('reason')}): handed its state over in {float(ev.get('transfer_s', 0)):.2f} s")
+        elif kind == "recovering" and ev.get("generation") not in self._recoveries:
+            self._recoveries.add(ev.get("generation"))
+            self._say(f"sudden loss of {ev.get('dead')}: survivors {ev.get('survivors')} recover in place")
+        elif kind == "fallback" and member not in self._fallback_seen:
+            self._fallback_seen.add(member)
+            self._fallback_reason = str(ev.get("reason", ""))
+
+    def _print_migration(self, m: dict[str, Any]) -> None:
+        if m["printed"]:
+            return
+        m["printed"] = True
+        extra = f", joiners {m['joiners']}" if m["joiners"] else ""
+        reason = m["reason"] if len(m["reason"]) <= 90 else m["reason"][:87] + "..."
+        stall = f" (stalled {_lost(m):.2f} s since the loss)" if m["recovery"] else ""
+        self._say(f"migration -> gen {m['generation']}: {m['kind']} to {m['D']}x{m['P']} (N={m['N']}) at step "
+                  f"{m['step']} in {m['duration_s']:.2f} s{stall}, {m['bytes_moved'] / 1e6:.2f} MB moved{extra} "
+                  f"[{reason}]")
+
+    def _member_name(self, instance: int) -> str:
+        c = self._incarnations.get(instance, -1) + 1
+        self._incarnations[instance] = c
+        return f"i{instance}" if c == 0 else f"i{instance}.{c}"
+
+    def _spawn(self, instance: int, *, join: bool, rank: int = 0, world: int = 1, p: int = 1,
+               resume: bool = False) -> _Worker:
+        """Start one worker process for ``instance``: an initial member of a (re)launch, or a joiner."""
+        cfg = self.cfg
+        member = self._member_name(instance)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+        env = {
+            **base,
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "PARCAE_ELASTIC": "1", "PARCAE_STORE": self.store_url, "PARCAE_JOB_TOKEN": self.token,
+            "PARCAE_MEMBER": member, "PARCAE_JOIN": "1" if join else "0", "PARCAE_RUN_DIR": str(cfg.run_dir),
+            "PARCAE_GENERATION": str(self.launch), "PARCAE_GENERATION_BASE": str(1000 * self.launch),
+            "PARCAE_PIPELINE_STAGES": str(p) if p else "auto", "PARCAE_MODE": cfg.mode,
+            "PARCAE_INTERVAL_S": f"{cfg.wall_interval_s:g}",
+        }
+        env.setdefault("OMP_NUM_THREADS", "1")
+        ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
+        if resume and ckpt.exists():
+            env["PARCAE_RESUME_CKPT"] = str(ckpt)
+        logs = cfg.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{member}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cfg.command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        w = _Worker(rank if not join else -1, proc, log_path, member=member, instance=instance, joiner=join,
+                    launch=self.launch, started=time.time())
+        self.workers.append(w)
+        self.instances[instance] = w
+        return w
+
+    def _launch(self) -> None:
+        """(Re)launch: the oldest instances as the initial members (D a power of two), the others as joiners."""
+        cfg = self.cfg
+        ids = sorted(self.instances)
+        m, p = initial_members(len(ids), cfg.pipeline_stages)
+        self.launch += 1
+        self.generation = self.launch
+        if self._pending_restart is not None:
+            self._pending_restart["new_N"] = len(ids)
+        ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
+        resume = self.launch > 0 and ckpt.exists()
+        self._resume_step = self._last_ckpt_step if resume else 0
+        for r, k in enumerate(ids[:m]):
+            self._spawn(k, join=False, rank=r, world=m, p=p, resume=resume)
+        for k in ids[m:]:
+            self._spawn(k, join=True)
+        self._gen_started_at = time.time()
+        self._gen_first_step = False
+        members = [self.instances[k].member for k in ids[:m]]  # type: ignore[union-attr]
+        standbys = [self.instances[k].member for k in ids[m:]]  # type: ignore[union-attr]
+        self.event("launch", launch=self.launch, generation=self.launch, N=len(ids), members=members,
+                   standbys=standbys, P=p or "auto", resume_ckpt=str(ckpt) if resume else None,
+                   resume_step=self._resume_step)
+        what = "relaunch from last.ckpt" if resume else "launch"
+        self._say(f"{what} #{self.launch}: {len(ids)} instances, members {members}"
+                  + (f", warm standbys {standbys}" if standbys else "") + f" (P={p or 'auto'})")
+
+    def _waiting(self, w: _Worker) -> bool:
+        """A joiner that has not been admitted yet (holds no training state)."""
+        return w.joiner and self.phases.get(w.member) in (None, "starting", "standby")
+
+    def _notice(self, w: _Worker) -> str:
+        """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it is a waiting standby."""
+        from lightning_parcae.runtime.liveness import notice_key  # noqa: PLC0415
+        from lightning_parcae.runtime.store import publish  # noqa: PLC0415
+
+        now = time.time()
+        if self._waiting(w) or self._fallback is not None and w.joiner:
+            self._signal(w, signal.SIGKILL)
+            w.killed = True
+            return "standby stopped"
+        w.noticed_at, w.deadline = now, now + self.cfg.wall_grace_s
+        try:
+            publish(self.store, notice_key(w.member), {"member": w.member, "kind": "preempt", "source": "replay",
+                                                       "deadline": w.deadline}, self.token)
+        except Exception as exc:  # noqa: BLE001 -- a store hiccup must not stop the notice itself
+            self.event("store_error", error=str(exc))
+        if w.member in self.phases:  # its handler is installed: SIGTERM is a notice, not a kill
+            self._signal(w, signal.SIGTERM)
+            w.sigterm_sent = True
+        return "notice"
+
+    def _change(self, target: int) -> None:
+        """The trace moved to ``target`` instances: notice the newest ones, or start joiners."""
+        ids = sorted(self.instances)
+        cur = len(ids)
+        running = self.launch >= 0 and not self._need_launch and self._fallback is None
+        if target < cur:
+            done = []
+            for k in ids[::-1][: cur - target]:  # newest first: standbys and recent joiners before old members
+                w = self.instances.pop(k)
+                action = self._notice(w) if w is not None and w.alive() else "no process"
+                done.append({"instance": k, "member": w.member if w else None, "action": action})
+            self.event("remove", old_N=cur, new_N=target, victims=done, grace_s=self.cfg.wall_grace_s)
+            self.changes.append({"t": time.time() - self.t0, "old_N": cur, "new_N": target, "removed": done})
+            self._say(f"trace: {cur} -> {target} instances: " + ", ".join(
+                f"{d['action']} to {d['member']}" if d["action"] == "notice" else f"{d['member']}: {d['action']}"
+                for d in done) + f" (grace {self.cfg.wall_grace_s:.1f} s)")
+        else:
+            added = []
+            for _ in range(target - cur):
+                k = self._next_instance
+                self._next_instance += 1
+                self.instances[k] = None
+                if running and not self.finished:
+                    added.append(self._spawn(k, join=True).member)
+                else:
+                    added.append(f"i{k}")
+            self.event("add", old_N=cur, new_N=target, joiners=added)
+            self.changes.append({"t": time.time() - self.t0, "old_N": cur, "new_N": target, "added": added})
+            how = "start as warm standbys" if running and not self.finished else "wait for the next launch"
+            self._say(f"trace: {cur} -> {target} instances: {', '.join(added)} {how}")
+        self.n = target
+        self.timeline.append({"t": time.time() - self.t0, "N": target, "workers": len(self.instances),
+                              "D": self.shapes[-1]["D"] if self.shapes else 0,
+                              "P": self.shapes[-1]["P"] if self.shapes else 0, "generation": self.egen})
+        if target == 0:
+            self.event("paused", reason="no instances available")
+
+    def _reap(self) -> None:
+        """Account for workers that exited: released ones restart as joiners, 75 starts the fallback, others fail."""
+        for w in self.workers:
+            if w.handled or w.proc.poll() is None:
+                continue
+            w.handled = True
+            rc = int(w.proc.returncode)
+            current = self.instances.get(w.instance) is w
+            self.event("exit", member=w.member, instance=w.instance, rc=rc, noticed=w.noticed_at is not None,
+                       killed=w.killed)
+            if current:
+                self.instances[w.instance] = None
+            if rc == WRONG_TOKEN_EXIT:
+                self.kill_all()
+                raise self._fail("parcae run failed: a worker rejected the job token (wrong or missing "
+                                 "PARCAE_JOB_TOKEN); stopped all workers", [w])
+            if rc == FALLBACK_EXIT:
+                self._start_fallback()
+                continue
+            if rc == RELEASED_EXIT:
+                if current and not self.finished and self._fallback is None and not self._need_launch:
+                    self._spawn(w.instance, join=True)
+                    self._say(f"{w.member} released by the new shape: restarted as warm standby "
+                              f"{self.instances[w.instance].member}")  # type: ignore[union-attr]
+                continue
+            ours = w.killed or (w.noticed_at is not None and rc in (-signal.SIGTERM, -signal.SIGKILL))
+            if rc == 0 or ours:
+                if (not w.joiner and w.launch == self.launch and w.member not in self.phases and not self.finished
+                        and self._fallback is None):
+                    # lost before the first generation formed: the other initial members cannot go on without it
+                    self._fallback_reason = f"initial member {w.member} lost during start-up"
+                    self._start_fallback()
+                continue
+            self.kill_all()
+            raise self._fail(f"parcae run failed: worker {w.member} (launch {w.launch}) exited with {rc}; stopped "
+                             "all workers", [w])
+
+    def _start_fallback(self) -> None:
+        if self._fallback is not None:
+            return
+        rate = float(self.latest.get("samples_per_s", 0.0) or 0.0)
+        last_step = max((int(e.get("step", 0)) for e in self.events if e.get("source") == "worker"), default=0)
+        self._fallback = {"t_request": time.time(), "from_generation": self.launch, "reason": self._fallback_reason,
+                          "old_N": int(self.shapes[-1]["N"] or 0) if self.shapes else 0, "last_step": last_step,
+                          "samples_per_s": rate,
+                          "killed": [], "graceful": True}
+        self.event("fallback", launch=self.launch, reason=self._fallback_reason, last_step=last_step)
+        self._say(f"FALLBACK: {self._fallback_reason or 'some stage lost every replica'}; waiting for every worker "
+                  "to exit, then relaunching from last.ckpt")
+        for w in self.workers:  # standbys hold no state: stop them now
+            if w.alive() and w.joiner and self._waiting(w):
+                self._signal(w, signal.SIGKILL)
+                w.killed = True
+
+    def _advance_fallback(self) -> None:
+        fb = self._fallback
+        assert fb is not None
+        alive = [w for w in self.workers if w.alive()]
+        if alive and time.time() < fb["t_request"] + max(10.0, 2.0 * self.cfg.wall_grace_s):
+            return
+        for w in alive:  # stragglers (stuck on a dead peer): stop them
+            self._signal(w, signal.SIGKILL)
+            w.killed = True
+            fb["killed"].append(w.member)
+            fb["graceful"] = False
+        for w in alive:
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._fallback = None
+        self._reap()
+        fb["stop_s"] = time.time() - fb["t_request"]
+        self._fallback_seen.clear()
+        self._fallback_reason = ""
+        self._pending_restart = fb
+        self.event("stopped", generation=fb["from_generation"], stop_s=fb["stop_s"], killed=fb["killed"],
+                   graceful=fb["graceful"], last_step=fb["last_step"])
+        self._need_launch = True
+
+    def _enforce_deadlines(self) -> None:
+        now = time.time()
+        for w in self.workers:
+            if not w.alive() or w.noticed_at is None:
+                continue
+            if not w.sigterm_sent and w.member in self.phases:
+                self._signal(w, signal.SIGTERM)
+                w.sigterm_sent = True
+            if not w.killed and w.deadline is not None and now >= w.deadline:
+                self._signal(w, signal.SIGKILL)
+                w.killed = True
+                self._kill_times.append(now - self.t0)
+                self.event("kill", member=w.member, instance=w.instance, reason="grace period over")
+                self._say(f"{w.member} still alive when its grace period ended: SIGKILL (the others recover)")
+
+    def _run_elastic(self) -> None:
+        cfg = self.cfg
+        n0 = self.target_at(0.0)
+        for _ in range(n0):
+            self.instances[self._next_instance] = None
+            self._next_instance += 1
+        self.n = n0
+        self.timeline.append({"t": 0.0, "N": n0, "workers": n0, "D": 0, "P": 0, "generation": -1})
+        self._need_launch = True
+        if not n0:
+            self.event("paused", reason="no instances available")
+        while True:
+            if self._need_launch and self.instances and self._fallback is None and not self.finished:
+                self._need_launch = False
+                self._launch()
+            time.sleep(_POLL_S)
+            self._read_events()
+            self._reap()
+            self._enforce_deadlines()
+            if self._fallback is not None:
+                self._advance_fallback()
+            alive = [w for w in self.workers if w.alive()]
+            if self.finished:
+                if not alive:
+                    break
+                if self._finished_at is not None and time.time() - self._finished_at > 15.0:
+                    for w in alive:  # e.g. a standby that never heard that the job is over
+                        self._signal(w, signal.SIGKILL)
+                        w.killed = True
+                continue
+            if not alive and self._fallback is None and not self._need_launch:
+                time.sleep(0.5)
+                self._read_events()
+                if not self.finished:
+                    raise self._fail("parcae run failed: every worker exited but training did not finish",
+                                     [w for w in self.workers if w.launch == self.launch][:2])
+                break
+            target = self.target_at(time.time() - self.t0)
+            if target != len(self.instances):
+                self._change(target)
+            if (not self._need_launch and self._fallback is None and not self._gen_first_step
+                    and time.time() - self._gen_started_at > cfg.startup_timeout_s):
+                self.kill_all()
+                raise self._fail(f"parcae run failed: launch {self.launch} reported no training step within "
+                                 f"{cfg.startup_timeout_s:g} s", [w for w in self.workers if w.launch == self.launch
+                                                                   and not w.joiner][:1])
+            self._progress()
+        self._read_events()
+        self._reap()  # the exits seen by the last check
+        for m in self.migrations.values():
+            self._print_migration(m)
 
     # ------------------------------------------------------------------------------------------------ main loop
     def target_at(self, elapsed: float) -> int:
@@ -475,12 +909,43 @@ class Launcher:
         self._last_line = now
         ev = self.latest
         current = ev.get("generation") == self.generation
+        rate = float(ev.get("samples_per_s", 0.0)) if current else 0.0
+        if self.cfg.mode == ELASTIC:
+            for m in self.migrations.values():  # a member that never reported: print what the others said
+                if not m["printed"] and now - self.t0 - m["t_end"] > 2.0:
+                    self._print_migration(m)
+            sh = self.shapes[-1] if self.shapes else None
+            shape = f"{sh['D']}x{sh['P']}" if sh else "-"
+            standby = sum(1 for w in self.workers if w.alive() and self._waiting(w))
+            lost = sum(_lost(m) for m in self.migrations.values())
+            state = " (fallback: relaunching)" if self._fallback is not None else (
+                " (starting)" if not self._gen_first_step and self.instances else "")
+            if not self.instances:
+                state = " (paused: no instances)"
+            print(f"[parcae run {now - self.t0:6.1f}s] N={len(self.instances)} DxP={shape} gen={self.egen} "
+                  f"step={ev.get('step', 0)} samples/s={rate:.0f} next={self._next_change()}, "
+                  f"standby={standby} migrations={len(self.migrations)} ({lost:.1f}s lost) "
+                  f"restarts={len(self.restarts)}{state}", file=self.out, flush=True)
+            return
         d, p = (ev.get("D"), ev.get("P")) if current else self.shape
         state = "" if current or not self.workers else " (starting)"
         lost = sum(r["lost_s"] for r in self.restarts)
         print(f"[parcae run {now - self.t0:6.1f}s] N={self.n} DxP={d}x{p} gen={self.generation} "
-              f"step={ev.get('step', 0)} samples/s={float(ev.get('samples_per_s', 0.0)) if current else 0.0:.0f} "
+              f"step={ev.get('step', 0)} samples/s={rate:.0f} "
               f"restarts={len(self.restarts)} time_lost={lost:.1f}s{state}", file=self.out, flush=True)
+
+    def _next_change(self) -> str:
+        """The next planned change from the leader's latest decision ('keep' when none is pending)."""
+        dec = self.decision
+        if not dec:
+            return "-"
+        pred = dec.get("predicted")
+        pred_s = f" (pred N={','.join(str(c) for c in pred)})" if pred else ""
+        chosen, cur = dec.get("chosen"), dec.get("current")
+        if int(dec.get("generation", -1)) >= self.egen and (chosen != cur or dec.get("leaving")):
+            to = f"{chosen[0]}x{chosen[1]}" if chosen else "fallback"
+            return f"{to}{pred_s}"
+        return f"keep{pred_s}"
 
     def run(self) -> dict[str, Any]:
         """Run the job to completion; returns the report (also written to ``report.json``).
@@ -495,10 +960,18 @@ class Launcher:
         self.t0 = time.time()
         self._open_store()
         self.event("run_start", command=shlex.join(cfg.command), store=self.store_url, instances=cfg.instances,
-                   trace=cfg.trace, time_scale=cfg.time_scale, schedule=cfg.schedule)
+                   trace=cfg.trace, time_scale=cfg.time_scale, schedule=cfg.schedule, grace_s=cfg.wall_grace_s,
+                   interval_s=cfg.wall_interval_s)
+        if cfg.mode == ELASTIC:
+            print(f"[parcae run] run dir {cfg.run_dir}; store {self.store_url}; membership changes are live "
+                  "reconfigurations in place (--elastic); a stage with no live replica restarts from last.ckpt",
+                  file=self.out, flush=True)
+            self._run_elastic()
+            self._progress(force=True)
+            self.event("run_end", restarts=len(self.restarts), migrations=len(self.migrations))
+            return self.report()
         print(f"[parcae run] run dir {cfg.run_dir}; store {self.store_url}; membership changes use the restart "
-              "fallback (stop all, checkpoint, relaunch) until in-place migration (issue 4) lands",
-              file=self.out, flush=True)
+              "fallback (stop all, checkpoint, relaunch)", file=self.out, flush=True)
         n0 = self.target_at(0.0)
         if n0:
             self._start_generation(n0)
@@ -550,8 +1023,18 @@ class Launcher:
         samples = max((int(e.get("samples", 0)) for e in wev), default=0)
         wall = time.time() - self.t0
         rates = [float(e["samples_per_s"]) for e in wev if e.get("event") == "progress" and e.get("samples_per_s")]
+        migrations = [{"generation": m["generation"], "kind": m["kind"], "reason": m["reason"],
+                       "t": m["t_end"] - m["duration_s"], "duration_s": m["duration_s"], "transfer_s": m["transfer_s"],
+                       "bytes_moved": m["bytes_moved"], "step": m["step"], "D": m["D"], "P": m["P"], "N": m["N"],
+                       "joiners": m["joiners"], "recovery": m["recovery"], "lost_s": _lost(m)}
+                      for _, m in sorted(self.migrations.items())]
+        by_kind: dict[str, float] = {}
+        for m in migrations:  # planned migrations by kind; recoveries from a sudden loss count apart
+            key = "recovery" if m["recovery"] else m["kind"]
+            by_kind[key] = by_kind.get(key, 0.0) + m["lost_s"]
+        by_kind["restart"] = sum(r.get("lost_s", 0.0) for r in self.restarts)
         report = {
-            "mode": MODE,
+            "mode": cfg.mode,
             "command": cfg.command,
             "run_dir": str(cfg.run_dir),
             "trace": {"name": cfg.trace, "time_scale": cfg.time_scale, "interval_s": cfg.interval_s,
@@ -561,7 +1044,13 @@ class Launcher:
             "timeline": self.timeline,
             "restarts": self.restarts,
             "num_restarts": len(self.restarts),
-            "time_lost_s": sum(r["lost_s"] for r in self.restarts),
+            "migrations": migrations,
+            "num_migrations": len(migrations),
+            "time_lost_by_kind_s": by_kind,
+            "time_lost_s": sum(by_kind.values()),
+            "changes": self.changes,
+            "shapes": self.shapes,
+            "launches": self.launch + 1 if cfg.mode == ELASTIC else self.generation + 1,
             "final_step": final,
             "samples": samples,
             "wall_s": wall,
@@ -578,43 +1067,81 @@ class Launcher:
         return report
 
 
+def _lost(m: dict[str, Any]) -> float:
+    """Time one migration cost the job: its duration, or for a recovery, from the loss until training resumed."""
+    if m.get("recovery") and m.get("lost_from") is not None:
+        return max(float(m["duration_s"]), float(m["t_end"]) - float(m["lost_from"]))
+    return float(m["duration_s"])
+
+
+_KIND_COLORS = {"intra-stage": "tab:green", "inter-stage": "tab:orange", "repartition": "tab:purple",
+                "recovery": "tab:red"}
+
+
 def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    elastic = report.get("mode") == ELASTIC
     fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
     tl = report["timeline"]
     t_end = report["wall_s"]
     tr = report["trace"]
+    t0 = report["events"][0]["time"] if report["events"] else 0.0
     if tr:
         xs = [k * tr["wall_interval_s"] for k in range(len(tr["instances_per_interval"]))]
         axes[0].step(xs, tr["instances_per_interval"], where="post", label="available (trace, scaled)")
     axes[0].step([e["t"] for e in tl] + [t_end], [e["N"] for e in tl] + [tl[-1]["N"] if tl else 0], where="post",
-                 label="instances in use")
+                 label="instances (processes)" if elastic else "instances in use")
     for r in report["restarts"]:
-        axes[0].axvspan(r["t_request"] - report["events"][0]["time"] if report["events"] else 0,
-                        (r["t_request"] - (report["events"][0]["time"] if report["events"] else 0)) + r["downtime_s"],
-                        color="red", alpha=0.2)
+        axes[0].axvspan(r["t_request"] - t0, r["t_request"] - t0 + r["downtime_s"], color="red", alpha=0.2)
+    if elastic:
+        sh = report.get("shapes", [])
+        if sh:
+            axes[0].step([e["t"] for e in sh] + [t_end], [e["N"] for e in sh] + [sh[-1]["N"]], where="post",
+                         label="members training (D x P)")
+            for key in ("D", "P"):
+                axes[1].step([e["t"] for e in sh] + [t_end], [e[key] for e in sh] + [sh[-1][key]], where="post",
+                             label=key)
+        seen: set[str] = set()
+        top = max([e["N"] for e in tl] + [e["N"] or 0 for e in sh] + (tr["instances_per_interval"] if tr else []) + [1])
+        axes[0].set_ylim(-0.2, top + 1.0)
+        for k, m in enumerate(report.get("migrations", [])):
+            kind = "recovery" if m.get("recovery") else m["kind"]
+            color = _KIND_COLORS.get(kind, "black")
+            label = None if kind in seen else f"migration: {kind}"
+            seen.add(kind)
+            for ax in axes:
+                ax.axvline(m["t"], color=color, ls="--", lw=0.9, alpha=0.8)
+            axes[0].plot([m["t"]], [m["N"]], marker="v", color=color, ms=8, ls="none", label=label)
+            axes[0].annotate(f"{m['D']}x{m['P']} {m['lost_s']:.1f}s", (m["t"], m["N"]), textcoords="offset points",
+                             xytext=(3, 6 + 9 * (k % 2)), fontsize=7, color=color)
+    else:
+        starts = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "start"]
+        for key in ("D", "P"):
+            axes[1].step([e["time"] - t0 for e in starts] + [t_end], [e[key] for e in starts] +
+                         [starts[-1][key] if starts else 0], where="post", label=key)
     axes[0].set_ylabel("instances")
-    axes[0].legend(loc="best", fontsize=8)
-    t0 = report["events"][0]["time"] if report["events"] else 0.0
-    starts = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "start"]
-    axes[1].step([e["time"] - t0 for e in starts] + [t_end], [e["D"] for e in starts] + [starts[-1]["D"] if starts
-                 else 0], where="post", label="D")
-    axes[1].step([e["time"] - t0 for e in starts] + [t_end], [e["P"] for e in starts] + [starts[-1]["P"] if starts
-                 else 0], where="post", label="P")
+    axes[0].legend(loc="best", fontsize=7)
     axes[1].set_ylabel("shape in use")
     axes[1].legend(loc="best", fontsize=8)
     prog = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "progress"]
-    for g in sorted({e.get("generation", 0) for e in prog}):  # one line per generation: no line across restarts
+    for g in sorted({e.get("generation", 0) for e in prog}):  # one line per launch: no line across restarts
         pts = [e for e in prog if e.get("generation", 0) == g]
         axes[2].plot([e["time"] - t0 for e in pts], [e.get("samples_per_s", 0) for e in pts], ".-", color="C0")
     axes[2].set_ylabel("samples/s")
-    axes[2].set_xlabel("wall time (s); red: restart downtime (restart fallback)")
-    fig.suptitle(f"parcae run: {report['num_restarts']} restarts, {report['time_lost_s']:.1f} s lost, "
-                 f"final step {report['final_step']}")
+    if elastic:
+        axes[2].set_xlabel("wall time (s); dashed: in-place migrations (colour = kind); red: restart downtime")
+        lost = report["time_lost_by_kind_s"]
+        fig.suptitle(f"parcae run --elastic: {report['num_migrations']} migrations "
+                     f"({sum(v for k, v in lost.items() if k != 'restart'):.1f} s), {report['num_restarts']} "
+                     f"restarts ({lost.get('restart', 0.0):.1f} s), final step {report['final_step']}")
+    else:
+        axes[2].set_xlabel("wall time (s); red: restart downtime (restart fallback)")
+        fig.suptitle(f"parcae run: {report['num_restarts']} restarts, {report['time_lost_s']:.1f} s lost, "
+                     f"final step {report['final_step']}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -664,9 +1191,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         launcher.store = None
+    if cfg.mode == ELASTIC:
+        lost = report["time_lost_by_kind_s"]
+        kinds = ", ".join(f"{k} {v:.1f} s" for k, v in lost.items() if k != "restart") or "none"
+        changes = f"{report['num_migrations']} in-place migrations ({kinds}), {report['num_restarts']} restarts " \
+                  f"({lost.get('restart', 0.0):.1f} s lost)"
+    else:
+        changes = f"{report['num_restarts']} restarts ({report['time_lost_s']:.1f} s lost)"
     print(f"[parcae run] done: final step {report['final_step']}, {report['samples']} samples, "
-          f"{report['samples_per_s_overall']:.0f} samples/s overall, {report['num_restarts']} restarts "
-          f"({report['time_lost_s']:.1f} s lost); report: {cfg.run_dir / 'report.json'}", flush=True)
+          f"{report['samples_per_s_overall']:.0f} samples/s overall, {changes}; report: "
+          f"{cfg.run_dir / 'report.json'}", flush=True)
     return 0
 
 
