@@ -2,8 +2,12 @@
 
 Problem they guard: the launcher is where a user first meets the system. Bad options must fail fast with a message
 that says what to fix and must leave nothing running; a worker that crashes must take the run down with its log
-tail shown; a static cluster must train to the end; and a replayed trace must go through the restart fallback
-(notice -> checkpoint -> relaunch at the new size -> resume) and produce a report.
+tail shown; a static cluster must train to the end in both modes; under ``--elastic`` (the default) a replayed
+trace must change the running job in place (notices to the newest instances, joiners for additions, released
+members back as standbys, a relaunch from the checkpoint only on exit 75) and report the migrations; and with
+``--restart-fallback`` a replayed trace must go through notice -> checkpoint -> relaunch at the new size -> resume.
+The launcher's protocol handling is checked fast and exactly against ``tests/fake_elastic_worker.py``; the real
+runtime is checked end to end with ``examples/train_run.py``.
 """
 
 from __future__ import annotations
@@ -17,10 +21,36 @@ from pathlib import Path
 import pytest
 
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.run import Launcher, RunFailed, _config, build_parser, main, scale_counts
+from lightning_parcae.run import (
+    ELASTIC,
+    RESTART_FALLBACK,
+    Launcher,
+    RunFailed,
+    _config,
+    build_parser,
+    initial_members,
+    main,
+    scale_counts,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "train_run.py")
+FAKE = str(ROOT / "tests" / "fake_elastic_worker.py")
+
+
+def _assert_nothing_left(launcher: Launcher) -> None:
+    for w in launcher.workers:
+        assert w.proc.poll() is not None, f"{w.member or w.rank} still running"
+        with pytest.raises(ProcessLookupError):
+            os.killpg(w.proc.pid, 0)
+
+
+def _env(run_dir: Path, member: str) -> dict[str, str]:
+    return json.loads((run_dir / f"env_{member}.json").read_text())
+
+
+def _launcher_events(report: dict, kind: str) -> list[dict]:
+    return [e for e in report["events"] if e.get("source") == "launcher" and e.get("event") == kind]
 
 
 def _err(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -61,6 +91,19 @@ def test_main_rejects_if_trace_format_bad(capsys: pytest.CaptureFixture[str], tm
 
 def test_main_rejects_if_pipeline_stages_bad(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--pipeline-stages" in _err(capsys, ["--instances", "2", "--pipeline-stages", "x", "--", "python", "x.py"])
+
+
+def test_config_defaults_to_elastic_if_no_mode_given() -> None:
+    assert _config(["--instances", "1", "--", "python", "x.py"]).mode == ELASTIC
+    assert _config(["--instances", "1", "--restart-fallback", "--", "python", "x.py"]).mode == RESTART_FALLBACK
+    with pytest.raises(SystemExit):
+        _config(["--instances", "1", "--elastic", "--restart-fallback", "--", "python", "x.py"])
+
+
+@pytest.mark.parametrize("n,p,expected", [(1, "1", (1, 1)), (3, "1", (2, 1)), (4, "1", (4, 1)), (7, "1", (4, 1)),
+                                          (3, "2", (2, 2)), (1, "2", (1, 1)), (6, "3", (6, 3)), (5, "auto", (4, 0))])
+def test_initial_members_uses_power_of_two_d_if_count_does_not_split(n: int, p: str, expected: tuple) -> None:
+    assert initial_members(n, p) == expected
 
 
 def test_config_rejects_if_time_scale_not_positive() -> None:
@@ -127,12 +170,16 @@ def test_launcher_stops_everyone_if_script_crashes_on_start(tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(120)
-def test_main_trains_to_the_end_if_static_two_instances(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["--instances", "2", "--run-dir", str(tmp_path), "--progress-every", "5", "--",
+@pytest.mark.parametrize("mode", ["--elastic", "--restart-fallback"])
+def test_main_trains_to_the_end_if_static_two_instances(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        mode: str) -> None:
+    rc = main(["--instances", "2", mode, "--run-dir", str(tmp_path), "--progress-every", "5", "--",
                sys.executable, EXAMPLE, "--max-steps", "30", "--ckpt-every", "10"])
     assert rc == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "report.json").read_text())
+    assert report["mode"] == mode[2:]
     assert report["final_step"] == 30 and report["num_restarts"] == 0 and report["trace"] is None
+    assert report["num_migrations"] == 0
     assert report["samples"] == 30 * 64
     assert (tmp_path / "ckpt" / "last.ckpt").exists() and (tmp_path / "report.png").exists()
     starts = [e for e in report["events"] if e.get("event") == "start"]
@@ -146,7 +193,7 @@ def test_main_restarts_and_resumes_if_trace_removes_and_adds(tmp_path: Path,
     trace = tmp_path / "trace.csv"  # counts format: 2 instances, one removed at 60 s, one added back at 120 s
     trace.write_text("0,2\n60000,1\n120000,2\n180000,2\n")
     run_dir = tmp_path / "run"
-    rc = main(["--instances", "2", "--trace", str(trace), "--time-scale", "7.5", "--grace", "30",
+    rc = main(["--instances", "2", "--restart-fallback", "--trace", str(trace), "--time-scale", "7.5", "--grace", "30",
                "--run-dir", str(run_dir), "--progress-every", "5", "--",
                sys.executable, EXAMPLE, "--max-steps", "400", "--step-delay", "0.02", "--ckpt-every", "50"])
     assert rc == 0, capsys.readouterr().err
@@ -159,3 +206,106 @@ def test_main_restarts_and_resumes_if_trace_removes_and_adds(tmp_path: Path,
     assert "notice" in kinds and "restart_done" in kinds and kinds.count("launch") >= 2
     ends = [e for e in report["events"] if e.get("event") == "end"]
     assert ends and ends[-1]["step"] == 400
+
+
+# ------------------------------------------------------------------------------------------------ --elastic
+@pytest.mark.timeout(60)
+def test_elastic_notices_newest_and_starts_joiners_if_trace_changes(tmp_path: Path) -> None:
+    # 3 instances (2 members + 1 standby, D must be a power of two), then 2, 3 and 1, one second apart
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,3\n1000,2\n2000,3\n3000,1\n")
+    run_dir = tmp_path / "run"
+    cfg = _config(["--instances", "3", "--trace", str(trace), "--interval", "1", "--time-scale", "1", "--grace", "3",
+                   "--run-dir", str(run_dir), "--no-plot", "--", sys.executable, FAKE, "--steps", "50"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    report = launcher.run()
+    _assert_nothing_left(launcher)
+    assert report["mode"] == "elastic" and report["final_step"] == 50 and report["num_restarts"] == 0
+    launches = _launcher_events(report, "launch")
+    assert len(launches) == 1 and launches[0]["members"] == ["i0", "i1"] and launches[0]["standbys"] == ["i2"]
+    changes = [(c["old_N"], c["new_N"], c.get("removed"), c.get("added")) for c in report["changes"]]
+    assert changes == [
+        (3, 2, [{"instance": 2, "member": "i2", "action": "standby stopped"}], None),  # newest first: the standby
+        (2, 3, None, ["i3"]),
+        (3, 1, [{"instance": 3, "member": "i3", "action": "standby stopped"},
+                {"instance": 1, "member": "i1", "action": "notice"}], None),
+    ]
+    exits = {e["member"]: e for e in _launcher_events(report, "exit")}
+    assert exits["i1"]["rc"] == 0 and exits["i1"]["noticed"] and not exits["i1"]["killed"]  # left by itself
+    assert exits["i2"]["killed"] and exits["i3"]["killed"] and exits["i0"]["rc"] == 0
+    assert [e["member"] for e in report["events"] if e.get("event") == "left"] == ["i1"]
+    member, joiner = _env(run_dir, "i0"), _env(run_dir, "i3")
+    assert (member["RANK"], member["WORLD_SIZE"], member["LOCAL_WORLD_SIZE"], member["PARCAE_JOIN"]) == \
+        ("0", "2", "2", "0")
+    assert member["PARCAE_ELASTIC"] == "1" and member["PARCAE_INTERVAL_S"] == "1" and member["PARCAE_STORE"]
+    assert member["PARCAE_GENERATION_BASE"] == "0" and member["PARCAE_RESUME_CKPT"] is None
+    assert (joiner["RANK"], joiner["WORLD_SIZE"], joiner["LOCAL_RANK"], joiner["PARCAE_JOIN"]) == ("0", "1", "0", "1")
+    assert report["trace"]["instances_per_interval"] == [3, 2, 3, 1]
+
+
+@pytest.mark.timeout(60)
+def test_elastic_restarts_released_as_standby_and_relaunches_from_checkpoint_if_fallback(tmp_path: Path) -> None:
+    cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--",
+                   sys.executable, FAKE, "--steps", "20", "--release", "i1@3", "--fallback-at", "12"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    report = launcher.run()
+    _assert_nothing_left(launcher)
+    exits = {e["member"]: e for e in _launcher_events(report, "exit")}
+    assert exits["i1"]["rc"] == 76 and exits["i0"]["rc"] == 75
+    assert exits["i1.1"]["killed"]  # the standby that replaced the released member: stopped for the relaunch
+    assert _env(tmp_path, "i1.1")["PARCAE_JOIN"] == "1"
+    launches = _launcher_events(report, "launch")
+    assert [x["members"] for x in launches] == [["i0", "i1"], ["i0.1", "i1.2"]]
+    again = _env(tmp_path, "i1.2")
+    assert (again["RANK"], again["WORLD_SIZE"], again["PARCAE_JOIN"]) == ("1", "2", "0")
+    assert again["PARCAE_GENERATION_BASE"] == "1000" and again["PARCAE_RESUME_CKPT"].endswith("ckpt/last.ckpt")
+    assert report["num_restarts"] == 1 and report["num_migrations"] == 0
+    r = report["restarts"][0]
+    assert r["reason"] == "stage 0 lost every replica" and r["resume_step"] == 10 and r["last_step"] >= 12
+    assert r["redo_steps"] >= 2 and r["lost_s"] > 0 and report["time_lost_by_kind_s"]["restart"] == r["lost_s"]
+    assert report["final_step"] == 20 and report["launches"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_elastic_fails_with_log_tail_if_a_worker_exits_unexpectedly(tmp_path: Path) -> None:
+    script = ("import os, sys, time\n"
+              "time.sleep(0.5)\n"
+              "if os.environ['PARCAE_MEMBER'] == 'i1':\n"
+              "    sys.exit('boom: i1 crashed')\n"
+              "time.sleep(120)\n")
+    cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--", sys.executable, "-c", script])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    with pytest.raises(RunFailed, match="boom: i1 crashed") as info:
+        launcher.run()
+    assert "worker i1 (launch 0) exited with 1" in str(info.value)
+    _assert_nothing_left(launcher)
+
+
+@pytest.mark.slow  # ~32 s on 2 cores: the joiner must import torch and be admitted before training ends
+@pytest.mark.timeout(150)
+def test_main_migrates_in_place_if_trace_removes_and_adds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.csv"  # 2 instances, one removed at 60 s, one added back at 120 s (6 s apart in wall)
+    trace.write_text("0,2\n60000,1\n120000,2\n")
+    run_dir = tmp_path / "run"
+    rc = main(["--instances", "2", "--trace", str(trace), "--time-scale", "10", "--grace", "120",
+               "--run-dir", str(run_dir), "--progress-every", "5", "--",
+               sys.executable, EXAMPLE, "--max-steps", "300", "--step-delay", "0.06", "--ckpt-every", "100",
+               "--interval-s", "0.5"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err + out
+    report = json.loads((run_dir / "report.json").read_text())
+    assert (run_dir / "report.png").exists()
+    assert report["mode"] == "elastic" and report["final_step"] == 300
+    assert report["num_restarts"] == 0 and not report["restarts"], "a change restarted the job instead of migrating"
+    kinds = [e["event"] for e in report["events"] if e.get("source") == "launcher"]
+    assert kinds.count("launch") == 1
+    migrations = report["migrations"]
+    assert len(migrations) >= 2, out
+    shrink = [m for m in migrations if m["N"] == 1 and not m["recovery"]]
+    grow = [m for m in migrations if m["joiners"] == ["i2"]]
+    assert shrink and grow, migrations  # the notice and the joiner both changed the running job in place
+    assert all(m["duration_s"] < 10 for m in migrations)
+    assert set(report["time_lost_by_kind_s"]) >= {m["kind"] for m in migrations} | {"restart"}
+    assert "migration -> gen" in out
+    left = [e for e in report["events"] if e.get("event") == "left"]
+    assert [(e["member"], e["reason"]) for e in left] == [("i1", "notice")]

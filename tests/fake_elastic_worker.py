@@ -1,0 +1,106 @@
+"""A stand-in for an elastic training worker: speaks ``parcae run``'s protocol without torch (starts in ~50 ms).
+
+It lets the launcher's tests script exact situations (a member released with exit 76, a stage lost so that every
+member exits 75, a standby that waits until the job ends) and check what the launcher does, deterministically and
+fast. It writes what the real runtime writes to ``run_dir/events.jsonl``:
+
+* an initial member: an elastic ``phase`` event (starting -> training), then, as rank 0, worker ``progress`` events
+  every ``--step-s`` (one step each), a ``checkpoint`` event (and a ``ckpt/last.ckpt`` file) every 5 steps, and
+  ``end`` at ``--steps`` (then it marks the job finished in ``run_dir/finished`` and exits 0);
+* a joiner (``PARCAE_JOIN=1``): a ``phase`` event (starting -> standby), then waits until the job is finished;
+* SIGTERM (a notice): an elastic ``left`` event and exit 0.
+
+``--release MEMBER@STEP`` makes MEMBER exit 76 once the job reaches STEP; ``--fallback-at STEP`` makes every
+member of the first launch exit 75 at STEP. Each process records its environment in ``run_dir/env_<member>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--step-s", type=float, default=0.1)
+    ap.add_argument("--release", default="")
+    ap.add_argument("--fallback-at", type=int, default=0)
+    args = ap.parse_args()
+    run = os.environ["PARCAE_RUN_DIR"]
+    member = os.environ["PARCAE_MEMBER"]
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    joiner = os.environ.get("PARCAE_JOIN") == "1"
+    launch = int(os.environ.get("PARCAE_GENERATION", "0"))
+    base = int(os.environ["PARCAE_GENERATION_BASE"])
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PARCAE_JOIN", "PARCAE_ELASTIC",
+            "PARCAE_GENERATION_BASE", "PARCAE_RESUME_CKPT", "PARCAE_INTERVAL_S", "PARCAE_STORE", "PARCAE_MEMBER")
+    with open(os.path.join(run, f"env_{member}.json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+
+    def event(**e: object) -> None:
+        line = (json.dumps({"time": time.time(), **e}) + "\n").encode()
+        fd = os.open(os.path.join(run, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.write(fd, line)
+        os.close(fd)
+
+    def on_term(signum: int, frame: object) -> None:
+        event(source="elastic", event="left", member=member, generation=base, reason="notice", transfer_s=0.0)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    finished = os.path.join(run, "finished")
+    step_file = os.path.join(run, "step")
+    if joiner:
+        event(source="elastic", event="phase", member=member, generation=-1, old="starting", new="standby")
+        while not os.path.exists(finished):
+            time.sleep(0.05)
+        event(source="elastic", event="standby_exit", member=member, generation=-1, reason="job finished")
+        sys.exit(0)
+    event(source="elastic", event="phase", member=member, generation=base, old="starting", new="training",
+          D=world, P=1)
+    step = 0
+    if os.environ.get("PARCAE_RESUME_CKPT"):
+        with open(os.environ["PARCAE_RESUME_CKPT"]) as f:
+            step = int(f.read())
+    release = dict(x.split("@") for x in args.release.split(",") if x)
+    while True:
+        time.sleep(args.step_s)
+        if rank == 0:
+            step += 1
+            with open(step_file + ".tmp", "w") as f:
+                f.write(str(step))
+            os.replace(step_file + ".tmp", step_file)
+            event(source="worker", event="progress", generation=launch, step=step, samples=64 * step,
+                  samples_per_s=640.0, D=world, P=1, N=world)
+            if step % 5 == 0:
+                os.makedirs(os.path.join(run, "ckpt"), exist_ok=True)
+                with open(os.path.join(run, "ckpt", "last.ckpt"), "w") as f:
+                    f.write(str(step))
+                event(source="worker", event="checkpoint", generation=launch, step=step, D=world, P=1)
+        else:
+            try:
+                with open(step_file) as f:
+                    step = int(f.read())
+            except (OSError, ValueError):
+                pass
+        if member in release and step >= int(release[member]):
+            sys.exit(76)
+        if args.fallback_at and launch == 0 and step >= args.fallback_at:
+            event(source="elastic", event="fallback", member=member, generation=base,
+                  reason="stage 0 lost every replica", step=step)
+            sys.exit(75)
+        if step >= args.steps:
+            if rank == 0:
+                event(source="worker", event="end", generation=launch, step=step, samples=64 * step, D=world, P=1)
+                open(finished, "w").close()
+            sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
