@@ -1,4 +1,4 @@
-"""The ``parcae`` command: ``simulate``, ``predict`` and ``run``.
+"""The ``parcae`` command: ``simulate``, ``predict``, ``run`` and ``agent``.
 
 Problem: a user's first questions come before any code is written -- "on a trace like mine, what would each
 policy train and cost?" (``parcae simulate``), "how predictable is my availability?" (``parcae predict``) -- and
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="parcae",
         description="Proactive, liveput-optimized training on preemptible instances (Parcae, NSDI '24).",
     )
-    sub = p.add_subparsers(dest="command", metavar="{simulate,predict,run}")
+    sub = p.add_subparsers(dest="command", metavar="{simulate,predict,run,agent}")
     sub.required = True
     trace_help = "a trace file (events CSV, counts CSV, segment JSON lines, SkyPilot JSON) or a bundled name: p3, hh_55_65, hl_15_25, lh_80_90, ll_10_11"
 
@@ -78,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     r.add_argument("args", nargs=argparse.REMAINDER)
+
+    a = sub.add_parser(
+        "agent",
+        help="run this machine's worker of a multi-machine job (shared etcd/TCP store)",
+        description="One agent per machine: connect to the shared store, start the training script as an initial "
+        "member or a joining instance, forward preemption notices; see docs/cloud.md.",
+        add_help=False,
+    )
+    a.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -154,6 +163,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args and args[0] == "run":
         ns = argparse.Namespace(args=args[1:])
         handler = _run
+    elif args and args[0] == "agent":
+        from lightning_parcae.agent import main as agent_main
+
+        return agent_main(args[1:])
     else:
         ns = parser.parse_args(args)
         handler = {"simulate": _simulate, "predict": _predict, "run": _run}[ns.command]

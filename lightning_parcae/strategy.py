@@ -330,10 +330,18 @@ class ParcaeStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
-        """Derive global rank / world size from node rank, local rank and process count."""
+        """Derive global rank / world size from node rank, local rank and process count.
+
+        Under live reconfiguration the launcher's (or agent's, or torchrun's) ``RANK`` / ``WORLD_SIZE`` are taken
+        as given, so a script started with ``devices=1`` on each of N machines needs no ``num_nodes=N``.
+        """
         if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            if self.elastic and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                self.cluster_environment.set_global_rank(int(os.environ["RANK"]))
+                self.cluster_environment.set_world_size(int(os.environ["WORLD_SIZE"]))
+            else:
+                self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+                self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
     def setup_environment(self) -> None:

@@ -26,13 +26,17 @@ ROOT = str(Path(__file__).resolve().parents[1])
 class ElasticJob:
     """Members ``m0, m1, ...`` of one job on loopback."""
 
-    def __init__(self, out: Path, args: list[str]) -> None:
+    def __init__(self, out: Path, args: list[str], store_url: Optional[str] = None) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.args = args
         self.token = new_token()
-        self.store = host_store("tcp://127.0.0.1:0", token=self.token)
-        self.url = f"tcp://127.0.0.1:{self.store.port}"
+        if store_url is None:  # a TCPStore hosted here, like `parcae run` does
+            self.store = host_store("tcp://127.0.0.1:0", token=self.token)
+            self.url = f"tcp://127.0.0.1:{self.store.port}"
+        else:  # e.g. etcd://127.0.0.1:PORT/parcae/job (the store several machines would share)
+            self.store = host_store(store_url, token=self.token)
+            self.url = store_url
         self.procs: dict[str, subprocess.Popen] = {}
         self.next_id = 0
         self.launches = 0
