@@ -13,9 +13,10 @@ Two ways to handle a membership change:
   the store), hands its state to the others and exits 0 by itself; if it is still alive when the (scaled) grace
   period ends it gets SIGKILL and the others recover from a sudden loss. An added instance is a *joiner*
   (``PARCAE_JOIN=1``): a warm standby the leader admits at a planning interval. The others keep running. A worker
-  that exits with ``RELEASED_EXIT`` (76, healthy but unused by the new shape) is restarted as a joiner; one that
-  exits with ``FALLBACK_EXIT`` (75, some stage lost every replica) makes the launcher wait for everyone to exit and
-  relaunch all instances from ``run_dir/ckpt/last.ckpt`` -- the only case that restarts the job.
+  that exits with ``RELEASED_EXIT`` (76, healthy but unused by the new shape) or ``FENCED_EXIT`` (77, declared dead
+  while silent) is restarted as a joiner; one that exits with ``FALLBACK_EXIT`` (75, some stage lost every replica)
+  makes the launcher wait for everyone to exit and relaunch all instances from ``run_dir/ckpt/last.ckpt`` -- the
+  only case that restarts the job.
 * ``--restart-fallback``: like a torchrun-style elastic job, every change stops the whole group (gracefully: the
   notice lets every rank agree on a stop step and rank 0 write ``run_dir/ckpt/last.ckpt``, see
   :class:`~lightning_parcae.callbacks.ParcaeRunCallback`) and relaunches it at the new size, resuming from that
@@ -50,7 +51,7 @@ from lightning_parcae.callbacks import WRONG_TOKEN_EXIT, append_event
 from lightning_parcae.errors import ConfigurationError, CoordinationError, ParcaeError
 
 __all__ = ["build_parser", "main", "RunConfig", "Launcher", "host_capacity", "scale_counts", "initial_members",
-           "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT"]
+           "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
 ELASTIC = "elastic"
 """Mode: membership changes are live reconfigurations in place (the default)."""
@@ -61,6 +62,8 @@ FALLBACK_EXIT = 75
 """Worker exit status: some stage lost every replica; relaunch everyone from the checkpoint (= runtime's)."""
 RELEASED_EXIT = 76
 """Worker exit status: healthy, but the new shape does not use it; restart it as a joiner (= runtime's)."""
+FENCED_EXIT = 77
+"""Worker exit status: it woke up after the others declared it dead; the instance is fine: restart it as a joiner."""
 _DEFAULT_TIME_SCALE = 20.0  # a 1-hour segment of 60-s intervals replays in 3 minutes
 _POLL_S = 0.2
 
@@ -738,8 +741,8 @@ class Launcher:
                     added.append(f"i{k}")
             self.event("add", old_N=cur, new_N=target, joiners=added)
             self.changes.append({"t": time.time() - self.t0, "old_N": cur, "new_N": target, "added": added})
-            how = "start as warm standbys" if running and not self.finished else "wait for the next launch"
-            self._say(f"trace: {cur} -> {target} instances: {', '.join(added)} {how}")
+            how = "started as warm standby" if running and not self.finished else "will start at the next launch"
+            self._say(f"trace: {cur} -> {target} instances: new {', '.join(added)} {how}")
         self.n = target
         self.timeline.append({"t": time.time() - self.t0, "N": target, "workers": len(self.instances),
                               "D": self.shapes[-1]["D"] if self.shapes else 0,
@@ -766,10 +769,11 @@ class Launcher:
             if rc == FALLBACK_EXIT:
                 self._start_fallback()
                 continue
-            if rc == RELEASED_EXIT:
+            if rc in (RELEASED_EXIT, FENCED_EXIT):
+                why = "released by the new shape" if rc == RELEASED_EXIT else "fenced (declared dead while silent)"
                 if current and not self.finished and self._fallback is None and not self._need_launch:
                     self._spawn(w.instance, join=True)
-                    self._say(f"{w.member} released by the new shape: restarted as warm standby "
+                    self._say(f"{w.member} {why}: restarted as warm standby "
                               f"{self.instances[w.instance].member}")  # type: ignore[union-attr]
                 continue
             ours = w.killed or (w.noticed_at is not None and rc in (-signal.SIGTERM, -signal.SIGKILL))

@@ -10,8 +10,8 @@ fast. It writes what the real runtime writes to ``run_dir/events.jsonl``:
 * a joiner (``PARCAE_JOIN=1``): a ``phase`` event (starting -> standby), then waits until the job is finished;
 * SIGTERM (a notice): an elastic ``left`` event and exit 0.
 
-``--release MEMBER@STEP`` makes MEMBER exit 76 once the job reaches STEP; ``--fallback-at STEP`` makes every
-member of the first launch exit 75 at STEP. Each process records its environment in ``run_dir/env_<member>.json``.
+``--release MEMBER@STEP[:CODE],...`` makes MEMBER exit 76 (or CODE, e.g. 77: fenced) once the job reaches STEP;
+``--fallback-at STEP`` makes every member of the first launch exit 75 at STEP. Each process records its environment in ``run_dir/env_<member>.json``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def main() -> None:
     if os.environ.get("PARCAE_RESUME_CKPT"):
         with open(os.environ["PARCAE_RESUME_CKPT"]) as f:
             step = int(f.read())
-    release = dict(x.split("@") for x in args.release.split(",") if x)
+    release = {m: (int(at.split(":")[0]), int((at + ":76").split(":")[1]))
+               for m, at in (x.split("@") for x in args.release.split(",") if x)}
     while True:
         time.sleep(args.step_s)
         if rank == 0:
@@ -89,8 +90,8 @@ def main() -> None:
                     step = int(f.read())
             except (OSError, ValueError):
                 pass
-        if member in release and step >= int(release[member]):
-            sys.exit(76)
+        if member in release and step >= release[member][0]:
+            sys.exit(release[member][1])
         if args.fallback_at and launch == 0 and step >= args.fallback_at:
             event(source="elastic", event="fallback", member=member, generation=base,
                   reason="stage 0 lost every replica", step=step)

@@ -244,14 +244,14 @@ def test_elastic_notices_newest_and_starts_joiners_if_trace_changes(tmp_path: Pa
 
 
 @pytest.mark.timeout(60)
-def test_elastic_restarts_released_as_standby_and_relaunches_from_checkpoint_if_fallback(tmp_path: Path) -> None:
+def test_elastic_restarts_released_and_fenced_as_standby_and_relaunches_from_checkpoint_if_fallback(tmp_path: Path) -> None:
     cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--",
-                   sys.executable, FAKE, "--steps", "20", "--release", "i1@3", "--fallback-at", "12"])
+                   sys.executable, FAKE, "--steps", "20", "--release", "i1@3,i1.2@15:77", "--fallback-at", "12"])
     launcher = Launcher(cfg, out=open(os.devnull, "w"))
     report = launcher.run()
     _assert_nothing_left(launcher)
     exits = {e["member"]: e for e in _launcher_events(report, "exit")}
-    assert exits["i1"]["rc"] == 76 and exits["i0"]["rc"] == 75
+    assert exits["i1"]["rc"] == 76 and exits["i0"]["rc"] == 75 and exits["i1.2"]["rc"] == 77
     assert exits["i1.1"]["killed"]  # the standby that replaced the released member: stopped for the relaunch
     assert _env(tmp_path, "i1.1")["PARCAE_JOIN"] == "1"
     launches = _launcher_events(report, "launch")
@@ -264,6 +264,8 @@ def test_elastic_restarts_released_as_standby_and_relaunches_from_checkpoint_if_
     assert r["reason"] == "stage 0 lost every replica" and r["resume_step"] == 10 and r["last_step"] >= 12
     assert r["redo_steps"] >= 2 and r["lost_s"] > 0 and report["time_lost_by_kind_s"]["restart"] == r["lost_s"]
     assert report["final_step"] == 20 and report["launches"] == 2
+    assert _env(tmp_path, "i1.3")["PARCAE_JOIN"] == "1"  # fenced after the relaunch: back as a standby
+    assert exits["i1.3"]["rc"] == 0 and not exits["i1.3"]["killed"]  # left by itself once the job finished
 
 
 @pytest.mark.timeout(60)
