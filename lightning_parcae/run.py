@@ -728,7 +728,8 @@ class Launcher:
             self.changes.append({"t": time.time() - self.t0, "old_N": cur, "new_N": target, "removed": done})
             self._say(f"trace: {cur} -> {target} instances: " + ", ".join(
                 f"{d['action']} to {d['member']}" if d["action"] == "notice" else f"{d['member']}: {d['action']}"
-                for d in done) + f" (grace {self.cfg.wall_grace_s:.1f} s)")
+                for d in done) + (f" (grace {self.cfg.wall_grace_s:.1f} s)" if any(d["action"] == "notice"
+                                                                                   for d in done) else ""))
         else:
             added = []
             for _ in range(target - cur):
@@ -1096,7 +1097,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     t0 = report["events"][0]["time"] if report["events"] else 0.0
     if tr:
         xs = [k * tr["wall_interval_s"] for k in range(len(tr["instances_per_interval"]))]
-        axes[0].step(xs, tr["instances_per_interval"], where="post", label="available (trace, scaled)")
+        axes[0].step(xs, tr["instances_per_interval"], where="post", label="available (trace, scaled)", lw=4,
+                     alpha=0.35)
     axes[0].step([e["t"] for e in tl] + [t_end], [e["N"] for e in tl] + [tl[-1]["N"] if tl else 0], where="post",
                  label="instances (processes)" if elastic else "instances in use")
     for r in report["restarts"]:
