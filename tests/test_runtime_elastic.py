@@ -194,3 +194,26 @@ def test_elastic_recovers_in_place_if_nodes_share_an_etcd_store_and_one_dies(tmp
     assert rc["m0"] == 0 and rc["m2"] in (0, 76), job.tail()
     assert any(e.get("event") == "recovering" for e in job.events())
     _assert_invariant(job, tmp_path, args, 16)
+
+
+@pytest.mark.slow
+def test_elastic_saves_a_checkpoint_before_stopping_if_every_member_gets_a_notice(tmp_path: Path) -> None:
+    args = ["--max-steps", "20", "--pipeline-stages", "1", "--interval-steps", "0", "--delay", "0.5",
+            "--ckpt-every", "50"]
+    job = ElasticJob(tmp_path / "job", args)
+    try:
+        job.start(2)
+        job.wait_step(6)
+        job.notice("m0")
+        job.notice("m1")  # the whole cluster is being reclaimed
+        codes = (job.procs["m0"].wait(timeout=60), job.procs["m1"].wait(timeout=60))
+        stopped_at = job.max_step()
+        saved = torch.load(job.out / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
+        job.start(2, resume=True)  # instances are back
+        rc = job.wait(240)
+    finally:
+        job.stop()
+    assert codes == (75, 75), job.tail()
+    assert saved == stopped_at  # nothing lost: the checkpoint is of the last step trained (no periodic one existed)
+    assert rc["m2"] == rc["m3"] == 0
+    _assert_invariant(job, tmp_path, args, 20)

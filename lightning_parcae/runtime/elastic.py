@@ -191,6 +191,8 @@ class ElasticRuntime:
         self._optimizer: Optional[LiveputOptimizer] = None
         self._request_done: Any = None
         self._standby_seen: dict[str, bytes] = {}
+        self._last_standbys: list[str] = []
+        self._recovering_since: Optional[float] = None
         self.run_dir = os.environ.get("PARCAE_RUN_DIR")
 
     # ============================================================================================ connection
@@ -375,6 +377,12 @@ class ElasticRuntime:
                 if self.member in rec.get("transition", ()):
                     self._migrate_in(rec)
                     return rec
+            if self.live.noticed.is_set():  # a preemption notice while still a standby: nothing to hand over
+                log.warning("%s: preemption notice while waiting as a standby; leaving", self.member)
+                self.event("standby_exit", reason="notice")
+                self.life.to(Phase.STOPPED)
+                self.live.stop()
+                _exit(0)
             if self.store.check(["parcae/finished"]):
                 log.warning("%s: the job finished before this standby was needed; exiting", self.member)
                 self.event("standby_exit", reason="job finished")
@@ -588,12 +596,14 @@ class ElasticRuntime:
         requested = self._requested_shape(len(avail))
         if requested is not None:
             shape, reason = requested, f"{reason}; operator requested D={requested[0]} P={requested[1]}"
-        if shape != cur or standbys or leaving:
-                self.event("decision", reason=reason, N=len(avail), current=list(cur), chosen=list(shape) if shape else None,
-                       standbys=standbys, leaving=leaving, predicted=self.stats.get("predicted_N"),
-                       liveput=self.stats.get("liveput"))
-        if shape is None:
-            return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances")
+        if shape != cur or leaving or standbys != self._last_standbys:
+            self._last_standbys = list(standbys)
+            self.event("decision", reason=reason, N=len(avail), current=list(cur),
+                       chosen=list(shape) if shape else None, standbys=standbys, leaving=leaving,
+                       predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"))
+        if shape is None:  # every member is alive here: save a checkpoint before stopping
+            return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
+                                          checkpoint=True)
         if shape == cur and not leaving:
             return None
         try:
@@ -626,10 +636,10 @@ class ElasticRuntime:
             return None
         return shape
 
-    def _propose_fallback(self, step: int, reason: str) -> dict[str, Any]:
+    def _propose_fallback(self, step: int, reason: str, checkpoint: bool = False) -> dict[str, Any]:
         assert self.coord is not None and self.layout is not None
         rec = {"generation": self.generation + 1, "kind": "fallback", "step": step, "reason": reason,
-               "layout": self.layout.to_json(), "time": time.time()}
+               "layout": self.layout.to_json(), "time": time.time(), "checkpoint": checkpoint}
         return self.coord.propose(rec)
 
     # ============================================================================================ migration
@@ -704,6 +714,9 @@ class ElasticRuntime:
                 "bytes_received": int(sum(t.nbytes for t in plan.receives(self.member))),
                 "D": new.data_parallel, "P": new.pipeline_stages, "N": len(new.members), "step": trainer.global_step,
                 "joiners": joiners}
+        if self._recovering_since is not None:  # from noticing the loss to training again (detection excluded)
+            info["recovery_s"] = round(time.monotonic() - self._recovering_since, 4)
+            self._recovering_since = None
         self.migrations.append(info)
         self.event("migration", **info)
         self.life.to(Phase.TRAINING, **{k: info[k] for k in ("kind", "duration_s", "D", "P")})
@@ -766,6 +779,7 @@ class ElasticRuntime:
         reason = self.live.reason or "peer lost"
         self.life.to(Phase.RECOVERING, generation=g, reason=reason)
         t0 = time.monotonic()
+        self._recovering_since = t0
         self.live.abort(reason)
         self._teardown_groups(failed=True)
         self.coord.announce_survivor(g, self.member, {"step": int(trainer.global_step)})
@@ -819,7 +833,18 @@ class ElasticRuntime:
         self.switch(trainer, rec)
 
     def fallback(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
-        """Some stage has no live replica: say so loudly and exit for a restart from the last checkpoint."""
+        """Some stage has no live replica (or no instance is left): say so loudly and exit for a restart from the
+        last checkpoint. When every member is still alive (all under notice), a checkpoint is saved first, so
+        nothing is lost."""
+        saved = self._save_before_leaving(trainer) if rec.get("checkpoint") else None
+        if saved:
+            msg = (f"PARCAE STOP at step {trainer.global_step}: {rec.get('reason')}. Saved {saved}; the job restarts "
+                   "from it when instances are back.")
+            log.error(msg)
+            print(msg, file=sys.stderr, flush=True)
+            self.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step), checkpoint=saved)
+            self.life.to(Phase.FALLBACK, reason=rec.get("reason"))
+            _exit(FALLBACK_EXIT)
         msg = (f"PARCAE FALLBACK at step {trainer.global_step}: {rec.get('reason')}. No live process holds some "
                "layers, so the job must restart from the last checkpoint; the steps since that checkpoint are lost "
                "and will be recomputed.")
@@ -828,6 +853,19 @@ class ElasticRuntime:
         self.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step))
         self.life.to(Phase.FALLBACK, reason=rec.get("reason"))
         _exit(FALLBACK_EXIT)
+
+    def _save_before_leaving(self, trainer: "pl.Trainer") -> Optional[str]:
+        """Collective save of ``run_dir/ckpt/last.ckpt`` (every member must call it); None without a run dir."""
+        if not self.run_dir:
+            return None
+        path = os.path.join(self.run_dir, "ckpt", "last.ckpt")
+        try:
+            trainer.save_checkpoint(path)
+            self.s.wait_for_checkpoint()
+        except Exception as exc:  # noqa: BLE001 -- the periodic checkpoint is still there
+            log.error("could not save a checkpoint before stopping: %s", exc)
+            return None
+        return path
 
     def close(self, finished: bool = False) -> None:
         """Stop heartbeats (end of fit); ``finished``: tell waiting standbys that the job is over."""
