@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_parcae.costmodel import DefaultCostModel, Shape, ShapeLimits, ThroughputModel
+from lightning_parcae.costmodel import DefaultCostModel, MigrationConstants, Shape, ShapeLimits, ThroughputModel
 from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planner import Layout, MigrationPlan, StageLostError, plan_migration
@@ -82,6 +82,13 @@ STORE_ENV = "PARCAE_STORE"
 MEMBER_ENV = "PARCAE_MEMBER"
 JOIN_ENV = "PARCAE_JOIN"
 ELASTIC_ENV = "PARCAE_ELASTIC"
+
+
+RUNTIME_CONSTANTS = MigrationConstants(group_base_ms=30.0, join_ms=150.0, restart_ms=10000.0)
+"""Migration costs of this runtime as measured by ``benchmarks/bench_migration.py`` on loopback: a group rebuild
+is tens of ms, a *warm* standby joins in ~0.1-0.2 s (its imports and model were done while it waited -- the
+simulator's default ``join_ms`` of 2.5 s prices a cold process), a full restart ~10 s. With the cold value a short
+planning interval made the optimizer reach (4,1) through (2,2) instead of directly."""
 
 
 class RuntimeThroughput(ThroughputModel):
@@ -543,8 +550,8 @@ class ElasticRuntime:
             thr = RuntimeThroughput(list(s.layer_times or [1.0] * len(s.layer_names)), s._global_batch,
                                     s.micro_batches, s.max_pipeline_stages)
             params = [b / max(1.0, 4.0 * (1.0 + s.optimizer_state_factor)) for b in self._layer_bytes()]
-            self._optimizer = LiveputOptimizer(DefaultCostModel(thr, params), interval_s=max(self.interval_s, 1.0),
-                                               look_ahead=self.look_ahead)
+            self._optimizer = LiveputOptimizer(DefaultCostModel(thr, params, RUNTIME_CONSTANTS),
+                                               interval_s=max(self.interval_s, 1.0), look_ahead=self.look_ahead)
             self._predictor = make_predictor(self.predictor_name, max_instances=self.max_instances)
             for c in self.coord.history():
                 self._predictor.observe(c)
