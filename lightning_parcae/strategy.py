@@ -262,6 +262,7 @@ class ParcaeStrategy(ParallelStrategy):
         self._full_stack: Optional[nn.Sequential] = None
         self._local_dump = False
         self._step_batch: Optional[tuple[int, Any]] = None
+        self._rerun_step = False
         self.last_step_indices: list[int] = []
         self._train_loader: Optional[Any] = None
         self._bg_writer: Optional[Any] = None
@@ -555,6 +556,7 @@ class ParcaeStrategy(ParallelStrategy):
                 self._pending_grads = None
                 self._cursor_epoch, self._cursor = cursor
                 er.recover(trainer)
+                self._rerun_step = True
             finally:
                 self._committing = None
 
@@ -845,13 +847,14 @@ class ParcaeStrategy(ParallelStrategy):
         sampler = self._train_sampler
         if sampler is None or self.groups is None:
             return batch
-        if self._step_batch is not None and self._step_batch[0] == id(batch):
-            record = self._step_batch[1]
+        if self._rerun_step and self._step_batch is not None:
+            record = self._step_batch[1]  # the step re-runs after a failure: same global batch
         elif sampler.records:
             record = sampler.records.popleft()
-            self._step_batch = (id(batch), record)
+            self._step_batch = (0, record)
         else:
             return batch
+        self._rerun_step = False
         d, replica, chunk = record
         g = self.groups
         self.last_step_indices = sampler.slice_of(chunk, g.data_parallel, g.coords.replica)

@@ -423,6 +423,9 @@ class ElasticRuntime:
         activate(self.live)
         self.live.set_generation(self.generation, self._watch())
         self.life.to(Phase.TRAINING, generation=self.generation, joined=True)
+        self.event("joined", step=int(trainer.global_step), D=self.layout.data_parallel if self.layout else None,
+                   P=self.layout.pipeline_stages if self.layout else None,
+                   transfer_s=round(float(self.stats.get("join_transfer_s", 0.0)), 4))
         self._last_interval_t = time.monotonic()
         self._last_interval_step = int(trainer.global_step)
 
