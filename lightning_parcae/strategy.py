@@ -646,7 +646,11 @@ class ParcaeStrategy(ParallelStrategy):
                 times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats)
                 stack.train(was_training)
         if self.groups.world > 1:
-            dist.broadcast_object_list(times, src=0)
+            # floats only: a tensor broadcast (nothing from the network is unpickled)
+            n = len(self.layer_names)
+            t = torch.tensor(times[0] if times[0] is not None else [0.0] * n, dtype=torch.float64)
+            dist.broadcast(t, src=0)
+            times[0] = t.tolist()
         return list(times[0])
 
     def _sample_stack_input(self, trainer: "pl.Trainer") -> Optional[Tensor]:
@@ -983,7 +987,7 @@ class ParcaeStrategy(ParallelStrategy):
         if op in ("mean", "sum") and not out.is_floating_point():
             out = out.float()
         torch_op = {"max": ReduceOp.MAX, "min": ReduceOp.MIN}.get(op, ReduceOp.SUM)
-        dist.all_reduce(out, op=torch_op, group=group)
+        guarded(lambda: dist.all_reduce(out, op=torch_op, group=group, async_op=True), "metric reduction")
         if op == "mean":
             return out / dist.get_world_size(group)
         if op == "sum" and group is None:
@@ -995,7 +999,7 @@ class ParcaeStrategy(ParallelStrategy):
         if self.groups is None or self.groups.world == 1 or self._solo:
             return decision
         t = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(t, op=ReduceOp.SUM)
+        guarded(lambda: dist.all_reduce(t, op=ReduceOp.SUM, async_op=True), "decision all-reduce")
         return bool(t.item() == self.groups.world) if all else bool(t.item() > 0)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -1005,7 +1009,7 @@ class ParcaeStrategy(ParallelStrategy):
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
-            dist.barrier()
+            guarded(lambda: dist.barrier(async_op=True), "barrier")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Broadcast a picklable object from global rank ``src``."""

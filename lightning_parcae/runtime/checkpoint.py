@@ -124,12 +124,36 @@ def load_named_optimizer_state(optimizer: Optimizer, module: nn.Module, named: M
 
 
 def gather_objects(obj: Any, dst: int, group: Any) -> Optional[list[Any]]:
-    """``gather_object`` to global rank ``dst`` over ``group``; the list on ``dst``, ``None`` elsewhere."""
+    """Gather state (tensors + plain containers) to global rank ``dst`` over ``group``.
+
+    Unlike ``gather_object`` nothing is unpickled: each part travels as a ``torch.save`` blob read back with
+    ``weights_only=True``. The waits are guarded (:mod:`lightning_parcae.runtime.liveness`), so a member lost
+    during a checkpoint gather aborts the generation like any other collective instead of hanging it.
+
+    Returns:
+        The parts in group-rank order on ``dst``, ``None`` elsewhere.
+    """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
-    out: Optional[list[Any]] = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
-    return out
+    from lightning_parcae.runtime.liveness import guarded  # noqa: PLC0415
+    from lightning_parcae.runtime.migration import pack, unpack  # noqa: PLC0415
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    blob = pack(obj)
+    n = dist.get_world_size(group)
+    size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    guarded(lambda: dist.all_gather(sizes, size, group=group, async_op=True), "checkpoint gather")
+    lengths = [int(x.item()) for x in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: blob.numel()] = blob
+    padded = padded.to(device) if device is not None else padded
+    if dist.get_rank() != dst:
+        guarded(lambda: dist.gather(padded, None, dst=dst, group=group, async_op=True), "checkpoint gather")
+        return None
+    outs = [torch.empty_like(padded) for _ in range(n)]
+    guarded(lambda: dist.gather(padded, outs, dst=dst, group=group, async_op=True), "checkpoint gather")
+    return [unpack(o[:k].cpu()) for o, k in zip(outs, lengths)]
 
 
 def plain_containers(x: Any) -> Any:
