@@ -261,7 +261,7 @@ class ParcaeStrategy(ParallelStrategy):
         self.elastic_runtime: Optional[Any] = None
         self._full_stack: Optional[nn.Sequential] = None
         self._local_dump = False
-        self._step_batch: Optional[tuple[int, Any]] = None
+        self._step_batch: Optional[tuple[int, int, list[int]]] = None  # (D, replica, global batch) of this step
         self._rerun_step = False
         self.last_step_indices: list[int] = []
         self._train_loader: Optional[Any] = None
@@ -852,10 +852,10 @@ class ParcaeStrategy(ParallelStrategy):
         if sampler is None or self.groups is None:
             return batch
         if self._rerun_step and self._step_batch is not None:
-            record = self._step_batch[1]  # the step re-runs after a failure: same global batch
+            record = self._step_batch  # the step re-runs after a failure: same global batch
         elif sampler.records:
             record = sampler.records.popleft()
-            self._step_batch = (0, record)
+            self._step_batch = record
         else:
             return batch
         self._rerun_step = False
