@@ -225,3 +225,37 @@ def test_elastic_saves_a_checkpoint_before_stopping_if_every_member_gets_a_notic
     assert saved == stopped_at  # nothing lost: the checkpoint is of the last step trained (no periodic one existed)
     assert rc["m2"] == rc["m3"] == 0
     _assert_invariant(job, tmp_path, args, 20)
+
+
+@pytest.mark.slow
+def test_elastic_moves_a_survivor_to_another_stage_if_every_replica_of_that_stage_gets_a_notice(
+    tmp_path: Path,
+) -> None:
+    """Inter-stage migration: (2,2) + a standby; both stage-1 members get notices at the same step boundary and
+    the operator asks for (1,2). The planner prefers a survivor over the joiner, so a stage-0 survivor takes stage 1
+    (weights + Adam state from the leaving members) -- checked against the uninterrupted run like everything else."""
+    from lightning_parcae.runtime.coordinator import Coordinator
+    from lightning_parcae.runtime.store import connect_store
+
+    args = ["--max-steps", "14", "--pipeline-stages", "2", "--interval-steps", "0", "--delay", "1.0"]
+    job = ElasticJob(tmp_path / "job", args)
+    try:
+        job.start(4)  # m0 (r0 s0), m1 (r0 s1), m2 (r1 s0), m3 (r1 s1)
+        joiner = job.add()
+        Coordinator(connect_store(job.url, token=job.token), job.token).put("parcae/request",
+                                                                            {"id": 1, "D": 1, "P": 2})
+        t_end = time.time() + 120
+        while not any(e.get("member") == joiner and e.get("new") == "standby" for e in job.events()):
+            assert time.time() < t_end, job.tail()
+            time.sleep(0.05)
+        step = job.max_step()
+        job.wait_step(step + 1)  # a step was just recorded: its boundary comes after the 1 s delay
+        job.notice("m1")
+        job.notice("m3")
+        rc = job.wait(240)
+    finally:
+        job.stop()
+    assert rc["m1"] == 0 and rc["m3"] == 0, job.tail()
+    kinds = _kinds(job)
+    assert "inter-stage" in kinds, f"migration kinds: {kinds}"
+    _assert_invariant(job, tmp_path, args, 14)
