@@ -30,12 +30,10 @@ import time
 from typing import Any, Optional, Sequence
 
 from lightning_parcae.errors import ConfigurationError, ParcaeError
+from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT
 
 __all__ = ["main", "build_parser", "worker_env"]
 
-RELEASED_EXIT = 76
-FALLBACK_EXIT = 75
-FENCED_EXIT = 77
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,6 +48,7 @@ from types import FrameType
 from typing import Any, Optional, Sequence
 
 from lightning_parcae.callbacks import WRONG_TOKEN_EXIT, append_event
+from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT
 from lightning_parcae.errors import ConfigurationError, CoordinationError, ParcaeError
 
 __all__ = ["build_parser", "main", "RunConfig", "Launcher", "host_capacity", "scale_counts", "initial_members",
@@ -58,12 +59,6 @@ ELASTIC = "elastic"
 RESTART_FALLBACK = "restart-fallback"
 """Mode: every membership change stops the whole group and relaunches it from the checkpoint."""
 MODE = RESTART_FALLBACK  # kept for compatibility: the mode the launcher had before live reconfiguration
-FALLBACK_EXIT = 75
-"""Worker exit status: some stage lost every replica; relaunch everyone from the checkpoint (= runtime's)."""
-RELEASED_EXIT = 76
-"""Worker exit status: healthy, but the new shape does not use it; restart it as a joiner (= runtime's)."""
-FENCED_EXIT = 77
-"""Worker exit status: it woke up after the others declared it dead; the instance is fine: restart it as a joiner."""
 _DEFAULT_TIME_SCALE = 20.0  # a 1-hour segment of 60-s intervals replays in 3 minutes
 _POLL_S = 0.2
 

@@ -56,7 +56,7 @@ from lightning_parcae.optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planner import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.predictor import make_predictor
 from lightning_parcae.runtime.coordinator import Coordinator
-from lightning_parcae.runtime.lifecycle import Lifecycle, Phase
+from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
 from lightning_parcae.runtime.migration import exchange, layer_payload
 
@@ -69,19 +69,12 @@ __all__ = ["ElasticRuntime", "RuntimeThroughput", "FALLBACK_EXIT", "RELEASED_EXI
 
 log = logging.getLogger(__name__)
 
-FALLBACK_EXIT = 75
-"""Exit status of a member when some stage lost every replica: restart the job from the last checkpoint."""
-RELEASED_EXIT = 76
-"""Exit status of a healthy member the new shape does not use: restart it as a standby (``PARCAE_JOIN=1``)."""
-FENCED_EXIT = 77
-"""Exit status of a member that woke up after the others declared it dead (it must not touch the job again)."""
 LIVE_CHECKPOINT = "parcae-live://peers"
 """The checkpoint path a joiner 'resumes' from: the state it received from live peers, not a file."""
 
 STORE_ENV = "PARCAE_STORE"
 MEMBER_ENV = "PARCAE_MEMBER"
 JOIN_ENV = "PARCAE_JOIN"
-ELASTIC_ENV = "PARCAE_ELASTIC"
 
 
 RUNTIME_CONSTANTS = MigrationConstants(group_base_ms=30.0, join_ms=150.0, restart_ms=10000.0)

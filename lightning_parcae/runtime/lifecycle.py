@@ -28,9 +28,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-__all__ = ["Phase", "Lifecycle", "IllegalTransitionError"]
+__all__ = ["Phase", "Lifecycle", "IllegalTransitionError", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
 log = logging.getLogger("lightning_parcae.lifecycle")
+
+# How a process that leaves the lifecycle ends: its exit status tells the launcher / agent what to do next.
+FALLBACK_EXIT = 75
+"""FALLBACK: some stage lost every replica (or no instance is left); restart the job from the last checkpoint."""
+RELEASED_EXIT = 76
+"""FENCED after a plan that does not use this healthy member: restart it as a standby (``PARCAE_JOIN=1``)."""
+FENCED_EXIT = 77
+"""FENCED after being declared dead while silent: it must not touch the job again; restart it as a standby."""
 
 
 class Phase(str, enum.Enum):
