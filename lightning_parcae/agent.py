@@ -122,17 +122,16 @@ class Agent:
             self.proc.send_signal(signal.SIGTERM)
 
     def _watch_notices(self) -> Any:
+        """A watcher thread on the cloud's notice source; None when SIGTERM to the agent is the only signal."""
         spec = self.args.notices
-        if spec == "none":
+        if spec in ("none", "sigterm"):  # SIGTERM to the agent is handled by its own handler (see run)
             return None
-        from lightning_parcae.availability.notices import NoticeWatcher, make_notice_source  # noqa: PLC0415
+        from lightning_parcae.availability.notices import NoticeWatcher, SignalNoticeSource, make_notice_source  # noqa: PLC0415
 
-        if spec in ("sigterm", "auto"):
-            spec = "auto"
-        source = make_notice_source(spec) if spec != "auto" else make_notice_source("auto")
-        if type(source).__name__ == "SignalNoticeSource":
+        source = make_notice_source(spec)
+        if isinstance(source, SignalNoticeSource):  # "auto" found no cloud metadata service
             source.close()
-            return None  # SIGTERM to the agent is handled by the agent's own handler below
+            return None
         return NoticeWatcher(source, lambda n: self._notice(f"{n.source}: {n.kind}")).start()
 
     def run(self) -> int:
