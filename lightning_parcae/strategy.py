@@ -352,12 +352,6 @@ class ParcaeStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         world = self.world_size
-        p = len(self.partition) if self.partition else (self.pipeline_stages_option or 1)
-        joiner = self.elastic and os.environ.get("PARCAE_JOIN", "0") not in ("", "0", "false")
-        if world % p and not joiner:
-            raise ConfigurationError(
-                f"pipeline_stages={p} does not divide devices x nodes = {world}; D = devices / P must be whole"
-            )
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
         self._process_group_backend = backend
         if self.elastic and self.elastic_runtime is None:
@@ -366,9 +360,14 @@ class ParcaeStrategy(ParallelStrategy):
             self.elastic_runtime = ElasticRuntime.from_env(self, **self.elastic_options)
             self._store = self.elastic_runtime.connect()
             self._timeout = min(self._timeout, timedelta(minutes=5))
-            if self.elastic_runtime.joining:
+            if self.elastic_runtime.joining:  # its shape comes from the generation that admits it
                 self._join_environment(backend)
                 return
+        p = len(self.partition) if self.partition else (self.pipeline_stages_option or 1)
+        if world % p:
+            raise ConfigurationError(
+                f"pipeline_stages={p} does not divide devices x nodes = {world}; D = devices / P must be whole"
+            )
         if self._store is None and world == 1:
             self._store = dist.HashStore()
         elif self._store is None:
