@@ -76,24 +76,19 @@ def exchange(sends: Mapping[int, Any], recv_from: Sequence[int], what: str = "st
         ``{source rank: object}``.
     """
     blobs = {dst: pack(obj) for dst, obj in sends.items()}
-    works = []
-    sizes_out = {dst: torch.tensor([b.numel()], dtype=torch.int64) for dst, b in blobs.items()}
     sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in recv_from}
-    for dst, t in sizes_out.items():
-        works.append(guarded_post(lambda t=t, dst=dst: dist.isend(t, dst, tag=1), what))
-    for src, t in sizes_in.items():
-        works.append(guarded_post(lambda t=t, src=src: dist.irecv(t, src, tag=1), what))
-    for w in works:
-        guarded_wait(w, what)
-    works = []
+    _send_recv({dst: torch.tensor([b.numel()], dtype=torch.int64) for dst, b in blobs.items()}, sizes_in, 1, what)
     inbox = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes_in.items()}
-    for dst, b in blobs.items():
-        works.append(guarded_post(lambda b=b, dst=dst: dist.isend(b, dst, tag=2), what))
-    for src, t in inbox.items():
-        works.append(guarded_post(lambda t=t, src=src: dist.irecv(t, src, tag=2), what))
+    _send_recv(blobs, inbox, 2, what)
+    return {src: unpack(t) for src, t in inbox.items()}
+
+
+def _send_recv(outgoing: Mapping[int, Tensor], incoming: Mapping[int, Tensor], tag: int, what: str) -> None:
+    """Post every send and receive at once, then wait for all of them (guarded)."""
+    works = [guarded_post(lambda t=t, dst=dst: dist.isend(t, dst, tag=tag), what) for dst, t in outgoing.items()]
+    works += [guarded_post(lambda t=t, src=src: dist.irecv(t, src, tag=tag), what) for src, t in incoming.items()]
     for w in works:
         guarded_wait(w, what)
-    return {src: unpack(t) for src, t in inbox.items()}
 
 
 def load_layer_payload(module: nn.Module, payload: Mapping[str, Any], device: torch.device) -> None:
