@@ -20,6 +20,7 @@ import pytest
 
 from elastic_harness import JOB, ROOT, check_replicas_agree, check_samples_once, merged_final, reference
 from lightning_parcae.agent import main as agent_main
+from lightning_parcae.runtime.etcd_server import EtcdServer
 from lightning_parcae.runtime.store import host_store, new_token
 
 
@@ -34,20 +35,12 @@ def test_agent_exits_2_with_a_message_if_no_command_is_given(capsys: pytest.Capt
 
 
 @pytest.mark.multiprocess
-def test_agents_train_one_job_over_etcd_if_a_machine_joins_and_another_is_preempted(tmp_path: Path) -> None:
-    from lightning_parcae.runtime.etcd_server import EtcdServer, etcd_binary
-
-    try:
-        import etcd  # noqa: F401
-    except ImportError:
-        pytest.skip("needs python-etcd (pip install python-etcd)")
-    if etcd_binary() is None:
-        pytest.skip("needs the etcd binary (apt-get install etcd-server)")
-    server = EtcdServer()
-    server.start()
+def test_agents_train_one_job_over_etcd_if_a_machine_joins_and_another_is_preempted(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    url = server.store_url("/parcae/agent-test")
+    url = etcd_server.store_url("/parcae/agent-test")
     token = new_token()
     host_store(url, token=token)
     args = ["--max-steps", "60", "--pipeline-stages", "1", "--interval-steps", "2", "--delay", "0.25", "--batch-size",
@@ -80,7 +73,6 @@ def test_agents_train_one_job_over_etcd_if_a_machine_joins_and_another_is_preemp
         for p in agents.values():
             if p.poll() is None:
                 p.kill()
-        server.stop()
     logs = "\n".join(f.read_text(errors="replace")[-2000:] for f in out.glob("agent_*.txt"))
     assert codes == {"a0": 0, "a1": 0, "a2": 0}, logs
     import json

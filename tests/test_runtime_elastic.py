@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_parcae.runtime.etcd_server import EtcdServer
 from elastic_harness import (
     ElasticJob,
     check_replicas_agree,
@@ -175,22 +176,14 @@ def test_elastic_fences_a_member_if_it_hangs_past_the_heartbeat_timeout_and_wake
     _assert_invariant(job, tmp_path, args, 30)
 
 
-def test_elastic_recovers_in_place_if_nodes_share_an_etcd_store_and_one_dies(tmp_path: Path) -> None:
+def test_elastic_recovers_in_place_if_nodes_share_an_etcd_store_and_one_dies(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
     """Three "nodes" (one worker each) coordinate only through a real etcd (v2 API), as separate machines would:
     membership, heartbeats, commits, generation records and every process-group rendezvous go through it."""
-    from lightning_parcae.runtime.etcd_server import EtcdServer, etcd_binary
-
-    try:
-        import etcd  # noqa: F401
-    except ImportError:
-        pytest.skip("needs python-etcd (pip install python-etcd)")
-    if etcd_binary() is None:
-        pytest.skip("needs the etcd binary (apt-get install etcd-server)")
-    server = EtcdServer()
-    server.start()
     args = ["--max-steps", "16", "--pipeline-stages", "1", "--interval-steps", "0", "--delay", "0.1",
             "--batch-size", "24", "--samples", "480"]
-    job = ElasticJob(tmp_path / "job", args, store_url=server.store_url("/parcae/elastic-test"))
+    job = ElasticJob(tmp_path / "job", args, store_url=etcd_server.store_url("/parcae/elastic-test"))
     try:
         job.start(3)
         job.wait_step(5)
@@ -198,7 +191,6 @@ def test_elastic_recovers_in_place_if_nodes_share_an_etcd_store_and_one_dies(tmp
         rc = job.wait(240)
     finally:
         job.stop()
-        server.stop()
     assert rc["m0"] == 0 and rc["m2"] in (0, 76), job.tail()
     assert any(e.get("event") == "recovering" for e in job.events())
     _assert_invariant(job, tmp_path, args, 16)

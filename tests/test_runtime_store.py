@@ -34,12 +34,7 @@ from lightning_parcae.runtime.store import (
     read,
 )
 
-try:
-    import etcd as _python_etcd  # noqa: F401
-
-    HAVE_PYTHON_ETCD = True
-except ImportError:
-    HAVE_PYTHON_ETCD = False
+from conftest import HAVE_PYTHON_ETCD
 
 needs_etcd = pytest.mark.skipif(
     etcd_binary() is None or not HAVE_PYTHON_ETCD,
@@ -61,19 +56,6 @@ def tcp_store() -> Iterator[dist.Store]:
         yield store
     finally:
         del store
-
-
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdServer]:
-    """One real etcd for this module's etcd tests (about 0.5 s to start)."""
-    if etcd_binary() is None or not HAVE_PYTHON_ETCD:
-        pytest.skip("needs the etcd binary (apt-get install etcd-server) and python-etcd")
-    server = EtcdServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------------
