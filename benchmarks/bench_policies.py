@@ -16,9 +16,9 @@ import argparse
 import json
 import time
 
-from lightning_parcae.costmodel import ArtifactCostModel, reference_models
-from lightning_parcae.sim import run_policy
-from lightning_parcae.traces import bundled_trace_path, load_trace
+from lightning_parcae.planning.costmodel import ArtifactCostModel, reference_models
+from lightning_parcae.planning.sim import run_policy
+from lightning_parcae.signals.traces import bundled_trace_path, load_trace
 
 
 def main() -> None:

@@ -84,7 +84,7 @@ def _worker(cfg: dict[str, Any]) -> None:
         strategy: Any = DDPStrategy()
         per_loader = cfg["batch"] // cfg["world"]  # DDP: the loader batch is per process
     else:
-        from lightning_parcae.strategy import ParcaeStrategy
+        from lightning_parcae.training.strategy import ParcaeStrategy
 
         strategy = ParcaeStrategy(pipeline_stages=cfg["P"], micro_batches=cfg["M"], schedule=cfg["schedule"])
         per_loader = cfg["batch"]  # Parcae: the loader batch is the global batch

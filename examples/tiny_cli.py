@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
 
-import lightning_parcae.strategy  # noqa: F401  (registers the "parcae" strategy name)
+import lightning_parcae.training.strategy  # noqa: F401  (registers the "parcae" strategy name)
 from train_tiny import TinyClassifier, synthetic
 
 

@@ -3,12 +3,12 @@
 Problem it shows: under ``parcae run`` the set of worker processes changes whenever the (replayed) spot
 availability changes. With ``--elastic`` (the default) the strategy reconfigures in place (``ParcaeStrategy`` reads
 ``PARCAE_ELASTIC=1`` from the launcher); with ``--restart-fallback`` workers are stopped and relaunched. One script
-survives both with two lines: add :class:`~lightning_parcae.callbacks.ParcaeRunCallback` (periodic checkpoints,
-progress events) and pass :func:`~lightning_parcae.callbacks.resume_path` to ``trainer.fit``. The launcher gives
+survives both with two lines: add :class:`~lightning_parcae.training.callbacks.ParcaeRunCallback` (periodic checkpoints,
+progress events) and pass :func:`~lightning_parcae.training.callbacks.resume_path` to ``trainer.fit``. The launcher gives
 each worker torchrun-style environment variables, so ``devices`` is the local world size it was started with.
 
-    python -m lightning_parcae.run --instances 2 -- python examples/train_run.py --max-steps 200
-    python -m lightning_parcae.run --instances 4 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
+    python -m lightning_parcae.launch.run --instances 2 -- python examples/train_run.py --max-steps 200
+    python -m lightning_parcae.launch.run --instances 4 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
 
 ``PARCAE_PIPELINE_STAGES`` (set by the launcher from ``--pipeline-stages``) chooses P of the first generation;
 ``auto`` lets the strategy pick P from a short profile. ``PARCAE_INTERVAL_S`` (the launcher's scaled trace
@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytorch_lightning as pl  # noqa: E402
-from lightning_parcae.callbacks import ParcaeRunCallback, resume_path  # noqa: E402
-from lightning_parcae.strategy import ParcaeStrategy  # noqa: E402
+from lightning_parcae.training.callbacks import ParcaeRunCallback, resume_path  # noqa: E402
+from lightning_parcae.training.strategy import ParcaeStrategy  # noqa: E402
 from train_tiny import TinyClassifier, synthetic  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pytorch_lightning as pl
-from lightning_parcae.strategy import ParcaeStrategy
+from lightning_parcae.training.strategy import ParcaeStrategy
 
 
 class TinyClassifier(pl.LightningModule):

@@ -6,14 +6,20 @@ instance count of the next intervals and picks the data-parallel x pipeline-para
 *liveput* -- the throughput the job can expect once possible preemptions are counted -- and migrates stages
 between live processes before the change happens.
 
-Data flows one way::
+Data flows one way, and the folders are that flow (a module imports only from folders to its left)::
 
-    availability signals -> predictor -> liveput optimizer -> migration plan -> runtime
+    signals/   ->  planning/                                   ->  runtime/  ->  training/  ->  launch/
+    traces,        forecast -> costmodel -> liveput ->             groups,       strategy,      run, agent,
+    notices        shape_optimizer -> migration_plan; sim          pipeline,     callbacks      cli
+                                                                   migration,
+                                                                   elastic ...
 
-The planner side (:mod:`~lightning_parcae.traces`, :mod:`~lightning_parcae.predictor`,
-:mod:`~lightning_parcae.costmodel`, :mod:`~lightning_parcae.liveput`, :mod:`~lightning_parcae.optimizer`,
-:mod:`~lightning_parcae.planner`, :mod:`~lightning_parcae.sim`) is plain Python/numpy. The runtime
-(:mod:`~lightning_parcae.strategy`, :mod:`~lightning_parcae.runtime`) imports it, never the reverse.
+``signals`` and ``planning`` are plain Python/numpy (``parcae simulate`` never imports torch); ``runtime`` is the
+torch.distributed machinery; ``training`` is the Lightning strategy over it; ``launch`` starts and keeps the
+processes. ``errors`` sits below everything; ``testing`` holds helpers for tests only. See ``docs/design.md``.
+
+The public API is re-exported here, lazily, so that user imports stay short and planner-only users do not pay for
+importing torch: ``from lightning_parcae import ParcaeStrategy, load_trace, simulate``.
 
 Failure contract (``ParcaeStrategy(elastic=True)``, the default under ``parcae run``; details in
 ``docs/failure_contract.md``). In every case training ends with the parameters an uninterrupted run would reach:
@@ -31,17 +37,29 @@ Failure contract (``ParcaeStrategy(elastic=True)``, the default under ``parcae r
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "ParcaeStrategy"]
+_EXPORTS = {
+    "ParcaeStrategy": "lightning_parcae.training.strategy",
+    "ParcaeRunCallback": "lightning_parcae.training.callbacks",
+    "resume_path": "lightning_parcae.training.callbacks",
+    "load_trace": "lightning_parcae.signals.traces",
+    "make_predictor": "lightning_parcae.planning.forecast",
+    "Shape": "lightning_parcae.planning.costmodel",
+    "LiveputOptimizer": "lightning_parcae.planning.shape_optimizer",
+    "plan_migration": "lightning_parcae.planning.migration_plan",
+    "simulate": "lightning_parcae.planning.sim",
+}
+
+__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
-    # The runtime pulls in torch; keep planner-only users (``parcae simulate``) free of that import cost.
-    if name == "ParcaeStrategy":
-        from lightning_parcae.strategy import ParcaeStrategy
-
-        return ParcaeStrategy
-    raise AttributeError(f"module 'lightning_parcae' has no attribute {name!r}")
+    # Lazy: the strategy pulls in torch and Lightning; keep planner-only users (``parcae simulate``) free of that.
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_parcae' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_parcae.runtime.etcd_server import EtcdServer, etcd_binary
+from lightning_parcae.testing.etcd_server import EtcdServer, etcd_binary
 
 try:
     import etcd as _python_etcd  # noqa: F401

@@ -112,7 +112,7 @@ def run(cfg: dict[str, Any]) -> Optional[dict[str, Any]]:
     val = make_loader(cfg.get("n_val", 32), cfg.get("val_batch", 8)) if cfg.get("val", True) else None
     out_dir = cfg["out"]
     if cfg.get("parcae"):
-        from lightning_parcae.strategy import ParcaeStrategy
+        from lightning_parcae.training.strategy import ParcaeStrategy
 
         p = cfg["parcae"]
         strategy: Any = ParcaeStrategy(pipeline_stages=p.get("P"), micro_batches=p.get("M", 1),

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from elastic_harness import JOB, ROOT, check_replicas_agree, check_samples_once, merged_final, reference
-from lightning_parcae.agent import main as agent_main
-from lightning_parcae.runtime.etcd_server import EtcdServer
+from lightning_parcae.launch.agent import main as agent_main
+from lightning_parcae.testing.etcd_server import EtcdServer
 from lightning_parcae.runtime.store import host_store, new_token
 
 
@@ -52,7 +52,7 @@ def test_agents_train_one_job_over_etcd_if_a_machine_joins_and_another_is_preemp
     def start(name: str, *how: str) -> None:
         log = open(out / f"agent_{name}.txt", "wb")
         agents[name] = subprocess.Popen(
-            [sys.executable, "-m", "lightning_parcae.cli", "agent", "--store", url, "--member", name, "--notices",
+            [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name, "--notices",
              "none", "--run-dir", str(out), *how, "--", sys.executable, JOB, "--out", str(out), *args],
             env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from lightning_parcae.availability.notices import (
+from lightning_parcae.signals.notices import (
     AwsNoticeSource,
     AzureNoticeSource,
     GcpNoticeSource,

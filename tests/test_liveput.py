@@ -1,4 +1,4 @@
-"""Tests of lightning_parcae.liveput: exact expectations against brute force over every victim set."""
+"""Tests of lightning_parcae.planning.liveput: exact expectations against brute force over every victim set."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from lightning_parcae.costmodel import (
+from lightning_parcae.planning.costmodel import (
     ArtifactCostModel,
     DefaultCostModel,
     MigrationConstants,
@@ -18,7 +18,7 @@ from lightning_parcae.costmodel import (
     artifact_partition,
 )
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.liveput import (
+from lightning_parcae.planning.liveput import (
     Expectation,
     expected_transition_cost,
     liveput,

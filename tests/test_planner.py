@@ -1,4 +1,4 @@
-"""Tests of lightning_parcae.planner: slot choice, transfers, kinds, errors and JSON.
+"""Tests of lightning_parcae.planning.migration_plan: slot choice, transfers, kinds, errors and JSON.
 
 Optimality is checked against ``_brute_force``, a deliberately naive re-derivation that tries every injective
 assignment of available members to the new layout's slots and scores it from the raw member/partition lists (it
@@ -15,9 +15,9 @@ from typing import Sequence
 
 import pytest
 
-from lightning_parcae.costmodel import MigrationKind
+from lightning_parcae.planning.costmodel import MigrationKind
 from lightning_parcae.errors import ConfigurationError, ParcaeError
-from lightning_parcae.planner import Layout, MigrationPlan, StageLostError, Transfer, plan_migration
+from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, Transfer, plan_migration
 
 # ---------------------------------------------------------------------------------------------------- reference
 
@@ -312,7 +312,7 @@ def test_plan_migration_returns_identical_plans_if_called_twice_with_the_same_in
 def test_plan_migration_never_imports_torch_if_imported_alone():
     import subprocess
 
-    code = "import sys, lightning_parcae.planner; sys.exit('torch' in sys.modules)"
+    code = "import sys, lightning_parcae.planning.migration_plan; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

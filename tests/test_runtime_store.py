@@ -20,7 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_parcae.errors import ConfigurationError, CoordinationError
-from lightning_parcae.runtime.etcd_server import EtcdBinaryMissingError, EtcdServer, etcd_binary
+from lightning_parcae.testing.etcd_server import EtcdBinaryMissingError, EtcdServer, etcd_binary
 from lightning_parcae.runtime.store import (
     StoreSpec,
     TamperedRecordError,

@@ -241,7 +241,3 @@ class ProcessGroups:
     def pipeline_group_of(self, replica: int) -> Any:
         """The pipeline group of ``replica``."""
         return self._pipeline_groups[replica]
-
-    def data_group_of(self, stage: int) -> Any:
-        """The data-parallel group of ``stage``."""
-        return self._data_groups[stage]

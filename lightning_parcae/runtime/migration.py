@@ -1,6 +1,6 @@
 """Executing a migration plan: moving layer state between live processes and re-binding it in place.
 
-Problem: after the planner (:mod:`lightning_parcae.planner`) has decided who holds which stage and which layers move
+Problem: after the planner (:mod:`lightning_parcae.planning.migration_plan`) has decided who holds which stage and which layers move
 from whom to whom, the runtime must (1) ship exactly those layers -- parameters, buffers and the optimizer state of
 their parameters -- between processes that keep running, (2) rebuild each process's stage module from layers it
 already had plus layers it received, and (3) re-point the *existing* optimizer objects (which Lightning, LR

@@ -199,7 +199,7 @@ def host_store(
 
     ``tcp``: starts a ``TCPStore`` server on a socket bound to ``spec.host`` only (the returned store's ``.port``
     is the real port when ``spec.port`` is 0). ``file``: deletes a stale store file and opens a fresh one.
-    ``etcd``: etcd hosts itself (see :class:`~lightning_parcae.runtime.etcd_server.EtcdServer`); this connects to
+    ``etcd``: etcd hosts itself (see :class:`~lightning_parcae.testing.etcd_server.EtcdServer`); this connects to
     it. With ``token``, the token proof is installed (:func:`install_token`).
 
     Args:

@@ -923,10 +923,6 @@ class NoticeWatcher:
         self._thread.start()
         return self
 
-    def wake(self) -> None:
-        """Poll now instead of at the end of the current pause."""
-        self._wake.set()
-
     def poll_once(self) -> list[Notice]:
         """One polling round in the calling thread; returns the notices delivered."""
         delivered = []

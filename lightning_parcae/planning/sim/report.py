@@ -13,10 +13,10 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from lightning_parcae.costmodel import MigrationCostModel
+from lightning_parcae.planning.costmodel import MigrationCostModel
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.sim.policies import POLICIES, PolicyResult, run_policy
-from lightning_parcae.traces import Trace
+from lightning_parcae.planning.sim.policies import POLICIES, PolicyResult, run_policy
+from lightning_parcae.signals.traces import Trace
 
 __all__ = ["Comparison", "simulate"]
 
@@ -156,7 +156,7 @@ def simulate(
     Args:
         trace: The availability trace.
         cost_model: Throughput + migration costs (artifact-compatible or our own).
-        policies: Names from :data:`~lightning_parcae.sim.policies.POLICIES`.
+        policies: Names from :data:`~lightning_parcae.planning.sim.policies.POLICIES`.
         look_ahead: Intervals the parcae policies plan over.
         predictor: Predictor name for ``parcae``.
         price: USD per instance-hour (default: a p3.2xlarge at a 70 % spot discount).

@@ -47,7 +47,7 @@ __all__ = [
 
 TRACE_FORMATS = ("events", "counts", "segment", "skypilot")
 
-_DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
+_DATA_DIR = pathlib.Path(__file__).resolve().parent.parent / "data"
 #: Bundled trace names accepted by :func:`bundled_trace_path`.
 BUNDLED_TRACES = ("p3", "hh_55_65", "hl_15_25", "lh_80_90", "ll_10_11")
 

@@ -6,7 +6,7 @@ before any instance is rented. :func:`simulate` runs the chosen policies on a tr
 cumulative samples of every policy.
 """
 
-from lightning_parcae.sim.policies import POLICIES, PolicyResult, run_policy
-from lightning_parcae.sim.report import Comparison, simulate
+from lightning_parcae.planning.sim.policies import POLICIES, PolicyResult, run_policy
+from lightning_parcae.planning.sim.report import Comparison, simulate
 
 __all__ = ["POLICIES", "PolicyResult", "run_policy", "Comparison", "simulate"]

@@ -12,8 +12,8 @@ Policies:
   restart, a checkpoint save + load and every stage's state each time.
 * ``restart`` -- torchrun-like: one fixed shape chosen at the start; every event restarts from a checkpoint;
   while fewer instances than the shape needs are present it trains nothing.
-* ``parcae`` -- the liveput optimizer (:class:`~lightning_parcae.optimizer.LiveputOptimizer`) over a forecast
-  from a :mod:`~lightning_parcae.predictor` predictor (only the past is seen).
+* ``parcae`` -- the liveput optimizer (:class:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer`) over a forecast
+  from a :mod:`~lightning_parcae.planning.forecast` predictor (only the past is seen).
 * ``parcae-oracle`` -- the same optimizer fed the true future (the artifact's "liveput truth").
 
 The optimizer and cost model are the very objects the runtime uses.
@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from lightning_parcae.costmodel import MigrationCostModel, Shape
+from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.liveput import expected_transition_cost
-from lightning_parcae.optimizer import PAUSED, LiveputOptimizer, fit_shape
-from lightning_parcae.predictor import Predictor, make_predictor
+from lightning_parcae.planning.liveput import expected_transition_cost
+from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape
+from lightning_parcae.planning.forecast import Predictor, make_predictor
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
 

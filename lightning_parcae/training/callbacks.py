@@ -27,7 +27,6 @@ or None. A script used under ``parcae run`` does::
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -38,7 +37,9 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 
-__all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "append_event"]
+from lightning_parcae.events import append_event
+
+__all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV"]
 
 RUN_DIR_ENV = "PARCAE_RUN_DIR"
 """Set by ``parcae run``: the run directory (checkpoints, events, logs)."""
@@ -58,22 +59,6 @@ def resume_path() -> Optional[str]:
     """
     path = os.environ.get(RESUME_ENV)
     return path if path and os.path.isfile(path) else None
-
-
-def append_event(run_dir: str | os.PathLike[str], event: dict[str, Any]) -> None:
-    """Append one JSON line to ``run_dir/events.jsonl`` (a single ``write`` on an ``O_APPEND`` file).
-
-    Args:
-        run_dir: The run directory.
-        event: A JSON-safe dict; ``time`` (``time.time()``) is added when missing.
-    """
-    event = {"time": time.time(), **event}
-    line = (json.dumps(event, sort_keys=True) + "\n").encode()
-    fd = os.open(os.path.join(os.fspath(run_dir), "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 class ParcaeRunCallback(pl.Callback):
