@@ -62,6 +62,7 @@ def _check(n: int, d: int, p: int, n_out: int) -> None:
         raise ConfigurationError(f"shape ({d}, {p}) needs {d * p} instances but only {n} are present")
 
 
+@functools.lru_cache(maxsize=65536)
 def _count_patterns(d: int, p: int, k_max: int) -> int:
     # number of vectors (v_0..v_{p-1}), 0 <= v_s <= d, sum <= k_max
     ways = [1] + [0] * k_max
@@ -130,6 +131,43 @@ def _same_depth(cm: MigrationCostModel, n: int, d: int, p: int, n_in: int, n_out
             cache[(m, a)] = cm.combine(n, d, p, n_in, n_out, d2, m, a)
         acc += cache[(m, a)] * (w / total)
     return acc
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_patterns(d: int, p: int, n_out: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every victim vector with ``v_s <= d`` and ``sum v <= n_out``, whatever N: ``(patterns, log weight, sum)``.
+
+    The same vectors serve every N (only the spares' share, hence the probabilities, depends on it), so what is
+    computed per vector -- a repartition's transfer -- is computed once for all N.
+    """
+    vmax = min(d, n_out)
+    log_c = np.array([math.lgamma(d + 1) - math.lgamma(v + 1) - math.lgamma(d - v + 1) for v in range(vmax + 1)])
+    pats = np.zeros((1, 0), dtype=np.int64)
+    logw = np.zeros(1)
+    ks = np.zeros(1, dtype=np.int64)
+    for _ in range(p):
+        v = np.arange(vmax + 1)
+        new_k = ks[:, None] + v[None, :]
+        keep = new_k <= n_out
+        rep = np.repeat(np.arange(len(pats)), vmax + 1).reshape(len(pats), vmax + 1)[keep]
+        vv = np.broadcast_to(v, new_k.shape)[keep]
+        pats = np.concatenate([pats[rep], vv[:, None]], axis=1)
+        logw = logw[rep] + log_c[vv]
+        ks = new_k[keep]
+    return pats, logw, ks
+
+
+def _pattern_probs(n: int, d: int, p: int, n_out: int) -> np.ndarray:
+    """Probabilities of :func:`_all_patterns` rows on ``n`` instances (0 where the spares cannot take the rest)."""
+    _, logw, ks = _all_patterns(d, p, n_out)
+    spares = n - d * p
+    rest = n_out - ks
+    ok = (rest >= 0) & (rest <= spares)
+    lg = math.lgamma
+    r = np.where(ok, rest, 0)
+    log_spare = lg(spares + 1) - gammaln(r + 1) - gammaln(spares - r + 1)
+    log_total = lg(n + 1) - lg(n_out + 1) - lg(n - n_out + 1)
+    return np.where(ok, np.exp(logw + log_spare - log_total), 0.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -255,11 +293,17 @@ def _repartition_transfer(
     else:
         exact = _count_patterns(d, p, n_out) <= max_patterns
         if exact:
-            victims, probs = _pattern_arrays(n, d, p, n_out)
+            # transfers per victim vector are shared by every N (see _all_patterns); only probabilities differ
+            vkey = (-1, d, p, n_out, p2, max_patterns, 0, 0)
+            vals = cache.get(vkey)  # type: ignore[assignment]
+            if vals is None:
+                vals = cm.repartition_transfer_batch(p, p2, d - _all_patterns(d, p, n_out)[0])
+                cache[vkey] = vals  # type: ignore[assignment]
+            probs = _pattern_probs(n, d, p, n_out)
         else:
             victims = _sampled_patterns(n, d, p, n_out, samples, seed)
             probs = np.full(len(victims), 1.0 / len(victims))
-        vals = cm.repartition_transfer_batch(p, p2, d - victims)
+            vals = cm.repartition_transfer_batch(p, p2, d - victims)
         fb = np.isinf(vals)
         finite = np.where(fb, 0.0, vals)
         moments = _EXACT_MOMENTS

@@ -131,7 +131,7 @@ class Predictor(abc.ABC):
     Args:
         window: How many past counts (W) the model looks at.
         min_instances: Lowest count a forecast may take.
-        max_instances: Highest count a forecast may take.
+        max_instances: Highest count a forecast may take (``None``: no upper bound).
         seed: Seed for randomized predictors (the built-in ones are deterministic and ignore it).
 
     Raises:
@@ -146,11 +146,13 @@ class Predictor(abc.ABC):
     #: Errors needed at a step before the empirical band replaces the volatility band.
     band_min_errors: ClassVar[int] = 30
 
-    def __init__(self, *, window: int = 12, min_instances: int = 0, max_instances: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self, *, window: int = 12, min_instances: int = 0, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
         self.window = _check_int("window", window, 1)
         self.min_instances = _check_int("min_instances", min_instances, 0)
-        self.max_instances = _check_int("max_instances", max_instances, 0)
-        if self.min_instances > self.max_instances:
+        self.max_instances: Optional[int] = None if max_instances is None else _check_int("max_instances", max_instances, 0)
+        if self.max_instances is not None and self.min_instances > self.max_instances:
             raise ConfigurationError(
                 f"min_instances ({min_instances}) must not exceed max_instances ({max_instances})"
             )
@@ -210,6 +212,47 @@ class Predictor(abc.ABC):
         Raises:
             ConfigurationError: ``horizon < 1`` or nothing observed yet.
         """
+
+    def scenarios(
+        self, horizon: int, levels: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Integer count paths at quantiles of the forecast's error distribution, for planning against it.
+
+        Path ``k`` is the forecast mean plus, at every step, the ``levels[k]`` quantile of this predictor's own
+        past errors at that step (online, as for the band); before :attr:`band_min_errors` errors are known, a
+        normal quantile of the recent volatility times ``sqrt(step)``. Each level carries an equal share of the
+        probability; paths that round to the same counts are merged and their weights added.
+
+        Args:
+            horizon: Steps ahead.
+            levels: Quantile levels in (0, 1), one path each.
+
+        Returns:
+            ``(paths, weights)``: ``(K, horizon)`` int counts in ``[min_instances, max_instances]`` and ``(K,)``
+            weights summing to 1.
+        """
+        from scipy.stats import norm
+
+        lv = np.asarray(levels, dtype=float)
+        if lv.ndim != 1 or len(lv) == 0 or np.any((lv <= 0) | (lv >= 1)):
+            raise ConfigurationError(f"levels must be quantile levels in (0, 1), got {list(levels)!r}")
+        fc = self.forecast(horizon)
+        hist = self.history
+        diffs = np.diff(hist)
+        sigma = float(np.sqrt(np.mean(diffs**2))) if len(diffs) else 0.0
+        dev = np.empty((len(lv), len(fc)))
+        for i in range(len(fc)):
+            errs = self._errors[i] if i < len(self._errors) else ()
+            if len(errs) >= self.band_min_errors:
+                dev[:, i] = np.quantile(np.fromiter(errs, dtype=float), lv)
+            else:
+                dev[:, i] = norm.ppf(lv) * sigma * np.sqrt(i + 1.0)
+        paths = self._clip(np.rint(fc.mean[None, :] + dev)).astype(np.int64)
+        merged: dict[tuple[int, ...], float] = {}
+        for row in paths:
+            key = tuple(row.tolist())
+            merged[key] = merged.get(key, 0.0) + 1.0 / len(lv)
+        return np.array(list(merged), dtype=np.int64).reshape(len(merged), len(fc)), np.array(list(merged.values()))
 
     # -- helpers for subclasses --------------------------------------------------------------------------------
 
@@ -357,7 +400,9 @@ class ArimaPredictor(Predictor):
     shrink: ClassVar[float] = 1.0
     deadband: ClassVar[float] = 1.0
 
-    def __init__(self, *, window: int = 30, min_instances: int = 0, max_instances: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self, *, window: int = 30, min_instances: int = 0, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
         super().__init__(window=window, min_instances=min_instances, max_instances=max_instances, seed=seed)
 
     def forecast(self, horizon: int) -> Forecast:
@@ -392,7 +437,9 @@ class ArtifactPredictor(Predictor):
 
     name: ClassVar[str] = "artifact"
 
-    def __init__(self, *, window: int = 12, min_instances: int = 8, max_instances: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self, *, window: int = 12, min_instances: int = 8, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
         super().__init__(window=window, min_instances=min_instances, max_instances=max_instances, seed=seed)
 
     @staticmethod
@@ -550,6 +597,7 @@ def mae_table(
     horizons: Sequence[int],
     names: Optional[Sequence[str]] = None,
     window: Optional[int] = None,
+    **bounds: Optional[int],
 ) -> dict[str, dict[int, np.ndarray]]:
     """Per-step MAE of several predictors at several horizons, for printing.
 
@@ -559,6 +607,7 @@ def mae_table(
         names: Predictor names (default: all of :data:`PREDICTORS`).
         window: History length W for every predictor; ``None`` uses W = L for ``"artifact"`` (as the artifact
             does) and each predictor's default (12) otherwise.
+        **bounds: ``min_instances`` / ``max_instances`` passed to every predictor (default: each predictor's own).
 
     Returns:
         ``table[name][L]`` is the ``(L,)`` per-step MAE; its mean is the artifact's single number.
@@ -567,7 +616,7 @@ def mae_table(
     for name in names if names is not None else list(PREDICTORS):
         table[name] = {}
         for horizon in horizons:
-            kw = {}
+            kw: dict = dict(bounds)
             if window is not None:
                 kw["window"] = window
             elif name == "artifact":

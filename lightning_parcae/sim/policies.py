@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from lightning_parcae.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.liveput import expected_transition_cost
-from lightning_parcae.optimizer import PAUSED, LiveputOptimizer, fit_shape
+from lightning_parcae.optimizer import PAUSED, LiveputOptimizer, fit_shape, settle
 from lightning_parcae.predictor import Predictor, make_predictor
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
@@ -198,6 +198,15 @@ def _restart(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **
     return res
 
 
+def _paths_to_intervals(start: int, path: Sequence[int]) -> List[Tuple[int, int, int]]:
+    out, prev = [], start
+    for c in path:
+        c = int(c)
+        out.append((prev, max(c - prev, 0), max(prev - c, 0)))
+        prev = c
+    return out
+
+
 def _liveput(
     cm: MigrationCostModel,
     intervals: Intervals,
@@ -207,6 +216,8 @@ def _liveput(
     oracle: bool = False,
     predictor: str = "persistence",
     max_instances: Optional[int] = None,
+    risk: float = 0.5,
+    levels: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
     **_: object,
 ) -> PolicyResult:
     res = PolicyResult("parcae-oracle" if oracle else "parcae", interval_s)
@@ -216,34 +227,37 @@ def _liveput(
     if not oracle:
         pred = make_predictor(predictor, window=max(look_ahead, 8), min_instances=0, max_instances=top)
     acct = _Accountant(cm, 1000.0 * interval_s)
-    n = intervals[0][0]
     shape: Shape = (0, 0)
     for i, (prev, n_in, n_out) in enumerate(intervals):
-        t0 = time.perf_counter()
-        if oracle:
-            future = list(intervals[i : i + look_ahead])
-        elif pred is None or len(pred.history) == 0:
-            # the job knows what it starts with; nothing about the future yet
-            first_n = prev + n_in - n_out
-            future = [(prev, n_in, n_out)] + [(first_n, 0, 0)] * (look_ahead - 1)
-        else:
-            future = pred.forecast(look_ahead).intervals(n)
-        plan = opt.plan(n, shape, future, remain_ms=acct.remain)
-        res.decide_s += time.perf_counter() - t0
         after = prev + n_in - n_out
-        target = fit_shape(plan.next_shape, after) if plan.next_shape != PAUSED else PAUSED
+        t0 = time.perf_counter()
+        # What is known at the interval's start: its arrivals have arrived and its preemption notices are in, so
+        # the count it runs with is `after` -- the same knowledge the reactive `throughput` baseline uses. Only
+        # the intervals after it are forecast (the oracle sees them).
+        if oracle:
+            plan = opt.plan(prev, shape, list(intervals[i : i + look_ahead]), remain_ms=acct.remain)
+            target = plan.next_shape
+        else:
+            assert pred is not None
+            pred.observe(after)
+            scenarios: List[List[Tuple[int, int, int]]] = [[]]
+            weights: Sequence[float] = [1.0]
+            if look_ahead > 1:
+                paths, weights = pred.scenarios(look_ahead - 1, levels)
+                scenarios = [_paths_to_intervals(after, p) for p in paths]
+            target = opt.decide(prev, shape, (prev, n_in, n_out), scenarios, weights, remain_ms=acct.remain, risk=risk).next_shape
+        res.decide_s += time.perf_counter() - t0
+        target = fit_shape(target, after) if target != PAUSED else PAUSED
         if target[0] * target[1] == 0 or cm.throughput.throughput(*target) <= 0:
             target = PAUSED  # nothing allowed fits: the job waits (its state is kept in the checkpoint)
         if target == PAUSED:
             acct.remain = 0.0
             _record(res, after, target, 0.0, 0.0, 0.0)
         else:
-            cost = expected_transition_cost(cm, prev, shape, n_in, n_out, target).mean
+            cost = expected_transition_cost(cm, prev, shape, *settle(prev, n_in, n_out), target).mean
             work_ms, lost = acct.step(cost, target)
             _record(res, after, target, cm.throughput.throughput(*target) * work_ms / 1000.0, cost, lost)
-        shape, n = target, after
-        if pred is not None:
-            pred.observe(after)
+        shape = target
     return res
 
 
