@@ -616,6 +616,14 @@ class ArtifactCostModel(MigrationCostModel):
         return 35.0 + t
 
     def restart_ms(self, d: int, p: int, kind: str) -> float:
+        # memoized: the optimizer prices thousands of transitions per cold decision, each with a restart term
+        memo = self.__dict__.setdefault("_restart_memo", {})
+        hit = memo.get((d, p, kind))
+        if hit is None:
+            hit = memo[(d, p, kind)] = self._restart_ms(d, p, kind)
+        return hit
+
+    def _restart_ms(self, d: int, p: int, kind: str) -> float:
         cost = 0.0
         if kind == "add":
             cost += self.rdzv_ms + self.extra_ms

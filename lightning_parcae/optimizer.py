@@ -26,7 +26,7 @@ import numpy as np
 
 from lightning_parcae.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.liveput import expected_transition_cost
+from lightning_parcae.liveput import prepare_transfers, transition_costs
 
 __all__ = ["Plan", "Decision", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
 
@@ -139,6 +139,28 @@ class LiveputOptimizer:
         self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------------------------------------------
+    def prepare(self, n_max: int, max_out: int = 2) -> int:
+        """Tabulate what makes a first decision slow, before it is needed (e.g. while the job starts).
+
+        A cold decision spends most of its time on the victim distributions of repartitions (which surviving
+        replicas a new stage can take its layers from). Those depend on the current shape, the number of
+        simultaneous preemptions and the target depth, not on N, so they are computed here for every shape that
+        fits ``n_max`` instances and up to ``max_out`` preemptions at once. Decisions that need more are
+        computed when first needed. Idempotent: a second call finds everything cached.
+
+        Args:
+            n_max: The largest instance count the job expects.
+            max_out: Largest number of simultaneous preemptions to tabulate.
+
+        Returns:
+            Entries tabulated (including those already cached).
+        """
+        if n_max < 0 or max_out < 0:
+            raise ConfigurationError(f"n_max={n_max}, max_out={max_out}: both must be >= 0")
+        shapes = [s for s in self.targets(n_max)[0] if s != PAUSED]
+        depths = sorted({s[1] for s in shapes})
+        return prepare_transfers(self.cm, shapes, depths, max_out)
+
     def targets(self, n: int, hints: Sequence[int] = ()) -> Tuple[List[Shape], np.ndarray, np.ndarray]:
         """Candidate shapes on ``n`` instances with their throughput and concurrent-restart cost vectors."""
         key = (n, tuple(sorted(set(hints))))
@@ -162,13 +184,7 @@ class LiveputOptimizer:
         key = (n, shape, n_in, n_out, tuple(targets))
         vec = self._cost_cache.get(key)
         if vec is None:
-            vec = np.array(
-                [
-                    0.0 if t == PAUSED else expected_transition_cost(self.cm, n, shape, n_in, n_out, t).mean
-                    for t in targets
-                ],
-                dtype=float,
-            )
+            vec = transition_costs(self.cm, n, shape, n_in, n_out, targets)
             if len(self._cost_cache) > 200_000:
                 self._cost_cache.clear()
             self._cost_cache[key] = vec
@@ -338,6 +354,8 @@ class LiveputOptimizer:
         Returns:
             The decision.
         """
+        if not risk >= 0:
+            raise ConfigurationError(f"risk={risk}: the risk aversion must be >= 0 (0: trust the expectation)")
         if not scenarios:
             scenarios = [[]]
         if weights is None:
@@ -366,7 +384,7 @@ class LiveputOptimizer:
         gain = values - values[0][None, :]
         mean = gain @ w
         std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0))
-        score = mean - risk * std
+        score = mean - np.where(std > 0, risk * np.where(std > 0, std, 1.0), 0.0)
         best = int(np.argmax(score))
         if best == 0 or score[best] <= 0:
             return Decision(reactive, reactive, 0.0, 0.0, tuple(cands))
