@@ -43,6 +43,8 @@ __all__ = [
     "PersistencePredictor",
     "ArimaPredictor",
     "ArtifactPredictor",
+    "HazardPredictor",
+    "EnsemblePredictor",
     "PREDICTORS",
     "make_predictor",
     "Backtest",
@@ -485,10 +487,92 @@ class ArtifactPredictor(Predictor):
         return self._finish(mean)
 
 
+class HazardPredictor(Predictor):
+    """A hazard model of arrivals and preemptions: expected drift from per-interval event rates and sizes.
+
+    Over the last ``window`` intervals (default 60) it estimates the chance that an interval has a net arrival
+    (``h_in``) or a net preemption (``h_out``) and their mean sizes (``s_in``, ``s_out``), and forecasts
+    ``last + k * (h_in * s_in - h_out * s_out)`` k steps ahead, floored at 0 (a count cannot go negative, which
+    the plain drift ignores near an outage). It captures steady declines and recoveries; on flat traces its
+    drift is ~0 and it equals persistence.
+    """
+
+    name: ClassVar[str] = "hazard"
+
+    def __init__(
+        self, *, window: int = 60, min_instances: int = 0, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
+        super().__init__(window=window, min_instances=min_instances, max_instances=max_instances, seed=seed)
+
+    def forecast(self, horizon: int) -> Forecast:
+        horizon, hist = self._start(horizon)
+        diffs = np.diff(hist)
+        drift = 0.0
+        if len(diffs) >= 5:
+            up, down = diffs[diffs > 0], -diffs[diffs < 0]
+            h_in, h_out = len(up) / len(diffs), len(down) / len(diffs)
+            drift = h_in * (float(up.mean()) if len(up) else 0.0) - h_out * (float(down.mean()) if len(down) else 0.0)
+        steps = np.arange(1, horizon + 1, dtype=float)
+        return self._finish(np.maximum(hist[-1] + drift * steps, 0.0))
+
+
+class EnsemblePredictor(Predictor):
+    """Online selection among member predictors, fitted on the trace as it unfolds.
+
+    Every member observes every count; each forecast is the forecast of the member whose own scored forecasts
+    had the lowest mean absolute error over the last :attr:`recent` intervals (all steps ahead pooled). A
+    member must beat persistence by :attr:`margin` (relative) to be chosen, so the ensemble falls back to
+    "nothing will change" until something has clearly earned its place on *this* trace. The band is the
+    ensemble's own empirical band (its errors are those of whichever member it used).
+    """
+
+    name: ClassVar[str] = "ensemble"
+    members: ClassVar[tuple[str, ...]] = ("persistence", "arima", "hazard")
+    recent: ClassVar[int] = 60
+    margin: ClassVar[float] = 0.05
+
+    def __init__(
+        self, *, window: int = 30, min_instances: int = 0, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
+        self._members = [
+            PREDICTORS[m](min_instances=min_instances, max_instances=max_instances, seed=seed) for m in self.members
+        ]
+        super().__init__(window=window, min_instances=min_instances, max_instances=max_instances, seed=seed)
+        self.chosen: list[str] = []
+
+    def reset(self) -> None:
+        super().reset()
+        for m in getattr(self, "_members", []):
+            m.reset()
+        self.chosen = []
+
+    def observe(self, n: int) -> None:
+        super().observe(n)
+        for m in self._members:
+            m.observe(n)
+
+    def _recent_mae(self, m: Predictor) -> float:
+        errs = [e for d in m._errors for e in list(d)[-self.recent :]]
+        return float(np.mean(np.abs(errs))) if len(errs) >= 10 else float("inf")
+
+    def forecast(self, horizon: int) -> Forecast:
+        horizon, _ = self._start(horizon)
+        fcs = [m.forecast(horizon) for m in self._members]  # every member forecasts, so every member is scored
+        scores = [self._recent_mae(m) for m in self._members]
+        best = 0
+        for i in range(1, len(self._members)):
+            if scores[i] < scores[best] * (1.0 - self.margin):
+                best = i
+        self.chosen.append(self._members[best].name)
+        return self._finish(fcs[best].mean)
+
+
 PREDICTORS: dict[str, type[Predictor]] = {
     "persistence": PersistencePredictor,
     "arima": ArimaPredictor,
     "artifact": ArtifactPredictor,
+    "hazard": HazardPredictor,
+    "ensemble": EnsemblePredictor,
 }
 
 

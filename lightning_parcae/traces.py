@@ -100,9 +100,10 @@ class Trace:
         intervals: The intervals, ``intervals[k].index == k``.
         interval_s: Interval length in seconds.
         source: File path or a description of where the trace came from.
-        native_interval_s: The grid the file's own times fall on (e.g. 300.0 for a trace recorded every 5
-            minutes), or ``None`` when unknown or the times fall on no grid of at least 1 s. A trace binned at
-            another ``interval_s`` was resampled.
+        native_interval_s: The grid the file was recorded on: SkyPilot's ``gap_seconds``, or for timestamped
+            formats the coarsest whole number of minutes all its times fall on (e.g. 300.0 for a trace recorded
+            every 5 minutes); ``None`` when there is no clear grid. A trace binned at another ``interval_s``
+            was resampled.
     """
 
     intervals: tuple[Interval, ...]
@@ -528,12 +529,24 @@ def load_trace(path: Union[str, os.PathLike], *, interval_s: float = 60.0, fmt: 
         raise _fail(name, None, f"the file is empty (expected a {fmt} trace)")
     changes, end_s = _READERS[fmt](name, text)
     trace = _build(changes, end_s, interval_s, name)
-    return Trace(trace.intervals, trace.interval_s, name, _native_interval(changes, end_s))
+    if fmt == "skypilot":
+        native: Optional[float] = float(json.loads(text)["metadata"]["gap_seconds"])
+    else:
+        native = _native_interval(changes, end_s)
+    return Trace(trace.intervals, trace.interval_s, name, native)
 
 
 def _native_interval(changes: Sequence[tuple[float, int, int]], end_s: float) -> Optional[float]:
-    """The coarsest grid (in whole ms, at least 1 s) that every change time and the end fall on, if any."""
+    """The grid a timestamped trace was recorded on, if it has a clear one.
+
+    That is the coarsest whole number of minutes that every change time and the end are multiples of, given at
+    least three distinct such times (fewer prove nothing); ``None`` otherwise -- an event log with times at
+    arbitrary seconds has no grid of its own.
+    """
+    times = {int(round(t * 1000.0)) for t in [*(t for t, _, _ in changes), end_s]}
+    if len(times) < 3:
+        return None
     grid = 0
-    for t in [*(t for t, _, _ in changes), end_s]:
-        grid = math.gcd(grid, int(round(t * 1000.0)))
-    return grid / 1000.0 if grid >= 1000 else None
+    for t in times:
+        grid = math.gcd(grid, t)
+    return grid / 1000.0 if grid and grid % 60_000 == 0 else None
