@@ -12,9 +12,13 @@ Policies:
   restart, a checkpoint save + load and every stage's state each time.
 * ``restart`` -- torchrun-like: one fixed shape chosen at the start; every event restarts from a checkpoint;
   while fewer instances than the shape needs are present it trains nothing.
-* ``parcae`` -- the liveput optimizer (:class:`~lightning_parcae.optimizer.LiveputOptimizer`) over a forecast
-  from a :mod:`~lightning_parcae.predictor` predictor (only the past is seen).
-* ``parcae-oracle`` -- the same optimizer fed the true future (the artifact's "liveput truth").
+* ``parcae`` -- the liveput optimizer (:meth:`~lightning_parcae.optimizer.LiveputOptimizer.decide`): at the start
+  of interval k it knows that interval's arrivals and preemptions (the same knowledge ``throughput`` reacts to --
+  the artifact scores ``throughput`` with the count *after* interval k's events) and forecasts only the
+  intervals after it, as quantile scenarios from a :mod:`~lightning_parcae.predictor` predictor that has seen
+  counts up to interval k. The reactive shape is always a candidate; the plan departs from it only when the
+  expected gain over the scenarios clears ``risk`` standard deviations. It never sees interval k+1's events.
+* ``parcae-oracle`` -- the optimizer fed the true future (the artifact's "liveput truth").
 
 The optimizer and cost model are the very objects the runtime uses.
 """
@@ -222,10 +226,9 @@ def _liveput(
 ) -> PolicyResult:
     res = PolicyResult("parcae-oracle" if oracle else "parcae", interval_s)
     opt = LiveputOptimizer(cm, interval_s=interval_s, look_ahead=look_ahead)
-    top = max_instances or max(max(p, p + i - o) for p, i, o in intervals)
     pred: Optional[Predictor] = None
     if not oracle:
-        pred = make_predictor(predictor, window=max(look_ahead, 8), min_instances=0, max_instances=top)
+        pred = make_predictor(predictor, window=max(look_ahead, 8), min_instances=0, max_instances=max_instances)
     acct = _Accountant(cm, 1000.0 * interval_s)
     shape: Shape = (0, 0)
     for i, (prev, n_in, n_out) in enumerate(intervals):
@@ -279,7 +282,9 @@ def run_policy(name: str, cm: MigrationCostModel, intervals: Intervals, interval
         cm: The cost model (with its throughput model).
         intervals: ``(prev_n, n_in, n_out)`` per interval.
         interval_s: Interval length.
-        **options: ``look_ahead``, ``predictor`` and ``max_instances`` for the parcae policies.
+        **options: ``look_ahead``, ``predictor``, ``max_instances`` (the cluster size, bounding forecasts; default
+            none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default 0.5) and
+            ``levels`` (scenario quantiles) for the parcae policies.
 
     Returns:
         The policy's result.
