@@ -310,13 +310,13 @@ def test_parcae_policies_wait_if_instances_drop_below_minimum_depth() -> None:
 # ------------------------------------------------------------------------------ knowing the interval's start
 
 
-def test_parcae_runs_in_the_first_interval_back_if_count_recovers_after_outage() -> None:
+def test_parcae_runs_in_the_first_interval_back_if_count_recovers_after_outage(gpt) -> None:
     """Regression: after an outage to 0, the count came back above the smallest feasible shape, and ``parcae``
     planned that interval from the count seen *before* it (0), found nothing that fits, stayed PAUSED for the
     whole interval and started one interval late -- while ``throughput`` used the arrivals at once. On held-out
     traces with outages this made ``parcae`` train less than ``throughput`` in every run. The decision for an
     interval must use what is known at its start: the arrivals are there."""
-    cm = ArtifactCostModel("gpt-1.5b")
+    cm = gpt
     trace = from_counts([16, 16, 16, 0, 0, 0, 12, 12, 16, 16, 16, 16], start_n=16)
     thr = run_policy("throughput", cm, trace.as_tuples())
     par = run_policy("parcae", cm, trace.as_tuples(), look_ahead=6)
@@ -325,11 +325,11 @@ def test_parcae_runs_in_the_first_interval_back_if_count_recovers_after_outage()
     assert par.samples >= thr.samples
 
 
-def test_parcae_does_not_peek_at_the_next_interval_if_a_drop_follows() -> None:
+def test_parcae_does_not_peek_at_the_next_interval_if_a_drop_follows(gpt) -> None:
     """Honesty: ``parcae`` knows interval i's events at its start, never interval i+1's. Two traces equal up to
     interval 3 and different after it must give the same shapes up to interval 3 (the oracle, which sees the
     future, does not)."""
-    cm = ArtifactCostModel("gpt-1.5b")
+    cm = gpt
     a = from_counts([17] * 4 + [28, 20, 14] * 2, start_n=17)
     b = from_counts([17] * 10, start_n=17)
     ra = run_policy("parcae", cm, a.as_tuples(), look_ahead=6)
@@ -344,14 +344,14 @@ _PROPERTY_MODELS = ("gpt-1.5b", "gpt-6.7b", "bert")
 
 
 @pytest.fixture(scope="module")
-def cost_models():
-    return {m: ArtifactCostModel(m) for m in _PROPERTY_MODELS}
+def cost_models(gpt):
+    return {m: gpt if m == "gpt-1.5b" else ArtifactCostModel(m) for m in _PROPERTY_MODELS}
 
 
 def _check_never_worse(cost_models, family: str, interval_s: float, seeds, models) -> None:
     from lightning_parcae.corpus import generate
 
-    hours = 2.0 if interval_s == 60.0 else 8.0
+    hours = 2.0 if interval_s == 60.0 else 6.0
     for seed in seeds:
         trace = generate(family, seed, interval_s=interval_s, hours=hours, cap=32 if seed % 2 == 0 else 16)
         iv = trace.as_tuples()
