@@ -377,3 +377,16 @@ def test_parcae_trains_at_least_as_much_as_throughput_if_generated_family(cost_m
 def test_parcae_trains_at_least_as_much_as_throughput_if_many_seeds_and_models(cost_models, family, interval_s) -> None:
     """The same property over seeds 2000-2004 (caps 32 and 16) and three model tables."""
     _check_never_worse(cost_models, family, interval_s, range(2000, 2005), _PROPERTY_MODELS)
+
+
+@pytest.mark.parametrize("family", ["outage", "flapping", "bursty"])
+def test_live_reactive_takes_throughputs_shapes_with_cheaper_migrations_if_generated_family(gpt, family) -> None:
+    """``live-reactive`` isolates what live migration adds: the same shape as ``throughput`` every interval
+    (paused where nothing fits), never fewer samples."""
+    from lightning_parcae.corpus import generate
+
+    iv = generate(family, 2001, hours=2.0).as_tuples()
+    thr = run_policy("throughput", gpt, iv)
+    live = run_policy("live-reactive", gpt, iv)
+    assert live.shapes == thr.shapes
+    assert live.samples >= thr.samples

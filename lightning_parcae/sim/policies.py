@@ -19,6 +19,9 @@ Policies:
   counts up to interval k. The reactive shape is always a candidate; the plan departs from it only when the
   expected gain over the scenarios clears ``risk`` standard deviations. It never sees interval k+1's events.
 * ``parcae-oracle`` -- the optimizer fed the true future (the artifact's "liveput truth").
+* ``live-reactive`` -- no plan, no forecast: the throughput-best allowed shape for the count each interval starts
+  with (as ``throughput``), but reached by parcae's live migrations instead of restarts. ``parcae`` against it
+  isolates what planning over a forecast adds; it against ``throughput`` isolates what cheaper migrations add.
 
 The optimizer and cost model are the very objects the runtime uses.
 """
@@ -218,16 +221,17 @@ def _liveput(
     *,
     look_ahead: int = 12,
     oracle: bool = False,
+    reactive: bool = False,
     predictor: str = "persistence",
     max_instances: Optional[int] = None,
     risk: float = 0.5,
     levels: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
     **_: object,
 ) -> PolicyResult:
-    res = PolicyResult("parcae-oracle" if oracle else "parcae", interval_s)
+    res = PolicyResult("live-reactive" if reactive else "parcae-oracle" if oracle else "parcae", interval_s)
     opt = LiveputOptimizer(cm, interval_s=interval_s, look_ahead=look_ahead)
     pred: Optional[Predictor] = None
-    if not oracle:
+    if not oracle and not reactive:
         pred = make_predictor(predictor, window=max(look_ahead, 8), min_instances=0, max_instances=max_instances)
     acct = _Accountant(cm, 1000.0 * interval_s)
     shape: Shape = (0, 0)
@@ -237,7 +241,9 @@ def _liveput(
         # What is known at the interval's start: its arrivals have arrived and its preemption notices are in, so
         # the count it runs with is `after` -- the same knowledge the reactive `throughput` baseline uses. Only
         # the intervals after it are forecast (the oracle sees them).
-        if oracle:
+        if reactive:
+            target = opt.reactive_shape(after)
+        elif oracle:
             plan = opt.plan(prev, shape, list(intervals[i : i + look_ahead]), remain_ms=acct.remain)
             target = plan.next_shape
         else:
@@ -270,6 +276,7 @@ POLICIES: Dict[str, Callable[..., PolicyResult]] = {
     "restart": _restart,
     "parcae": lambda cm, iv, s, **kw: _liveput(cm, iv, s, oracle=False, **kw),
     "parcae-oracle": lambda cm, iv, s, **kw: _liveput(cm, iv, s, oracle=True, **kw),
+    "live-reactive": lambda cm, iv, s, **kw: _liveput(cm, iv, s, reactive=True, **kw),
 }
 """Policy name -> function ``(cost_model, intervals, interval_s, **options) -> PolicyResult``."""
 
