@@ -17,7 +17,7 @@ from lightning_parcae.errors import ParcaeError
 
 __all__ = ["main", "build_parser"]
 
-_POLICY_DEFAULT = "ideal,throughput,restart,parcae,parcae-oracle"
+_POLICY_DEFAULT = "ideal,throughput,restart,live-reactive,parcae,parcae-oracle"
 
 
 def _load_trace(spec: str, interval_s: Optional[float]):  # type: ignore[no-untyped-def]
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", default=None, help="a per-layer profile JSON (see docs/planner.md)")
     s.add_argument("--policy", default=_POLICY_DEFAULT, help=f"comma-separated policies (default: {_POLICY_DEFAULT})")
     s.add_argument("--look-ahead", type=int, default=12, help="intervals the parcae policies plan over (default 12)")
-    s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence, arima, artifact")
+    s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence (default), arima, artifact, hazard, ensemble")
     s.add_argument("--cost-model", default="artifact", choices=["artifact", "default"], help="artifact: the Parcae artifact's accounting (needs --model-table); default: our runtime's costs")
     s.add_argument("--price", type=float, default=0.918, help="USD per instance-hour (default 0.918: p3.2xlarge at a 70%% spot discount)")
     s.add_argument("--interval", type=float, default=None, help="interval length in seconds (default: the trace file's own grid, e.g. 300 for a 5-minute trace; 60 if it has none)")
