@@ -27,10 +27,10 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Tuple
 
-from lightning_parcae.costmodel import ArtifactCostModel, DefaultCostModel, LayerProfile, MigrationCostModel, ProfileThroughput
-from lightning_parcae.optimizer import LiveputOptimizer
-from lightning_parcae.sim import run_policy
-from lightning_parcae.traces import bundled_trace_path, load_trace
+from lightning_parcae.planning.costmodel import ArtifactCostModel, DefaultCostModel, LayerProfile, MigrationCostModel, ProfileThroughput
+from lightning_parcae.planning.shape_optimizer import LiveputOptimizer
+from lightning_parcae.planning.sim import run_policy
+from lightning_parcae.signals.traces import bundled_trace_path, load_trace
 
 
 def _future(n: int, steps: int = 12) -> list:

@@ -24,9 +24,9 @@ import time
 from collections import defaultdict
 
 from lightning_parcae.corpus import corpus
-from lightning_parcae.costmodel import ArtifactCostModel, reference_models
-from lightning_parcae.sim import run_policy
-from lightning_parcae.traces import bundled_trace_path, load_trace
+from lightning_parcae.planning.costmodel import ArtifactCostModel, reference_models
+from lightning_parcae.planning.sim import run_policy
+from lightning_parcae.signals.traces import bundled_trace_path, load_trace
 
 POLICIES = ("ideal", "throughput", "restart", "live-reactive", "parcae")
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from lightning_parcae.corpus import corpus
-from lightning_parcae.predictor import PREDICTORS, backtest, make_predictor
+from lightning_parcae.planning.forecast import PREDICTORS, backtest, make_predictor
 
 
 def main() -> None:

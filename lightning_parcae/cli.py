@@ -22,7 +22,7 @@ _POLICY_DEFAULT = "ideal,throughput,restart,live-reactive,parcae,parcae-oracle"
 
 def _load_trace(spec: str, interval_s: Optional[float]):  # type: ignore[no-untyped-def]
     """Load ``spec`` at ``interval_s`` (``None``: the file's own grid, else 60 s); warn on stderr when resampling."""
-    from lightning_parcae.traces import BUNDLED_TRACES, bundled_trace_path, load_trace
+    from lightning_parcae.signals.traces import BUNDLED_TRACES, bundled_trace_path, load_trace
 
     path = bundled_trace_path(spec) if spec in BUNDLED_TRACES else spec
     trace = load_trace(path, interval_s=60.0 if interval_s is None else interval_s)
@@ -40,7 +40,7 @@ def _load_trace(spec: str, interval_s: Optional[float]):  # type: ignore[no-unty
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``parcae`` (sub-commands ``simulate``, ``predict``, ``run``)."""
-    from lightning_parcae.costmodel import reference_models
+    from lightning_parcae.planning.costmodel import reference_models
 
     p = argparse.ArgumentParser(
         prog="parcae",
@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(a: argparse.Namespace) -> int:
-    from lightning_parcae.costmodel import load_cost_model
+    from lightning_parcae.planning.costmodel import load_cost_model
     from lightning_parcae.errors import ConfigurationError
-    from lightning_parcae.sim import simulate
+    from lightning_parcae.planning.sim import simulate
 
     if a.look_ahead < 1:
         raise ConfigurationError(f"--look-ahead {a.look_ahead}: plan over at least 1 interval")
@@ -140,7 +140,7 @@ def _simulate(a: argparse.Namespace) -> int:
 
 def _predict(a: argparse.Namespace) -> int:
     from lightning_parcae.errors import ConfigurationError
-    from lightning_parcae.predictor import PREDICTORS, format_mae_table, mae_table
+    from lightning_parcae.planning.forecast import PREDICTORS, format_mae_table, mae_table
 
     if a.horizon < 1:
         raise ConfigurationError(f"--horizon {a.horizon}: forecast at least 1 step")
@@ -175,7 +175,7 @@ def _predict(a: argparse.Namespace) -> int:
 
 def _run(a: argparse.Namespace) -> int:
     try:
-        from lightning_parcae import run as run_mod
+        from lightning_parcae.launch import run as run_mod
     except ImportError as e:  # pragma: no cover - the launcher ships with the package
         print(f"parcae run is unavailable: {e}", file=sys.stderr)
         return 2
@@ -197,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ns = argparse.Namespace(args=args[1:])
         handler = _run
     elif args and args[0] == "agent":
-        from lightning_parcae.agent import main as agent_main
+        from lightning_parcae.launch.agent import main as agent_main
 
         return agent_main(args[1:])
     else:

@@ -7,7 +7,7 @@ evaluation must cover *families* of behaviour, at more than one interval length,
 that no choice was tuned on.
 
 Solution: :func:`generate` draws one trace of a named family from a seed, minute by minute, and bins its timed
-changes into intervals of any length with the same builder as :func:`~lightning_parcae.traces.load_trace` (so a
+changes into intervals of any length with the same builder as :func:`~lightning_parcae.signals.traces.load_trace` (so a
 300-s trace of a family holds the arrivals and departures of five minutes in one interval, both directions
 counted). :func:`corpus` returns the bundled p3 trace, its four replay segments and every generated family at
 one interval length, for the ``"dev"`` seeds or the ``"heldout"`` seeds (disjoint seed ranges).
@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.traces import BUNDLED_TRACES, Trace, _build, bundled_trace_path, load_trace
+from lightning_parcae.signals.traces import BUNDLED_TRACES, Trace, _build, bundled_trace_path, load_trace
 
 __all__ = ["FAMILIES", "SPLITS", "CorpusTrace", "generate", "corpus"]
 

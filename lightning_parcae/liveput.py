@@ -10,7 +10,7 @@ only through ``victims[s]`` (how many replicas of stage s were hit; spares do no
 the number of patterns with given ``victims`` is ``prod_s C(D, v_s) * C(N - D*P, k - sum v)`` out of ``C(N, k)``:
 
 * same-depth transitions cost ``combine(max_s m_s, sum_s a_s)`` of per-stage terms (see
-  :class:`~lightning_parcae.costmodel.MigrationCostModel`), so a dynamic program over stages with state
+  :class:`~lightning_parcae.planning.costmodel.MigrationCostModel`), so a dynamic program over stages with state
   ``(victims so far, running max, running sum)`` gives the exact expectation in ``O(P * k * D * states)``;
 * repartitions are enumerated over all ``victims`` vectors when there are at most ``max_patterns`` of them, and
   otherwise estimated from ``samples`` seeded draws -- :class:`Expectation` then carries the standard error.
@@ -31,7 +31,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 from scipy.special import gammaln
 
-from lightning_parcae.costmodel import MigrationCostModel, Shape
+from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
 
 __all__ = ["Expectation", "expected_transition_cost", "transition_costs", "prepare_transfers", "liveput", "victim_patterns"]

@@ -8,7 +8,7 @@ decision (receding horizon), re-planning every interval with fresh availability.
 The dynamic program: a state is ``(shape, unfinished)``, where ``unfinished`` marks a migration still running at
 the interval's end together with the milliseconds it still needs. For each future interval ``(n_in, n_out)``
 and each target shape that fits the instances left, the expected transition cost ``c`` comes from
-:func:`lightning_parcae.liveput.expected_transition_cost`; if the previous migration is unfinished a new change
+:func:`lightning_parcae.planning.liveput.expected_transition_cost`; if the previous migration is unfinished a new change
 costs ``c + concurrent_restart`` (keeping the same shape just continues the old one); the interval then trains
 ``throughput(target) * (interval - cost)`` samples, or, if the cost exceeds the interval, none and carries the
 rest over. The plan maximizes expected samples at the horizon (ties: less carried-over cost). This is the
@@ -24,9 +24,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from lightning_parcae.costmodel import MigrationCostModel, Shape
+from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.liveput import prepare_transfers, transition_costs
+from lightning_parcae.planning.liveput import prepare_transfers, transition_costs
 
 __all__ = ["Plan", "Decision", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
 

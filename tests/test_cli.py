@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_parcae.cli import main
+from lightning_parcae.launch.cli import main
 
 
 def test_cli_simulate_prints_table_and_writes_report_if_segment_trace(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -1,4 +1,4 @@
-"""Tests of lightning_parcae.costmodel against hand-derived values of ARTIFACT_MODEL.md and the bundled tables.
+"""Tests of lightning_parcae.planning.costmodel against hand-derived values of ARTIFACT_MODEL.md and the bundled tables.
 
 The helpers prefixed ``_ref_`` are an independent, deliberately naive re-derivation of the artifact's formulas from
 ``ARTIFACT_MODEL.md`` and ``throughput_tables.json`` (read with plain ``json``); the cost model must agree with them.
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_parcae.costmodel import (
+from lightning_parcae.planning.costmodel import (
     ArtifactCostModel,
     DefaultCostModel,
     LayerProfile,

@@ -1,4 +1,4 @@
-"""Tests of lightning_parcae.liveput: exact expectations against brute force over every victim set."""
+"""Tests of lightning_parcae.planning.liveput: exact expectations against brute force over every victim set."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from lightning_parcae.costmodel import (
+from lightning_parcae.planning.costmodel import (
     ArtifactCostModel,
     DefaultCostModel,
     MigrationConstants,
@@ -18,7 +18,7 @@ from lightning_parcae.costmodel import (
     artifact_partition,
 )
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.liveput import (
+from lightning_parcae.planning.liveput import (
     Expectation,
     expected_transition_cost,
     liveput,
@@ -363,7 +363,7 @@ def test_transition_costs_vector_equals_scalar_if_random_transitions(gpt, bert, 
 def test_repartition_costs_equal_fresh_model_if_patterns_cached_across_n(model) -> None:
     """Victim-pattern transfers are shared by every N (only the probabilities differ): pricing N = 20 after
     N = 30 on one cost model gives what a fresh cost model gives for N = 20 alone."""
-    from lightning_parcae.liveput import prepare_transfers
+    from lightning_parcae.planning.liveput import prepare_transfers
 
     warm = ArtifactCostModel(model)
     shapes = [s for s in warm.throughput.candidates(20) if s[0] * s[1] <= 18]

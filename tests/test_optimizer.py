@@ -1,4 +1,4 @@
-"""Tests of lightning_parcae.optimizer: the receding-horizon liveput DP."""
+"""Tests of lightning_parcae.planning.shape_optimizer: the receding-horizon liveput DP."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Sequence, Tuple
 import numpy as np
 import pytest
 
-from lightning_parcae.costmodel import ArtifactCostModel, MigrationCostModel, ShapeLimits, TableThroughput
+from lightning_parcae.planning.costmodel import ArtifactCostModel, MigrationCostModel, ShapeLimits, TableThroughput
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.liveput import expected_transition_cost
-from lightning_parcae.optimizer import PAUSED, LiveputOptimizer, fit_shape
+from lightning_parcae.planning.liveput import expected_transition_cost
+from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape
 
 
 class ToyCost(MigrationCostModel):
@@ -287,7 +287,7 @@ def test_fit_shape_keeps_depth_or_falls_back_to_one_pipeline_if_too_big(shape, n
 # ------------------------------------------------------------------------------------------------ decisions
 
 
-from lightning_parcae.optimizer import settle  # noqa: E402
+from lightning_parcae.planning.shape_optimizer import settle  # noqa: E402
 
 
 @pytest.mark.parametrize(

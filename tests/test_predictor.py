@@ -1,4 +1,4 @@
-"""Tests of lightning_parcae.predictor: forecasts, bounds, online updates, bands and walk-forward scores."""
+"""Tests of lightning_parcae.planning.forecast: forecasts, bounds, online updates, bands and walk-forward scores."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from lightning_parcae import predictor as P
+from lightning_parcae.planning import forecast as P
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.predictor import (
+from lightning_parcae.planning.forecast import (
     PREDICTORS,
     ArimaPredictor,
     ArtifactPredictor,
@@ -23,7 +23,7 @@ from lightning_parcae.predictor import (
     make_predictor,
     mae_table,
 )
-from lightning_parcae.traces import bundled_trace_path, load_trace
+from lightning_parcae.signals.traces import bundled_trace_path, load_trace
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_mae_table_has_one_array_per_name_and_horizon_if_asked(segment_counts: n
 
 def test_predictor_module_does_not_import_torch_if_imported_alone() -> None:
     code = (
-        "import sys, lightning_parcae.predictor as p, lightning_parcae.traces;"
+        "import sys, lightning_parcae.planning.forecast as p, lightning_parcae.signals.traces;"
         "p.evaluate([3, 4, 4, 5, 5, 6, 6, 6, 7, 7], p.make_predictor('arima', window=8), 2);"
         "print('torch' in sys.modules)"
     )

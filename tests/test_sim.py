@@ -1,4 +1,4 @@
-"""Tests of lightning_parcae.sim: the policies' accounting, the artifact baselines on p3, and the reports."""
+"""Tests of lightning_parcae.planning.sim: the policies' accounting, the artifact baselines on p3, and the reports."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_parcae.costmodel import ArtifactCostModel, DefaultCostModel, TableThroughput
+from lightning_parcae.planning.costmodel import ArtifactCostModel, DefaultCostModel, TableThroughput
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.sim import POLICIES, Comparison, run_policy, simulate
-from lightning_parcae.traces import Trace, bundled_trace_path, from_counts, load_trace
+from lightning_parcae.planning.sim import POLICIES, Comparison, run_policy, simulate
+from lightning_parcae.signals.traces import Trace, bundled_trace_path, from_counts, load_trace
 
 DATA = Path(__file__).resolve().parent.parent / "lightning_parcae" / "data"
 TABLES = json.loads((DATA / "throughput_tables.json").read_text())

@@ -1,4 +1,4 @@
-"""Tests of lightning_parcae.traces: every format, resampling, slicing and the errors for bad input."""
+"""Tests of lightning_parcae.signals.traces: every format, resampling, slicing and the errors for bad input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lightning_parcae.errors import ConfigurationError, TraceFormatError
-from lightning_parcae.traces import (
+from lightning_parcae.signals.traces import (
     TRACE_FORMATS,
     Interval,
     Trace,
@@ -344,7 +344,7 @@ def test_load_trace_rejects_interval_if_not_positive_number(tmp_path: Path, inte
 
 
 def test_traces_module_does_not_import_torch_if_imported_alone() -> None:
-    code = "import sys, lightning_parcae.traces; print('torch' in sys.modules)"
+    code = "import sys, lightning_parcae.signals.traces; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

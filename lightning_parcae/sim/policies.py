@@ -12,10 +12,10 @@ Policies:
   restart, a checkpoint save + load and every stage's state each time.
 * ``restart`` -- torchrun-like: one fixed shape chosen at the start; every event restarts from a checkpoint;
   while fewer instances than the shape needs are present it trains nothing.
-* ``parcae`` -- the liveput optimizer (:meth:`~lightning_parcae.optimizer.LiveputOptimizer.decide`): at the start
+* ``parcae`` -- the liveput optimizer (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`): at the start
   of interval k it knows that interval's arrivals and preemptions (the same knowledge ``throughput`` reacts to --
   the artifact scores ``throughput`` with the count *after* interval k's events) and forecasts only the
-  intervals after it, as quantile scenarios from a :mod:`~lightning_parcae.predictor` predictor that has seen
+  intervals after it, as quantile scenarios from a :mod:`~lightning_parcae.planning.forecast` predictor that has seen
   counts up to interval k. The reactive shape is always a candidate; the plan departs from it only when the
   expected gain over the scenarios clears ``risk`` standard deviations. It never sees interval k+1's events.
 * ``parcae-oracle`` -- the optimizer fed the true future (the artifact's "liveput truth").
@@ -32,11 +32,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from lightning_parcae.costmodel import MigrationCostModel, Shape
+from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.liveput import expected_transition_cost
-from lightning_parcae.optimizer import PAUSED, LiveputOptimizer, fit_shape, settle
-from lightning_parcae.predictor import Predictor, make_predictor
+from lightning_parcae.planning.liveput import expected_transition_cost
+from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape, settle
+from lightning_parcae.planning.forecast import Predictor, make_predictor
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
 
