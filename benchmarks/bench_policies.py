@@ -8,7 +8,7 @@ smallest shape, slow declines, bursts, calm -- and not only on the bundled p3 tr
     python benchmarks/bench_policies.py --split heldout --intervals 300 --models gpt-1.5b
     python benchmarks/bench_policies.py --p3                      # the p3 headline: every model x L = 8 10 12
 
-Corpus: :func:`lightning_parcae.corpus.corpus` (the bundled p3 trace and its four segments in ``dev``; five
+Corpus: :func:`lightning_parcae.signals.corpus.corpus` (the bundled p3 trace and its four segments in ``dev``; five
 generated families at caps 32 and 16, seeds 0-1 in ``dev`` and 1000-1001 in ``heldout``). The cost model is the
 artifact's (``ArtifactCostModel``). One row per (split, interval, family, model): samples summed over the family's
 traces for ideal / throughput / restart / live-reactive / parcae, the ratios parcae/throughput, parcae/ideal and
@@ -23,7 +23,7 @@ import json
 import time
 from collections import defaultdict
 
-from lightning_parcae.corpus import corpus
+from lightning_parcae.signals.corpus import corpus
 from lightning_parcae.planning.costmodel import ArtifactCostModel, reference_models
 from lightning_parcae.planning.sim import run_policy
 from lightning_parcae.signals.traces import bundled_trace_path, load_trace

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from lightning_parcae.corpus import corpus
+from lightning_parcae.signals.corpus import corpus
 from lightning_parcae.planning.forecast import PREDICTORS, backtest, make_predictor
 
 

@@ -1,11 +1,11 @@
-"""Tests of lightning_parcae.corpus: seeded trace families, their interval lengths and the dev/held-out split."""
+"""Tests of lightning_parcae.signals.corpus: seeded trace families, their interval lengths and the dev/held-out split."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from lightning_parcae.corpus import FAMILIES, SPLITS, corpus, generate
+from lightning_parcae.signals.corpus import FAMILIES, SPLITS, corpus, generate
 from lightning_parcae.errors import ConfigurationError
 
 

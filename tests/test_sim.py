@@ -349,7 +349,7 @@ def cost_models(gpt):
 
 
 def _check_never_worse(cost_models, family: str, interval_s: float, seeds, models) -> None:
-    from lightning_parcae.corpus import generate
+    from lightning_parcae.signals.corpus import generate
 
     hours = 2.0 if interval_s == 60.0 else 6.0
     for seed in seeds:
@@ -383,7 +383,7 @@ def test_parcae_trains_at_least_as_much_as_throughput_if_many_seeds_and_models(c
 def test_live_reactive_takes_throughputs_shapes_with_cheaper_migrations_if_generated_family(gpt, family) -> None:
     """``live-reactive`` isolates what live migration adds: the same shape as ``throughput`` every interval
     (paused where nothing fits), never fewer samples."""
-    from lightning_parcae.corpus import generate
+    from lightning_parcae.signals.corpus import generate
 
     iv = generate(family, 2001, hours=2.0).as_tuples()
     thr = run_policy("throughput", gpt, iv)
