@@ -55,3 +55,50 @@ def test_cli_predict_prints_mae_per_predictor_if_segment_trace(capsys: pytest.Ca
     assert main(["predict", "--trace", "hh_55_65", "--horizon", "4", "--predictors", "persistence"]) == 0
     out = capsys.readouterr().out
     assert "persistence" in out and "mean absolute error" in out
+
+
+def _skypilot(path: Path, counts: list, gap: float) -> str:
+    path.write_text(json.dumps({"metadata": {"gap_seconds": gap}, "data": counts}))
+    return str(path)
+
+
+def test_cli_predict_scores_zero_if_constant_trace_above_32(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Regression: every forecast was clipped to 32, so a constant 40-instance trace scored 8.0 instead of 0."""
+    trace = _skypilot(tmp_path / "c40.json", [40] * 20, 60)
+    assert main(["predict", "--trace", trace, "--horizon", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines()[2:]]
+    assert rows and all(float(r[1]) == 0.0 for r in rows), out
+    assert main(["predict", "--trace", trace, "--horizon", "3", "--max-instances", "32", "--predictors", "persistence"]) == 0
+    assert "8.000" in capsys.readouterr().out
+
+
+def test_cli_predict_says_too_short_if_one_interval(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Regression: a one-interval trace printed ``nan`` and a numpy warning."""
+    trace = _skypilot(tmp_path / "one.json", [12], 60)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy warning would now fail the test
+        assert main(["predict", "--trace", trace]) == 2
+    captured = capsys.readouterr()
+    assert "too short" in captured.err and "at least 2 intervals" in captured.err
+    assert "nan" not in captured.out
+
+
+def test_cli_predict_uses_and_prints_native_interval_if_not_given(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Regression: a 300-s trace was silently resampled to 60 s and the output did not say which was used."""
+    trace = _skypilot(tmp_path / "t300.json", [16] * 10 + [12] * 5 + [0] * 6 + [14] * 20, 300)
+    assert main(["predict", "--trace", trace, "--horizon", "2", "--predictors", "persistence"]) == 0
+    captured = capsys.readouterr()
+    assert "41 intervals of 300 s" in captured.out and "warning" not in captured.err
+    assert main(["predict", "--trace", trace, "--horizon", "2", "--predictors", "persistence", "--interval", "60"]) == 0
+    captured = capsys.readouterr()
+    assert "205 intervals of 60 s" in captured.out
+    assert "warning" in captured.err and "300-s grid" in captured.err and "--interval 300" in captured.err
+
+
+def test_cli_simulate_uses_native_interval_if_not_given(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = _skypilot(tmp_path / "t300.json", [16] * 4 + [12] * 4, 300)
+    assert main(["simulate", "--trace", trace, "--policy", "ideal,throughput"]) == 0
+    assert "8 intervals of 300 s" in capsys.readouterr().out

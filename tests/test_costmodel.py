@@ -688,3 +688,18 @@ def test_load_cost_model_builds_each_kind_if_valid_options(tmp_path) -> None:
 def test_load_cost_model_raises_informatively_if_bad_options(kwargs, match) -> None:
     with pytest.raises(ConfigurationError, match=match):
         load_cost_model(**kwargs)
+
+
+@pytest.mark.parametrize("model", ["gpt-1.5b", "bert", "vgg19"])
+def test_repartition_greedy_gives_same_transfer_row_by_row_and_batched_if_random_survivors(model: str) -> None:
+    """The greedy has two paths (plain Python for a few patterns, numpy with a first-choice shortcut for many);
+    both must give the artifact's greedy result for every pattern."""
+    cm = ArtifactCostModel(model)
+    rng = np.random.default_rng(0)
+    depths = sorted({p for _, p in cm.throughput.candidates(32)})
+    for p in depths[:6]:
+        for p2 in depths[:8]:
+            surv = rng.integers(0, 4, size=(40, p))
+            batched = cm._greedy_batch(p, p2, surv)
+            single = np.array([cm._greedy_batch(p, p2, surv[i : i + 1])[0] for i in range(len(surv))])
+            assert np.array_equal(batched, single), (p, p2)

@@ -328,3 +328,53 @@ def test_expected_transition_cost_is_not_reused_if_new_cost_model_at_same_addres
         seen[id(cm)] = k
         del cm
         gc.collect()
+
+
+# ------------------------------------------------------------------------------------- speed paths, same numbers
+
+
+def _random_cases(cm, n_max: int, count: int, seed: int):
+    import random
+
+    rng = random.Random(seed)
+    shapes = cm.throughput.candidates(n_max)
+    for _ in range(count):
+        d, p = rng.choice(shapes)
+        n = rng.randint(d * p, n_max)
+        n_out = rng.randint(0, min(3, n))
+        n_in = rng.randint(0, 2)
+        after = n + n_in - n_out
+        targets = cm.throughput.candidates(after) or [(0, 0)]
+        yield n, (d, p), n_in, n_out, targets
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_transition_costs_vector_equals_scalar_if_random_transitions(gpt, bert, default, seed) -> None:
+    """The vector form (checks and per-depth transfer lookups hoisted) prices every transition exactly as the
+    scalar :func:`expected_transition_cost` does -- for the artifact's and our cost model, many shapes."""
+    for cm, n_max in ((gpt, 32), (bert, 20), (default, 12)):
+        for n, shape, n_in, n_out, targets in _random_cases(cm, n_max, 25, seed):
+            vec = transition_costs(cm, n, shape, n_in, n_out, targets)
+            ref = [0.0 if t == (0, 0) else expected_transition_cost(cm, n, shape, n_in, n_out, t).mean for t in targets]
+            assert vec.tolist() == pytest.approx(ref, rel=1e-12, abs=1e-9), (n, shape, n_in, n_out)
+
+
+@pytest.mark.parametrize("model", ["gpt-1.5b", "bert"])
+def test_repartition_costs_equal_fresh_model_if_patterns_cached_across_n(model) -> None:
+    """Victim-pattern transfers are shared by every N (only the probabilities differ): pricing N = 20 after
+    N = 30 on one cost model gives what a fresh cost model gives for N = 20 alone."""
+    from lightning_parcae.planning.liveput import prepare_transfers
+
+    warm = ArtifactCostModel(model)
+    shapes = [s for s in warm.throughput.candidates(20) if s[0] * s[1] <= 18]
+    depths = sorted({s[1] for s in warm.throughput.candidates(30)})
+    assert prepare_transfers(warm, shapes, depths, max_out=2) > 0
+    for shape in shapes[:8]:
+        targets = warm.throughput.candidates(19)
+        for n, n_out in ((30, 2), (20, 1), (20, 2)):
+            if shape[0] * shape[1] > n:
+                continue
+            fresh = ArtifactCostModel(model)
+            a = transition_costs(warm, n, shape, 0, n_out, targets)
+            b = transition_costs(fresh, n, shape, 0, n_out, targets)
+            assert a.tolist() == pytest.approx(b.tolist(), rel=1e-12), (shape, n, n_out)

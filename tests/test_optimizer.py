@@ -282,3 +282,78 @@ def test_plan_raises_configuration_error_if_bad_inputs(gpt, args, kwargs, match)
 )
 def test_fit_shape_keeps_depth_or_falls_back_to_one_pipeline_if_too_big(shape, n, expected) -> None:
     assert fit_shape(shape, n) == expected
+
+
+# ------------------------------------------------------------------------------------------------ decisions
+
+
+from lightning_parcae.planning.shape_optimizer import settle  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "n, n_in, n_out, expected",
+    [(0, 5, 1, (4, 0)), (2, 3, 4, (1, 2)), (10, 0, 3, (0, 3)), (3, 0, 3, (0, 3)), (0, 0, 0, (0, 0))],
+)
+def test_settle_nets_out_departures_of_instances_that_arrived_within_the_interval(n, n_in, n_out, expected) -> None:
+    assert settle(n, n_in, n_out) == expected
+    a, b = settle(n, n_in, n_out)
+    assert n + a - b == n + n_in - n_out and b <= n
+
+
+def test_decide_returns_reactive_shape_if_every_scenario_agrees(gpt) -> None:
+    opt = LiveputOptimizer(gpt, look_ahead=4)
+    dec = opt.decide(24, (3, 8), (24, 0, 0), [[(24, 0, 0)] * 3], [1.0])
+    assert dec.next_shape == dec.reactive == opt.reactive_shape(24) == gpt.throughput.best(24)
+    assert not dec.departs and dec.expected_gain == 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decide_fits_the_known_count_and_keeps_reactive_if_risk_is_huge(gpt, seed) -> None:
+    """Whatever the scenarios, the decision fits the instances present once the interval's known events are in;
+    with an infinite risk aversion it is always the reactive choice."""
+    rng = random.Random(seed)
+    opt = LiveputOptimizer(gpt, look_ahead=5)
+    for _ in range(6):
+        n = rng.randint(6, 32)
+        shape = rng.choice([s for s in gpt.throughput.candidates(n)] or [PAUSED])
+        n_in, n_out = rng.randint(0, 4), rng.randint(0, min(4, n))
+        after = n + n_in - n_out
+        scenarios = [_chain(after, [max(0, after + rng.randint(-6, 6)) for _ in range(4)]) for _ in range(3)]
+        dec = opt.decide(n, shape, (n, n_in, n_out), scenarios, [0.2, 0.5, 0.3])
+        assert dec.next_shape[0] * dec.next_shape[1] <= after
+        assert dec.reactive in dec.candidates
+        safe = opt.decide(n, shape, (n, n_in, n_out), scenarios, [0.2, 0.5, 0.3], risk=float("inf"))
+        if safe.departs:  # only possible when the departure wins in *every* scenario (std 0, gain > 0)
+            assert safe.gain_std == 0.0 and safe.expected_gain > 0
+        else:
+            assert safe.next_shape == opt.reactive_shape(after)
+
+
+def test_decide_departs_from_reacting_if_a_known_drop_follows_in_every_scenario() -> None:
+    """Seeing the same preemption coming in every scenario, the decision avoids the throughput-best shape that
+    would pay for a refill (the same setting as the plan test above, but through decide)."""
+    table = {(4, 2): 100.0, (3, 2): 90.0, (2, 2): 70.0}
+    cm = ToyCost(table, inter_ms=59_000.0, repartition_ms=0.0)
+    opt = LiveputOptimizer(cm, look_ahead=3)
+    dec = opt.decide(8, (3, 2), (8, 0, 0), [_chain(8, [6, 6])] * 2, [0.5, 0.5])
+    assert dec.reactive == (4, 2)
+    assert dec.departs and dec.expected_gain > 0
+
+
+def test_decide_raises_if_weights_do_not_match_scenarios(gpt) -> None:
+    opt = LiveputOptimizer(gpt, look_ahead=3)
+    with pytest.raises(ConfigurationError, match="weights"):
+        opt.decide(16, (2, 8), (16, 0, 0), [[(16, 0, 0)]], [0.5, 0.5])
+
+
+def test_prepare_changes_no_plan_if_called_before_the_first_decision() -> None:
+    """``prepare`` only moves work earlier: plans with and without it are identical."""
+    futures = [_chain(32, [32, 30, 30, 31, 31, 28]), _chain(20, [20, 19, 22, 22, 18, 18]), _chain(12, [14, 10, 10, 16, 16, 16])]
+    a = LiveputOptimizer(ArtifactCostModel("gpt-1.5b"), look_ahead=6)
+    b = LiveputOptimizer(ArtifactCostModel("gpt-1.5b"), look_ahead=6)
+    assert b.prepare(32, max_out=2) > 0
+    for fut in futures:
+        n = fut[0][0]
+        shape = ArtifactCostModel("gpt-1.5b").throughput.best(n)
+        pa, pb = a.plan(n, shape, fut), b.plan(n, shape, fut)
+        assert pa.sequence == pb.sequence and pa.expected_samples == pytest.approx(pb.expected_samples, rel=1e-12)

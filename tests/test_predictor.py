@@ -107,9 +107,9 @@ def test_forecast_raises_if_nothing_observed_or_bad_horizon(name: str) -> None:
 
 
 def test_make_predictor_lists_names_if_unknown() -> None:
-    assert set(PREDICTORS) == {"persistence", "arima", "artifact"}
+    assert set(PREDICTORS) == {"persistence", "arima", "artifact", "hazard", "ensemble"}
     assert isinstance(make_predictor("arima", window=20), ArimaPredictor)
-    with pytest.raises(ConfigurationError, match="persistence, arima, artifact"):
+    with pytest.raises(ConfigurationError, match="persistence, arima, artifact, hazard, ensemble"):
         make_predictor("prophet")
     with pytest.raises(ConfigurationError, match="window"):
         make_predictor("persistence", window=0)
@@ -214,3 +214,59 @@ def test_predictor_module_does_not_import_torch_if_imported_alone() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------ unbounded, scenarios, ensemble
+
+
+@pytest.mark.parametrize("name", ["persistence", "arima", "hazard", "ensemble"])
+def test_forecast_is_not_clipped_if_no_maximum_given(name: str) -> None:
+    """Regression: forecasts were clipped to 32, so a constant 40-instance trace scored MAE 8 instead of 0."""
+    assert float(np.nanmean(evaluate([40] * 30, make_predictor(name, max_instances=None), 4))) == 0.0
+    assert float(np.nanmean(evaluate([40] * 30, make_predictor(name, max_instances=32), 4))) == 8.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scenarios_are_ordered_quantile_paths_with_weights_summing_to_one_if_walked(seed: int) -> None:
+    """Quantile paths never cross (a higher level is never below a lower one), stay in bounds and merge equal
+    paths, on random step traces, before and after the empirical band takes over."""
+    rng = np.random.default_rng(seed)
+    counts = np.clip(20 + np.cumsum(rng.choice([-2, -1, 0, 0, 0, 0, 1, 2], size=120)), 0, 40)
+    pred = make_predictor("persistence", max_instances=40)
+    for t, c in enumerate(counts):
+        pred.observe(int(c))
+        if t % 17 == 0 or t > 100:
+            paths, w = pred.scenarios(6, (0.1, 0.3, 0.5, 0.7, 0.9))
+            assert w.sum() == pytest.approx(1.0) and np.all(w > 0)
+            assert paths.shape[1] == 6 and np.all(paths >= 0) and np.all(paths <= 40)
+            assert len({tuple(p) for p in paths.tolist()}) == len(paths)
+            order = np.argsort(paths[:, -1], kind="stable")
+            assert np.all(np.diff(paths[order], axis=0) >= 0)
+
+
+def test_scenarios_raise_if_levels_outside_zero_one() -> None:
+    pred = make_predictor("persistence")
+    pred.observe(5)
+    with pytest.raises(ConfigurationError, match="levels"):
+        pred.scenarios(3, (0.0, 0.5))
+
+
+def test_hazard_forecasts_decline_and_stops_at_zero_if_history_falls_steadily() -> None:
+    pred = make_predictor("hazard", max_instances=None)
+    _feed(pred, list(range(30, 10, -1)))
+    fc = pred.forecast(30)
+    assert fc.mean[0] < 11 and np.all(np.diff(fc.mean) <= 0) and fc.mean[-1] == 0.0
+
+
+def test_ensemble_uses_persistence_until_a_member_clearly_beats_it_if_trace_declines() -> None:
+    """On a flat history the ensemble answers persistence; on a long steady decline the hazard member's drift
+    wins its recent-error race and the ensemble follows it."""
+    pred = make_predictor("ensemble", max_instances=None)
+    for c in [20] * 30:
+        pred.observe(c)
+        pred.forecast(4)
+    assert set(pred.chosen) == {"persistence"}
+    for c in range(200, 50, -1):
+        pred.observe(c)
+        pred.forecast(4)
+    assert pred.chosen[-1] != "persistence"

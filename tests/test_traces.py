@@ -347,3 +347,15 @@ def test_traces_module_does_not_import_torch_if_imported_alone() -> None:
     code = "import sys, lightning_parcae.signals.traces; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_load_trace_records_native_interval_if_times_fall_on_a_grid(tmp_path: Path, p3: Trace) -> None:
+    assert p3.native_interval_s == 60.0
+    (tmp_path / "t.csv").write_text("0,4\n300000,6\n900000,2\n1200000,2\n")
+    t = load_trace(tmp_path / "t.csv")
+    assert t.native_interval_s == 300.0 and t.interval_s == 60.0
+    assert t.slice(300.0).native_interval_s == 300.0
+    (tmp_path / "odd.csv").write_text("0,4\n1234,6\n75000,5\n")
+    assert load_trace(tmp_path / "odd.csv").native_interval_s is None  # event times on no minute grid
+    (tmp_path / "two.csv").write_text("0,4\n600000,6\n")
+    assert load_trace(tmp_path / "two.csv").native_interval_s is None  # two times prove no grid

@@ -17,14 +17,25 @@ from lightning_parcae.errors import ParcaeError
 
 __all__ = ["main", "build_parser"]
 
-_POLICY_DEFAULT = "ideal,throughput,restart,parcae,parcae-oracle"
+_POLICY_DEFAULT = "ideal,throughput,restart,live-reactive,parcae,parcae-oracle"
 
 
-def _load_trace(spec: str, interval_s: float):  # type: ignore[no-untyped-def]
+def _load_trace(spec: str, interval_s: Optional[float]):  # type: ignore[no-untyped-def]
+    """Load ``spec`` at ``interval_s`` (``None``: the file's own grid, else 60 s); warn on stderr when resampling."""
     from lightning_parcae.signals.traces import BUNDLED_TRACES, bundled_trace_path, load_trace
 
     path = bundled_trace_path(spec) if spec in BUNDLED_TRACES else spec
-    return load_trace(path, interval_s=interval_s)
+    trace = load_trace(path, interval_s=60.0 if interval_s is None else interval_s)
+    native = trace.native_interval_s
+    if interval_s is None and native is not None and native != trace.interval_s:
+        trace = load_trace(path, interval_s=native)
+    elif native is not None and native != trace.interval_s:
+        print(
+            f"warning: {spec}: the file's times fall on a {native:g}-s grid but --interval {trace.interval_s:g} is "
+            f"used, so the trace is resampled; pass --interval {native:g} (or omit --interval) to use its own",
+            file=sys.stderr,
+        )
+    return trace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", default=None, help="a per-layer profile JSON (see docs/planner.md)")
     s.add_argument("--policy", default=_POLICY_DEFAULT, help=f"comma-separated policies (default: {_POLICY_DEFAULT})")
     s.add_argument("--look-ahead", type=int, default=12, help="intervals the parcae policies plan over (default 12)")
-    s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence, arima, artifact")
+    s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence (default), arima, artifact, hazard, ensemble")
     s.add_argument("--cost-model", default="artifact", choices=["artifact", "default"], help="artifact: the Parcae artifact's accounting (needs --model-table); default: our runtime's costs")
     s.add_argument("--price", type=float, default=0.918, help="USD per instance-hour (default 0.918: p3.2xlarge at a 70%% spot discount)")
-    s.add_argument("--interval", type=float, default=60.0, help="interval length in seconds (default 60)")
+    s.add_argument("--interval", type=float, default=None, help="interval length in seconds (default: the trace file's own grid, e.g. 300 for a 5-minute trace; 60 if it has none)")
     s.add_argument("--start-hour", type=float, default=0.0, help="simulate from this hour of the trace")
     s.add_argument("--end-hour", type=float, default=None, help="simulate up to this hour of the trace")
     s.add_argument("--report", default=None, help="write the JSON report here")
@@ -67,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--trace", default="p3", help=trace_help)
     q.add_argument("--horizon", type=int, default=12, help="forecast steps (default 12)")
-    q.add_argument("--interval", type=float, default=60.0, help="interval length in seconds (default 60)")
+    q.add_argument("--interval", type=float, default=None, help="interval length in seconds (default: the trace file's own grid, e.g. 300 for a 5-minute trace; 60 if it has none)")
     q.add_argument("--predictors", default=None, help="comma-separated names (default: all)")
+    q.add_argument("--min-instances", type=int, default=0, help="lowest count a forecast may take (default 0)")
+    q.add_argument(
+        "--max-instances", type=int, default=None, help="highest count a forecast may take (default: no limit)"
+    )
 
     r = sub.add_parser(
         "run",
@@ -129,13 +144,31 @@ def _predict(a: argparse.Namespace) -> int:
 
     if a.horizon < 1:
         raise ConfigurationError(f"--horizon {a.horizon}: forecast at least 1 step")
+    if a.interval is not None and not a.interval > 0:
+        raise ConfigurationError(f"--interval {a.interval}: the interval must be a positive number of seconds")
+    if a.min_instances < 0 or (a.max_instances is not None and a.max_instances < a.min_instances):
+        raise ConfigurationError(
+            f"--min-instances {a.min_instances} / --max-instances {a.max_instances}: need 0 <= min <= max"
+        )
     names = [x.strip() for x in a.predictors.split(",")] if a.predictors else list(PREDICTORS)
     unknown = [n for n in names if n not in PREDICTORS]
     if unknown:
         raise ConfigurationError(f"unknown predictors {unknown}: choose from {', '.join(PREDICTORS)}")
     trace = _load_trace(a.trace, a.interval)
-    table = mae_table(trace.counts(), [a.horizon], names=names)
-    print(f"trace {a.trace}: {len(trace)} intervals; mean absolute error (instances) per horizon step")
+    if len(trace) < 2:
+        raise ConfigurationError(
+            f"{a.trace}: {len(trace)} interval(s) of {trace.interval_s:g} s is too short to score a forecast: "
+            "scoring needs at least 2 intervals (one observed, one to compare with); use a longer trace or a "
+            "shorter --interval"
+        )
+    table = mae_table(
+        trace.counts(), [a.horizon], names=names, min_instances=a.min_instances, max_instances=a.max_instances
+    )
+    bounds = f"[{a.min_instances}, {'no limit' if a.max_instances is None else a.max_instances}]"
+    print(
+        f"trace {a.trace}: {len(trace)} intervals of {trace.interval_s:g} s, up to {trace.max_n} instances; "
+        f"forecasts kept in {bounds}; mean absolute error (instances) over steps 1..{a.horizon}"
+    )
     print(format_mae_table(table))
     return 0
 

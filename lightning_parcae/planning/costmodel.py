@@ -616,6 +616,14 @@ class ArtifactCostModel(MigrationCostModel):
         return 35.0 + t
 
     def restart_ms(self, d: int, p: int, kind: str) -> float:
+        # memoized: the optimizer prices thousands of transitions per cold decision, each with a restart term
+        memo = self.__dict__.setdefault("_restart_memo", {})
+        hit = memo.get((d, p, kind))
+        if hit is None:
+            hit = memo[(d, p, kind)] = self._restart_ms(d, p, kind)
+        return hit
+
+    def _restart_ms(self, d: int, p: int, kind: str) -> float:
         cost = 0.0
         if kind == "add":
             cost += self.rdzv_ms + self.extra_ms
@@ -684,7 +692,8 @@ class ArtifactCostModel(MigrationCostModel):
         # New stages in order each take the surviving old node that misses the fewest parameters; only the
         # LAST new stage's missing volume is counted (the artifact's quirk, kept on purpose). Ties go to the
         # lowest old stage (the artifact breaks ties by node id; that only matters between equal volumes).
-        return float(self._greedy_batch(p, p2, np.asarray([survivors], dtype=np.int64).reshape(1, p))[0])
+        pattern = np.asarray([survivors], dtype=np.int64).reshape(1, p)
+        return float((self.repartition_transfer_batch if p > 0 else self._greedy_batch)(p, p2, pattern)[0])
 
     def repartition_transfer_batch(self, p: int, p2: int, survivors: np.ndarray) -> np.ndarray:
         # The greedy of repartition_transfer_ms, vectorized over patterns (argmin keeps the lowest stage on ties).
@@ -705,6 +714,14 @@ class ArtifactCostModel(MigrationCostModel):
         demand = np.bincount(picks, minlength=p)
         return float(self.p2p_ms(12 * miss[picks[-1], p2 - 1])), demand
 
+    @functools.lru_cache(maxsize=None)
+    def _preferences(self, p: int, p2: int) -> Tuple[Tuple[Tuple[int, float], ...], ...]:
+        """Per new stage j: old stages ordered by missing parameters (lowest stage first on ties), with the value."""
+        miss = self._missing_params(p, p2)
+        return tuple(
+            tuple((int(s), float(miss[s, j])) for s in np.argsort(miss[:, j], kind="stable")) for j in range(p2)
+        )
+
     def _greedy_batch(self, p: int, p2: int, survivors: np.ndarray) -> np.ndarray:
         miss = self._missing_params(p, p2)
         left = np.array(survivors, dtype=np.int64, copy=True)
@@ -712,14 +729,42 @@ class ArtifactCostModel(MigrationCostModel):
         last = np.zeros(len(left))
         if left.shape[1] == 0:  # the job had no stages yet: nothing to keep, nothing missing is counted
             return self.p2p_ms_batch(last)
+        if len(left) <= 4:
+            # A few patterns: walk each new stage's preference list in plain Python -- the vectorized loop below
+            # costs ~p2 numpy calls whatever the number of rows.
+            prefs = self._preferences(p, p2)
+            for r, row in enumerate(left.tolist()):
+                val = 0.0
+                for pref in prefs:
+                    for s, v in pref:
+                        if row[s] > 0:
+                            row[s] -= 1
+                            val = v
+                            break
+                last[r] = val
+            return self.p2p_ms_batch(12 * last)
+        first = self._first_choices(p, p2)
         for j in range(p2):
-            masked = np.where(left > 0, miss[None, :, j], np.inf)
+            # most patterns still hold the new stage's first choice: take it there, search only the others
+            s0 = int(first[j])
+            has = left[:, s0] > 0
+            left[has, s0] -= 1
+            last[has] = miss[s0, j]
+            if has.all():
+                continue
+            r = rows[~has]
+            masked = np.where(left[r] > 0, miss[None, :, j], np.inf)
             best = masked.argmin(axis=1)
-            val = masked[rows, best]
+            val = masked[np.arange(len(r)), best]
             ok = np.isfinite(val)
-            left[rows[ok], best[ok]] -= 1
-            last = np.where(ok, val, last)
+            left[r[ok], best[ok]] -= 1
+            last[r[ok]] = val[ok]
         return self.p2p_ms_batch(12 * last)
+
+    @functools.lru_cache(maxsize=None)
+    def _first_choices(self, p: int, p2: int) -> np.ndarray:
+        """Per new stage: the old stage missing the fewest of its parameters (lowest on ties)."""
+        return self._missing_params(p, p2).argmin(axis=0)
 
     def repartition_rest_ms(
         self, n: int, d: int, p: int, n_in: int, n_out: int, d2: int, p2: int, fallback: bool

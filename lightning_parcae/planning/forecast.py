@@ -43,6 +43,8 @@ __all__ = [
     "PersistencePredictor",
     "ArimaPredictor",
     "ArtifactPredictor",
+    "HazardPredictor",
+    "EnsemblePredictor",
     "PREDICTORS",
     "make_predictor",
     "Backtest",
@@ -131,7 +133,7 @@ class Predictor(abc.ABC):
     Args:
         window: How many past counts (W) the model looks at.
         min_instances: Lowest count a forecast may take.
-        max_instances: Highest count a forecast may take.
+        max_instances: Highest count a forecast may take (``None``: no upper bound).
         seed: Seed for randomized predictors (the built-in ones are deterministic and ignore it).
 
     Raises:
@@ -146,11 +148,13 @@ class Predictor(abc.ABC):
     #: Errors needed at a step before the empirical band replaces the volatility band.
     band_min_errors: ClassVar[int] = 30
 
-    def __init__(self, *, window: int = 12, min_instances: int = 0, max_instances: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self, *, window: int = 12, min_instances: int = 0, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
         self.window = _check_int("window", window, 1)
         self.min_instances = _check_int("min_instances", min_instances, 0)
-        self.max_instances = _check_int("max_instances", max_instances, 0)
-        if self.min_instances > self.max_instances:
+        self.max_instances: Optional[int] = None if max_instances is None else _check_int("max_instances", max_instances, 0)
+        if self.max_instances is not None and self.min_instances > self.max_instances:
             raise ConfigurationError(
                 f"min_instances ({min_instances}) must not exceed max_instances ({max_instances})"
             )
@@ -210,6 +214,47 @@ class Predictor(abc.ABC):
         Raises:
             ConfigurationError: ``horizon < 1`` or nothing observed yet.
         """
+
+    def scenarios(
+        self, horizon: int, levels: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Integer count paths at quantiles of the forecast's error distribution, for planning against it.
+
+        Path ``k`` is the forecast mean plus, at every step, the ``levels[k]`` quantile of this predictor's own
+        past errors at that step (online, as for the band); before :attr:`band_min_errors` errors are known, a
+        normal quantile of the recent volatility times ``sqrt(step)``. Each level carries an equal share of the
+        probability; paths that round to the same counts are merged and their weights added.
+
+        Args:
+            horizon: Steps ahead.
+            levels: Quantile levels in (0, 1), one path each.
+
+        Returns:
+            ``(paths, weights)``: ``(K, horizon)`` int counts in ``[min_instances, max_instances]`` and ``(K,)``
+            weights summing to 1.
+        """
+        from scipy.stats import norm
+
+        lv = np.asarray(levels, dtype=float)
+        if lv.ndim != 1 or len(lv) == 0 or np.any((lv <= 0) | (lv >= 1)):
+            raise ConfigurationError(f"levels must be quantile levels in (0, 1), got {list(levels)!r}")
+        fc = self.forecast(horizon)
+        hist = self.history
+        diffs = np.diff(hist)
+        sigma = float(np.sqrt(np.mean(diffs**2))) if len(diffs) else 0.0
+        dev = np.empty((len(lv), len(fc)))
+        for i in range(len(fc)):
+            errs = self._errors[i] if i < len(self._errors) else ()
+            if len(errs) >= self.band_min_errors:
+                dev[:, i] = np.quantile(np.fromiter(errs, dtype=float), lv)
+            else:
+                dev[:, i] = norm.ppf(lv) * sigma * np.sqrt(i + 1.0)
+        paths = self._clip(np.rint(fc.mean[None, :] + dev)).astype(np.int64)
+        merged: dict[tuple[int, ...], float] = {}
+        for row in paths:
+            key = tuple(row.tolist())
+            merged[key] = merged.get(key, 0.0) + 1.0 / len(lv)
+        return np.array(list(merged), dtype=np.int64).reshape(len(merged), len(fc)), np.array(list(merged.values()))
 
     # -- helpers for subclasses --------------------------------------------------------------------------------
 
@@ -357,7 +402,9 @@ class ArimaPredictor(Predictor):
     shrink: ClassVar[float] = 1.0
     deadband: ClassVar[float] = 1.0
 
-    def __init__(self, *, window: int = 30, min_instances: int = 0, max_instances: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self, *, window: int = 30, min_instances: int = 0, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
         super().__init__(window=window, min_instances=min_instances, max_instances=max_instances, seed=seed)
 
     def forecast(self, horizon: int) -> Forecast:
@@ -392,7 +439,9 @@ class ArtifactPredictor(Predictor):
 
     name: ClassVar[str] = "artifact"
 
-    def __init__(self, *, window: int = 12, min_instances: int = 8, max_instances: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self, *, window: int = 12, min_instances: int = 8, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
         super().__init__(window=window, min_instances=min_instances, max_instances=max_instances, seed=seed)
 
     @staticmethod
@@ -438,10 +487,92 @@ class ArtifactPredictor(Predictor):
         return self._finish(mean)
 
 
+class HazardPredictor(Predictor):
+    """A hazard model of arrivals and preemptions: expected drift from per-interval event rates and sizes.
+
+    Over the last ``window`` intervals (default 60) it estimates the chance that an interval has a net arrival
+    (``h_in``) or a net preemption (``h_out``) and their mean sizes (``s_in``, ``s_out``), and forecasts
+    ``last + k * (h_in * s_in - h_out * s_out)`` k steps ahead, floored at 0 (a count cannot go negative, which
+    the plain drift ignores near an outage). It captures steady declines and recoveries; on flat traces its
+    drift is ~0 and it equals persistence.
+    """
+
+    name: ClassVar[str] = "hazard"
+
+    def __init__(
+        self, *, window: int = 60, min_instances: int = 0, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
+        super().__init__(window=window, min_instances=min_instances, max_instances=max_instances, seed=seed)
+
+    def forecast(self, horizon: int) -> Forecast:
+        horizon, hist = self._start(horizon)
+        diffs = np.diff(hist)
+        drift = 0.0
+        if len(diffs) >= 5:
+            up, down = diffs[diffs > 0], -diffs[diffs < 0]
+            h_in, h_out = len(up) / len(diffs), len(down) / len(diffs)
+            drift = h_in * (float(up.mean()) if len(up) else 0.0) - h_out * (float(down.mean()) if len(down) else 0.0)
+        steps = np.arange(1, horizon + 1, dtype=float)
+        return self._finish(np.maximum(hist[-1] + drift * steps, 0.0))
+
+
+class EnsemblePredictor(Predictor):
+    """Online selection among member predictors, fitted on the trace as it unfolds.
+
+    Every member observes every count; each forecast is the forecast of the member whose own scored forecasts
+    had the lowest mean absolute error over the last :attr:`recent` intervals (all steps ahead pooled). A
+    member must beat persistence by :attr:`margin` (relative) to be chosen, so the ensemble falls back to
+    "nothing will change" until something has clearly earned its place on *this* trace. The band is the
+    ensemble's own empirical band (its errors are those of whichever member it used).
+    """
+
+    name: ClassVar[str] = "ensemble"
+    members: ClassVar[tuple[str, ...]] = ("persistence", "arima", "hazard")
+    recent: ClassVar[int] = 60
+    margin: ClassVar[float] = 0.05
+
+    def __init__(
+        self, *, window: int = 30, min_instances: int = 0, max_instances: Optional[int] = 32, seed: int = 0
+    ) -> None:
+        self._members = [
+            PREDICTORS[m](min_instances=min_instances, max_instances=max_instances, seed=seed) for m in self.members
+        ]
+        super().__init__(window=window, min_instances=min_instances, max_instances=max_instances, seed=seed)
+        self.chosen: list[str] = []
+
+    def reset(self) -> None:
+        super().reset()
+        for m in getattr(self, "_members", []):
+            m.reset()
+        self.chosen = []
+
+    def observe(self, n: int) -> None:
+        super().observe(n)
+        for m in self._members:
+            m.observe(n)
+
+    def _recent_mae(self, m: Predictor) -> float:
+        errs = [e for d in m._errors for e in list(d)[-self.recent :]]
+        return float(np.mean(np.abs(errs))) if len(errs) >= 10 else float("inf")
+
+    def forecast(self, horizon: int) -> Forecast:
+        horizon, _ = self._start(horizon)
+        fcs = [m.forecast(horizon) for m in self._members]  # every member forecasts, so every member is scored
+        scores = [self._recent_mae(m) for m in self._members]
+        best = 0
+        for i in range(1, len(self._members)):
+            if scores[i] < scores[best] * (1.0 - self.margin):
+                best = i
+        self.chosen.append(self._members[best].name)
+        return self._finish(fcs[best].mean)
+
+
 PREDICTORS: dict[str, type[Predictor]] = {
     "persistence": PersistencePredictor,
     "arima": ArimaPredictor,
     "artifact": ArtifactPredictor,
+    "hazard": HazardPredictor,
+    "ensemble": EnsemblePredictor,
 }
 
 
@@ -550,6 +681,7 @@ def mae_table(
     horizons: Sequence[int],
     names: Optional[Sequence[str]] = None,
     window: Optional[int] = None,
+    **bounds: Optional[int],
 ) -> dict[str, dict[int, np.ndarray]]:
     """Per-step MAE of several predictors at several horizons, for printing.
 
@@ -559,6 +691,7 @@ def mae_table(
         names: Predictor names (default: all of :data:`PREDICTORS`).
         window: History length W for every predictor; ``None`` uses W = L for ``"artifact"`` (as the artifact
             does) and each predictor's default (12) otherwise.
+        **bounds: ``min_instances`` / ``max_instances`` passed to every predictor (default: each predictor's own).
 
     Returns:
         ``table[name][L]`` is the ``(L,)`` per-step MAE; its mean is the artifact's single number.
@@ -567,7 +700,7 @@ def mae_table(
     for name in names if names is not None else list(PREDICTORS):
         table[name] = {}
         for horizon in horizons:
-            kw = {}
+            kw: dict = dict(bounds)
             if window is not None:
                 kw["window"] = window
             elif name == "artifact":

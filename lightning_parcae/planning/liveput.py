@@ -34,7 +34,7 @@ from scipy.special import gammaln
 from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
 
-__all__ = ["Expectation", "expected_transition_cost", "transition_costs", "liveput", "victim_patterns"]
+__all__ = ["Expectation", "expected_transition_cost", "transition_costs", "prepare_transfers", "liveput", "victim_patterns"]
 
 MAX_PATTERNS = 5000
 """Largest number of victim patterns enumerated exactly; beyond it repartition costs are sampled."""
@@ -62,6 +62,7 @@ def _check(n: int, d: int, p: int, n_out: int) -> None:
         raise ConfigurationError(f"shape ({d}, {p}) needs {d * p} instances but only {n} are present")
 
 
+@functools.lru_cache(maxsize=65536)
 def _count_patterns(d: int, p: int, k_max: int) -> int:
     # number of vectors (v_0..v_{p-1}), 0 <= v_s <= d, sum <= k_max
     ways = [1] + [0] * k_max
@@ -107,6 +108,12 @@ def victim_patterns(n: int, d: int, p: int, n_out: int) -> Iterator[Tuple[Tuple[
 
 
 def _same_depth(cm: MigrationCostModel, n: int, d: int, p: int, n_in: int, n_out: int, d2: int) -> float:
+    if n_out == 0:  # no victims: one pattern, no recursion needed
+        m, a = 0.0, 0.0
+        for s in range(p):
+            tm, ta = cm.stage_term(d, p, d2, s, 0)
+            m, a = max(m, tm), a + ta
+        return cm.combine(n, d, p, n_in, 0, d2, m, a)
     spares = n - d * p
     states: Dict[Tuple[int, float, float], int] = {(0, 0.0, 0.0): 1}
     for s in range(p):
@@ -130,6 +137,44 @@ def _same_depth(cm: MigrationCostModel, n: int, d: int, p: int, n_in: int, n_out
             cache[(m, a)] = cm.combine(n, d, p, n_in, n_out, d2, m, a)
         acc += cache[(m, a)] * (w / total)
     return acc
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_patterns(d: int, p: int, n_out: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every victim vector with ``v_s <= d`` and ``sum v <= n_out``, whatever N: ``(patterns, log weight, sum)``.
+
+    The same vectors serve every N (only the spares' share, hence the probabilities, depends on it), so what is
+    computed per vector -- a repartition's transfer -- is computed once for all N.
+    """
+    vmax = min(d, n_out)
+    log_c = np.array([math.lgamma(d + 1) - math.lgamma(v + 1) - math.lgamma(d - v + 1) for v in range(vmax + 1)])
+    pats = np.zeros((1, 0), dtype=np.int64)
+    logw = np.zeros(1)
+    ks = np.zeros(1, dtype=np.int64)
+    for _ in range(p):
+        v = np.arange(vmax + 1)
+        new_k = ks[:, None] + v[None, :]
+        keep = new_k <= n_out
+        rep = np.repeat(np.arange(len(pats)), vmax + 1).reshape(len(pats), vmax + 1)[keep]
+        vv = np.broadcast_to(v, new_k.shape)[keep]
+        pats = np.concatenate([pats[rep], vv[:, None]], axis=1)
+        logw = logw[rep] + log_c[vv]
+        ks = new_k[keep]
+    return pats, logw, ks
+
+
+@functools.lru_cache(maxsize=4096)
+def _pattern_probs(n: int, d: int, p: int, n_out: int) -> np.ndarray:
+    """Probabilities of :func:`_all_patterns` rows on ``n`` instances (0 where the spares cannot take the rest)."""
+    _, logw, ks = _all_patterns(d, p, n_out)
+    spares = n - d * p
+    rest = n_out - ks
+    ok = (rest >= 0) & (rest <= spares)
+    lg = math.lgamma
+    r = np.where(ok, rest, 0)
+    log_spare = lg(spares + 1) - gammaln(r + 1) - gammaln(spares - r + 1)
+    log_total = lg(n + 1) - lg(n_out + 1) - lg(n - n_out + 1)
+    return np.where(ok, np.exp(logw + log_spare - log_total), 0.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -245,7 +290,8 @@ def _repartition_transfer(
     those of the draws when sampling (zeros when exact); the caller combines them with the d2-dependent rest.
     """
     cache = _TRANSFER_CACHE.setdefault(cm, {})
-    key = (n, d, p, n_out, p2, max_patterns, samples, seed)
+    # with no victims the transfer does not depend on N: one entry serves every N
+    key = (n if n_out else -1, d, p, n_out, p2, max_patterns, samples, seed)
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -255,11 +301,17 @@ def _repartition_transfer(
     else:
         exact = _count_patterns(d, p, n_out) <= max_patterns
         if exact:
-            victims, probs = _pattern_arrays(n, d, p, n_out)
+            # transfers per victim vector are shared by every N (see _all_patterns); only probabilities differ
+            vkey = (-1, d, p, n_out, p2, max_patterns, 0, 0)
+            vals = cache.get(vkey)  # type: ignore[assignment]
+            if vals is None:
+                vals = cm.repartition_transfer_batch(p, p2, d - _all_patterns(d, p, n_out)[0])
+                cache[vkey] = vals  # type: ignore[assignment]
+            probs = _pattern_probs(n, d, p, n_out)
         else:
             victims = _sampled_patterns(n, d, p, n_out, samples, seed)
             probs = np.full(len(victims), 1.0 / len(victims))
-        vals = cm.repartition_transfer_batch(p, p2, d - victims)
+            vals = cm.repartition_transfer_batch(p, p2, d - victims)
         fb = np.isinf(vals)
         finite = np.where(fb, 0.0, vals)
         moments = _EXACT_MOMENTS
@@ -273,11 +325,74 @@ def _repartition_transfer(
     return out
 
 
+def prepare_transfers(
+    cm: MigrationCostModel, shapes: Sequence[Shape], depths: Sequence[int], max_out: int, *, max_patterns: int = MAX_PATTERNS
+) -> int:
+    """Tabulate, once per cost model, the victim-pattern transfers of repartitions from ``shapes`` to ``depths``.
+
+    The transfer of a repartition depends on which replicas were preempted but not on N (see
+    :func:`_all_patterns`), so it can be computed before the first decision for every current shape, every
+    target depth and every number of simultaneous preemptions up to ``max_out``; a later decision only weighs
+    the table by N's probabilities. Preemption counts beyond ``max_out`` (or beyond ``max_patterns`` patterns)
+    are computed when first needed, as before.
+
+    Args:
+        cm: The cost model.
+        shapes: Current shapes to prepare from.
+        depths: Target pipeline depths.
+        max_out: Largest number of simultaneous preemptions to tabulate.
+        max_patterns: Exact-enumeration limit (larger pattern sets are left to sampling at decision time).
+
+    Returns:
+        The number of (shape, preemptions, depth) entries tabulated.
+    """
+    done = 0
+    for d, p in shapes:
+        if d < 1 or p < 1:
+            continue
+        for k in range(0, max_out + 1):
+            if k and _count_patterns(d, p, k) > max_patterns:
+                break
+            for p2 in depths:
+                if p2 != p:
+                    _repartition_transfer(cm, d * p + k, d, p, k, p2, max_patterns, 512, 0)
+                    done += 1
+    return done
+
+
 def transition_costs(
     cm: MigrationCostModel, n: int, shape: Shape, n_in: int, n_out: int, targets: Sequence[Shape]
 ) -> np.ndarray:
-    """Expected costs (ms) of moving from ``shape`` to each of ``targets`` (vector form for the optimizer)."""
-    return np.array([expected_transition_cost(cm, n, shape, n_in, n_out, t).mean for t in targets], dtype=float)
+    """Expected costs (ms) of moving from ``shape`` to each of ``targets`` (vector form for the optimizer).
+
+    The same numbers as :func:`expected_transition_cost` target by target, with the checks and the per-depth
+    transfer lookups done once per call instead of once per target (a cold decision prices ~10^4 transitions).
+    A ``(0, 0)`` target (a paused job) costs 0.
+    """
+    d, p = shape
+    _check(n, d, p, n_out)
+    out = np.zeros(len(targets))
+    transfer: Dict[int, Tuple[float, float, _Moments, bool]] = {}
+    for i, (d2, p2) in enumerate(targets):
+        if d2 == 0 and p2 == 0:
+            continue
+        if d2 < 1 or p2 < 1:
+            raise ConfigurationError(f"target shape {(d2, p2)} is invalid: D and P must be >= 1")
+        if p == p2 and p > 0:
+            out[i] = _same_depth(cm, n, d, p, n_in, n_out, d2)
+        elif p == 0 or d == 0:
+            out[i] = cm.repartition_cost(n, 0, 0, n_in, n_out, d2, p2, ())
+        else:
+            tr = transfer.get(p2)
+            if tr is None:
+                tr = transfer[p2] = _repartition_transfer(cm, n, d, p, n_out, p2, MAX_PATTERNS, 512, 0)
+            p_fb, mean = tr[0], tr[1]
+            if p_fb > 0:
+                mean += p_fb * cm.repartition_rest_ms(n, d, p, n_in, n_out, d2, p2, True)
+            if p_fb < 1:
+                mean += (1 - p_fb) * cm.repartition_rest_ms(n, d, p, n_in, n_out, d2, p2, False)
+            out[i] = mean
+    return out
 
 
 def _pattern_cost(cm: MigrationCostModel, n: int, d: int, p: int, n_in: int, n_out: int, victims: Sequence[int], target: Shape) -> float:

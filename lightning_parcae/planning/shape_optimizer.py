@@ -26,9 +26,9 @@ import numpy as np
 
 from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.planning.liveput import expected_transition_cost
+from lightning_parcae.planning.liveput import prepare_transfers, transition_costs
 
-__all__ = ["Plan", "LiveputOptimizer", "fit_shape", "PAUSED"]
+__all__ = ["Plan", "Decision", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
 """The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
@@ -54,6 +54,44 @@ class Plan:
     expected_samples: float
     first_cost_ms: float
     counts: Tuple[int, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`LiveputOptimizer.decide` chose, and why.
+
+    Attributes:
+        next_shape: Shape to run in the interval about to start.
+        reactive: The reactive choice (best allowed shape on the instances present now).
+        expected_gain: Expected samples over the look-ahead gained by ``next_shape`` over ``reactive`` (0 when
+            they are the same).
+        gain_std: Standard deviation of that gain over the scenarios.
+        candidates: Shapes considered (the reactive one first).
+    """
+
+    next_shape: Shape
+    reactive: Shape
+    expected_gain: float
+    gain_std: float
+    candidates: Tuple[Shape, ...]
+
+    @property
+    def departs(self) -> bool:
+        """Whether the decision differs from reacting."""
+        return self.next_shape != self.reactive
+
+
+def settle(n: int, n_in: int, n_out: int) -> Tuple[int, int]:
+    """``(n_in, n_out)`` of an interval starting with ``n`` instances, with departures of instances that arrived
+    *within* the interval netted out of both (victims are drawn from the ``n`` present at its start).
+
+    A 5-minute interval may see an instance arrive and leave again; the count after it is
+    ``n + n_in - n_out`` either way, but only ``min(n_out, n)`` of the departures can hit the running job.
+    """
+    n_in, n_out = max(int(n_in), 0), max(int(n_out), 0)
+    kept = min(n_out, n)
+    n_in -= n_out - kept
+    return max(n_in, 0), kept
 
 
 def fit_shape(shape: Shape, n: int) -> Shape:
@@ -101,6 +139,28 @@ class LiveputOptimizer:
         self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------------------------------------------
+    def prepare(self, n_max: int, max_out: int = 2) -> int:
+        """Tabulate what makes a first decision slow, before it is needed (e.g. while the job starts).
+
+        A cold decision spends most of its time on the victim distributions of repartitions (which surviving
+        replicas a new stage can take its layers from). Those depend on the current shape, the number of
+        simultaneous preemptions and the target depth, not on N, so they are computed here for every shape that
+        fits ``n_max`` instances and up to ``max_out`` preemptions at once. Decisions that need more are
+        computed when first needed. Idempotent: a second call finds everything cached.
+
+        Args:
+            n_max: The largest instance count the job expects.
+            max_out: Largest number of simultaneous preemptions to tabulate.
+
+        Returns:
+            Entries tabulated (including those already cached).
+        """
+        if n_max < 0 or max_out < 0:
+            raise ConfigurationError(f"n_max={n_max}, max_out={max_out}: both must be >= 0")
+        shapes = [s for s in self.targets(n_max)[0] if s != PAUSED]
+        depths = sorted({s[1] for s in shapes})
+        return prepare_transfers(self.cm, shapes, depths, max_out)
+
     def targets(self, n: int, hints: Sequence[int] = ()) -> Tuple[List[Shape], np.ndarray, np.ndarray]:
         """Candidate shapes on ``n`` instances with their throughput and concurrent-restart cost vectors."""
         key = (n, tuple(sorted(set(hints))))
@@ -124,13 +184,7 @@ class LiveputOptimizer:
         key = (n, shape, n_in, n_out, tuple(targets))
         vec = self._cost_cache.get(key)
         if vec is None:
-            vec = np.array(
-                [
-                    0.0 if t == PAUSED else expected_transition_cost(self.cm, n, shape, n_in, n_out, t).mean
-                    for t in targets
-                ],
-                dtype=float,
-            )
+            vec = transition_costs(self.cm, n, shape, n_in, n_out, targets)
             if len(self._cost_cache) > 200_000:
                 self._cost_cache.clear()
             self._cost_cache[key] = vec
@@ -144,6 +198,7 @@ class LiveputOptimizer:
         future: Sequence[FutureInterval],
         *,
         remain_ms: float = 0.0,
+        first: Optional[Shape] = None,
     ) -> Plan:
         """Plan the next shape.
 
@@ -153,6 +208,8 @@ class LiveputOptimizer:
             future: The next intervals' ``(prev_n, n_in, n_out)`` (true or forecast); the first is the next
                 interval. Only ``n_in``/``n_out`` are used; counts are chained from ``n`` and clipped at 0.
             remain_ms: Milliseconds still needed by an unfinished migration (0 if none).
+            first: Force the next interval's shape (the rest of the plan is still optimized); used to score one
+                candidate decision under one scenario. It must fit the next interval's instances.
 
         Returns:
             The plan.
@@ -169,8 +226,7 @@ class LiveputOptimizer:
         events: List[Tuple[int, int]] = []
         cur = n
         for _, n_in, n_out in future:
-            n_out = min(int(n_out), cur)
-            n_in = max(int(n_in), 0)
+            n_in, n_out = settle(cur, n_in, n_out)
             events.append((n_in, n_out))
             cur = cur + n_in - n_out
             counts.append(cur)
@@ -187,7 +243,10 @@ class LiveputOptimizer:
             s_samples = np.array([frontier[k][0] for k in keys])
             s_remain = np.array([frontier[k][1] for k in keys])
             s_status = np.array([k[1] for k in keys])
-            cost = np.stack([self.transition_costs(prev_n, k[0], n_in, n_out, shapes) for k in keys])  # S x T
+            if step == 0 and first is not None:
+                shapes, thr, conc, cost = self._forced(prev_n, keys, n_in, n_out, after, first, hints)
+            else:
+                cost = np.stack([self.transition_costs(prev_n, k[0], n_in, n_out, shapes) for k in keys])  # S x T
             total = np.where(
                 s_status[:, None] == 1,
                 np.where(cost > 0, cost + conc[None, :], s_remain[:, None]),
@@ -225,3 +284,108 @@ class LiveputOptimizer:
         best_key = min(frontier, key=lambda k: (-frontier[k][0], frontier[k][1], k[0][1], k[0]))
         samples, _, path, first_cost = frontier[best_key]
         return Plan(path[0], path, samples, first_cost, tuple(counts))
+
+    def _forced(
+        self, n: int, keys: Sequence[Tuple[Shape, int]], n_in: int, n_out: int, after: int, first: Shape, hints: Tuple[int, ...]
+    ) -> Tuple[List[Shape], np.ndarray, np.ndarray, np.ndarray]:
+        """Targets, throughput, concurrent cost and S x 1 cost matrix of a first step forced to ``first``."""
+        first = (int(first[0]), int(first[1]))
+        shapes, thr, conc = self.targets(after, hints)
+        if first == PAUSED:
+            return [PAUSED], np.zeros(1), np.zeros(1), np.zeros((len(keys), 1))
+        if first[0] * first[1] > after:
+            raise ConfigurationError(f"first={first} needs {first[0] * first[1]} instances but only {after} are present")
+        if first in shapes:
+            j = shapes.index(first)
+            cost = np.stack([self.transition_costs(n, k[0], n_in, n_out, shapes)[j : j + 1] for k in keys])
+            return [first], thr[j : j + 1], conc[j : j + 1], cost
+        cost = np.stack([self.transition_costs(n, k[0], n_in, n_out, [first]) for k in keys])
+        return (
+            [first],
+            np.array([self.thr.throughput(*first)]),
+            np.array([self.cm.concurrent_restart_ms(*first)]),
+            cost,
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    def reactive_shape(self, n: int) -> Shape:
+        """What a reactive policy runs on ``n`` instances: the allowed shape with the highest throughput.
+
+        Ties go to the first in (D, P) order, as the artifact's scan does; :data:`PAUSED` if nothing fits.
+        """
+        shapes, thr, _ = self.targets(n)
+        if shapes == [PAUSED]:
+            return PAUSED
+        return shapes[int(np.argmax(thr))]
+
+    def decide(
+        self,
+        n: int,
+        shape: Shape,
+        now: FutureInterval,
+        scenarios: Sequence[Sequence[FutureInterval]],
+        weights: Optional[Sequence[float]] = None,
+        *,
+        remain_ms: float = 0.0,
+        risk: float = 0.5,
+    ) -> Decision:
+        """Choose the next interval's shape from what is known now and a distribution of futures.
+
+        The interval about to run is *known*: its arrivals have arrived and its preemption notices are in
+        (``now``). Only the intervals after it are uncertain; ``scenarios`` describe them (e.g. quantile paths of
+        a forecast), each with a probability in ``weights``.
+
+        The reactive choice (:meth:`reactive_shape` of the count after ``now``) is always a candidate, together
+        with the first step of the optimal plan under each scenario. If the candidates agree, that is the answer.
+        Otherwise every candidate is scored under every scenario (the best plan that starts with it), and the
+        decision departs from the reactive choice only when the expected gain over the scenarios exceeds
+        ``risk`` times its standard deviation -- a plan that only pays off in some futures does not replace
+        reacting.
+
+        Args:
+            n: Instances before ``now``'s events.
+            shape: Current shape (:data:`PAUSED` if not running).
+            now: ``(prev_n, n_in, n_out)`` of the interval about to run (known at its start).
+            scenarios: Futures after ``now`` (each a list of ``(prev_n, n_in, n_out)``, possibly empty).
+            weights: Probability of each scenario (default: equal); normalized.
+            remain_ms: Milliseconds an unfinished migration still needs.
+            risk: Standard deviations of the gain that a departure from reacting must clear.
+
+        Returns:
+            The decision.
+        """
+        if not risk >= 0:
+            raise ConfigurationError(f"risk={risk}: the risk aversion must be >= 0 (0: trust the expectation)")
+        if not scenarios:
+            scenarios = [[]]
+        if weights is None:
+            weights = [1.0] * len(scenarios)
+        w = np.asarray(weights, dtype=float)
+        if len(w) != len(scenarios) or np.any(w < 0) or w.sum() <= 0:
+            raise ConfigurationError(f"weights {list(weights)} must be {len(scenarios)} non-negative numbers, not all 0")
+        w = w / w.sum()
+        now = (n, *settle(n, now[1], now[2]))
+        after = n + now[1] - now[2]
+        reactive = self.reactive_shape(after)
+        futures = [[tuple(now)] + list(sc)[: self.look_ahead - 1] for sc in scenarios]  # type: ignore[list-item]
+        plans = [self.plan(n, shape, f, remain_ms=remain_ms) for f in futures]
+        cands: List[Shape] = [reactive]
+        for pl in plans:
+            if pl.next_shape not in cands:
+                cands.append(pl.next_shape)
+        if len(cands) == 1:
+            return Decision(reactive, reactive, 0.0, 0.0, tuple(cands))
+        values = np.empty((len(cands), len(futures)))
+        for j, (f, pl) in enumerate(zip(futures, plans)):
+            for i, c in enumerate(cands):
+                values[i, j] = pl.expected_samples if c == pl.next_shape else self.plan(
+                    n, shape, f, remain_ms=remain_ms, first=c
+                ).expected_samples
+        gain = values - values[0][None, :]
+        mean = gain @ w
+        std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0))
+        score = mean - np.where(std > 0, risk * np.where(std > 0, std, 1.0), 0.0)
+        best = int(np.argmax(score))
+        if best == 0 or score[best] <= 0:
+            return Decision(reactive, reactive, 0.0, 0.0, tuple(cands))
+        return Decision(cands[best], reactive, float(mean[best]), float(std[best]), tuple(cands))

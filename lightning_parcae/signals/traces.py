@@ -100,11 +100,16 @@ class Trace:
         intervals: The intervals, ``intervals[k].index == k``.
         interval_s: Interval length in seconds.
         source: File path or a description of where the trace came from.
+        native_interval_s: The grid the file was recorded on: SkyPilot's ``gap_seconds``, or for timestamped
+            formats the coarsest whole number of minutes all its times fall on (e.g. 300.0 for a trace recorded
+            every 5 minutes); ``None`` when there is no clear grid. A trace binned at another ``interval_s``
+            was resampled.
     """
 
     intervals: tuple[Interval, ...]
     interval_s: float
     source: str
+    native_interval_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "intervals", tuple(self.intervals))
@@ -171,7 +176,7 @@ class Trace:
             for k, iv in enumerate(chosen)
         )
         end = "" if end_s is None else f"{end_s:g}"
-        return Trace(out, self.interval_s, f"{self.source}[{start_s:g}s:{end}]")
+        return Trace(out, self.interval_s, f"{self.source}[{start_s:g}s:{end}]", self.native_interval_s)
 
     def as_tuples(self) -> list[tuple[int, int, int]]:
         """The intervals as ``[(prev_n, n_in, n_out), ...]`` (the artifact's ``interval`` field)."""
@@ -523,4 +528,25 @@ def load_trace(path: Union[str, os.PathLike], *, interval_s: float = 60.0, fmt: 
     elif not _data_lines(text):
         raise _fail(name, None, f"the file is empty (expected a {fmt} trace)")
     changes, end_s = _READERS[fmt](name, text)
-    return _build(changes, end_s, interval_s, name)
+    trace = _build(changes, end_s, interval_s, name)
+    if fmt == "skypilot":
+        native: Optional[float] = float(json.loads(text)["metadata"]["gap_seconds"])
+    else:
+        native = _native_interval(changes, end_s)
+    return Trace(trace.intervals, trace.interval_s, name, native)
+
+
+def _native_interval(changes: Sequence[tuple[float, int, int]], end_s: float) -> Optional[float]:
+    """The grid a timestamped trace was recorded on, if it has a clear one.
+
+    That is the coarsest whole number of minutes that every change time and the end are multiples of, given at
+    least three distinct such times (fewer prove nothing); ``None`` otherwise -- an event log with times at
+    arbitrary seconds has no grid of its own.
+    """
+    times = {int(round(t * 1000.0)) for t in [*(t for t, _, _ in changes), end_s]}
+    if len(times) < 3:
+        return None
+    grid = 0
+    for t in times:
+        grid = math.gcd(grid, t)
+    return grid / 1000.0 if grid and grid % 60_000 == 0 else None

@@ -12,9 +12,16 @@ Policies:
   restart, a checkpoint save + load and every stage's state each time.
 * ``restart`` -- torchrun-like: one fixed shape chosen at the start; every event restarts from a checkpoint;
   while fewer instances than the shape needs are present it trains nothing.
-* ``parcae`` -- the liveput optimizer (:class:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer`) over a forecast
-  from a :mod:`~lightning_parcae.planning.forecast` predictor (only the past is seen).
-* ``parcae-oracle`` -- the same optimizer fed the true future (the artifact's "liveput truth").
+* ``parcae`` -- the liveput optimizer (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`): at the start
+  of interval k it knows that interval's arrivals and preemptions (the same knowledge ``throughput`` reacts to --
+  the artifact scores ``throughput`` with the count *after* interval k's events) and forecasts only the
+  intervals after it, as quantile scenarios from a :mod:`~lightning_parcae.planning.forecast` predictor that has seen
+  counts up to interval k. The reactive shape is always a candidate; the plan departs from it only when the
+  expected gain over the scenarios clears ``risk`` standard deviations. It never sees interval k+1's events.
+* ``parcae-oracle`` -- the optimizer fed the true future (the artifact's "liveput truth").
+* ``live-reactive`` -- no plan, no forecast: the throughput-best allowed shape for the count each interval starts
+  with (as ``throughput``), but reached by parcae's live migrations instead of restarts. ``parcae`` against it
+  isolates what planning over a forecast adds; it against ``throughput`` isolates what cheaper migrations add.
 
 The optimizer and cost model are the very objects the runtime uses.
 """
@@ -28,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
-from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape
+from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape, settle
 from lightning_parcae.planning.forecast import Predictor, make_predictor
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
@@ -198,6 +205,15 @@ def _restart(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **
     return res
 
 
+def _paths_to_intervals(start: int, path: Sequence[int]) -> List[Tuple[int, int, int]]:
+    out, prev = [], start
+    for c in path:
+        c = int(c)
+        out.append((prev, max(c - prev, 0), max(prev - c, 0)))
+        prev = c
+    return out
+
+
 def _liveput(
     cm: MigrationCostModel,
     intervals: Intervals,
@@ -205,45 +221,52 @@ def _liveput(
     *,
     look_ahead: int = 12,
     oracle: bool = False,
+    reactive: bool = False,
     predictor: str = "persistence",
     max_instances: Optional[int] = None,
+    risk: float = 0.5,
+    levels: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
     **_: object,
 ) -> PolicyResult:
-    res = PolicyResult("parcae-oracle" if oracle else "parcae", interval_s)
+    res = PolicyResult("live-reactive" if reactive else "parcae-oracle" if oracle else "parcae", interval_s)
     opt = LiveputOptimizer(cm, interval_s=interval_s, look_ahead=look_ahead)
-    top = max_instances or max(max(p, p + i - o) for p, i, o in intervals)
     pred: Optional[Predictor] = None
-    if not oracle:
-        pred = make_predictor(predictor, window=max(look_ahead, 8), min_instances=0, max_instances=top)
+    if not oracle and not reactive:
+        pred = make_predictor(predictor, window=max(look_ahead, 8), min_instances=0, max_instances=max_instances)
     acct = _Accountant(cm, 1000.0 * interval_s)
-    n = intervals[0][0]
     shape: Shape = (0, 0)
     for i, (prev, n_in, n_out) in enumerate(intervals):
-        t0 = time.perf_counter()
-        if oracle:
-            future = list(intervals[i : i + look_ahead])
-        elif pred is None or len(pred.history) == 0:
-            # the job knows what it starts with; nothing about the future yet
-            first_n = prev + n_in - n_out
-            future = [(prev, n_in, n_out)] + [(first_n, 0, 0)] * (look_ahead - 1)
-        else:
-            future = pred.forecast(look_ahead).intervals(n)
-        plan = opt.plan(n, shape, future, remain_ms=acct.remain)
-        res.decide_s += time.perf_counter() - t0
         after = prev + n_in - n_out
-        target = fit_shape(plan.next_shape, after) if plan.next_shape != PAUSED else PAUSED
+        t0 = time.perf_counter()
+        # What is known at the interval's start: its arrivals have arrived and its preemption notices are in, so
+        # the count it runs with is `after` -- the same knowledge the reactive `throughput` baseline uses. Only
+        # the intervals after it are forecast (the oracle sees them).
+        if reactive:
+            target = opt.reactive_shape(after)
+        elif oracle:
+            plan = opt.plan(prev, shape, list(intervals[i : i + look_ahead]), remain_ms=acct.remain)
+            target = plan.next_shape
+        else:
+            assert pred is not None
+            pred.observe(after)
+            scenarios: List[List[Tuple[int, int, int]]] = [[]]
+            weights: Sequence[float] = [1.0]
+            if look_ahead > 1:
+                paths, weights = pred.scenarios(look_ahead - 1, levels)
+                scenarios = [_paths_to_intervals(after, p) for p in paths]
+            target = opt.decide(prev, shape, (prev, n_in, n_out), scenarios, weights, remain_ms=acct.remain, risk=risk).next_shape
+        res.decide_s += time.perf_counter() - t0
+        target = fit_shape(target, after) if target != PAUSED else PAUSED
         if target[0] * target[1] == 0 or cm.throughput.throughput(*target) <= 0:
             target = PAUSED  # nothing allowed fits: the job waits (its state is kept in the checkpoint)
         if target == PAUSED:
             acct.remain = 0.0
             _record(res, after, target, 0.0, 0.0, 0.0)
         else:
-            cost = expected_transition_cost(cm, prev, shape, n_in, n_out, target).mean
+            cost = expected_transition_cost(cm, prev, shape, *settle(prev, n_in, n_out), target).mean
             work_ms, lost = acct.step(cost, target)
             _record(res, after, target, cm.throughput.throughput(*target) * work_ms / 1000.0, cost, lost)
-        shape, n = target, after
-        if pred is not None:
-            pred.observe(after)
+        shape = target
     return res
 
 
@@ -253,6 +276,7 @@ POLICIES: Dict[str, Callable[..., PolicyResult]] = {
     "restart": _restart,
     "parcae": lambda cm, iv, s, **kw: _liveput(cm, iv, s, oracle=False, **kw),
     "parcae-oracle": lambda cm, iv, s, **kw: _liveput(cm, iv, s, oracle=True, **kw),
+    "live-reactive": lambda cm, iv, s, **kw: _liveput(cm, iv, s, reactive=True, **kw),
 }
 """Policy name -> function ``(cost_model, intervals, interval_s, **options) -> PolicyResult``."""
 
@@ -265,7 +289,9 @@ def run_policy(name: str, cm: MigrationCostModel, intervals: Intervals, interval
         cm: The cost model (with its throughput model).
         intervals: ``(prev_n, n_in, n_out)`` per interval.
         interval_s: Interval length.
-        **options: ``look_ahead``, ``predictor`` and ``max_instances`` for the parcae policies.
+        **options: ``look_ahead``, ``predictor``, ``max_instances`` (the cluster size, bounding forecasts; default
+            none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default 0.5) and
+            ``levels`` (scenario quantiles) for the parcae policies.
 
     Returns:
         The policy's result.
