@@ -41,7 +41,16 @@ __all__ = ["__version__", "ParcaeStrategy"]
 def __getattr__(name: str) -> Any:
     # The runtime pulls in torch; keep planner-only users (``parcae simulate``) free of that import cost.
     if name == "ParcaeStrategy":
-        from lightning_parcae.strategy import ParcaeStrategy
+        # the class of the Lightning namespace in use: lightning.pytorch when only it is imported, else
+        # pytorch_lightning (explicit: lightning_parcae.strategy / lightning_parcae.lightning)
+        from lightning_parcae.strategy import strategy_class
+        from lightning_parcae.training.namespaces import likely_namespace
 
-        return ParcaeStrategy
+        return strategy_class(likely_namespace())
     raise AttributeError(f"module 'lightning_parcae' has no attribute {name!r}")
+
+
+# ``strategy="parcae"`` resolves in pytorch_lightning and lightning.pytorch once either is imported
+from lightning_parcae.training.autoregister import install as _install_autoregister  # noqa: E402
+
+_install_autoregister()

@@ -34,11 +34,14 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Optional
 
-import pytorch_lightning as pl
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
-__all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "append_event"]
+__all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "append_event",
+           "callback_class"]
 
 RUN_DIR_ENV = "PARCAE_RUN_DIR"
 """Set by ``parcae run``: the run directory (checkpoints, events, logs)."""
@@ -76,7 +79,7 @@ def append_event(run_dir: str | os.PathLike[str], event: dict[str, Any]) -> None
         os.close(fd)
 
 
-class ParcaeRunCallback(pl.Callback):
+class ParcaeRunCallbackMixin:
     """Checkpoints, graceful notice handling and progress events for workers started by ``parcae run``.
 
     Inactive (a no-op) when ``PARCAE_RUN_DIR`` is not set, so a script can always add it.
@@ -155,7 +158,9 @@ class ParcaeRunCallback(pl.Callback):
         t = time.time()
         if trainer.is_global_zero:
             self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(str(self.ckpt_path))  # collective under ParcaeStrategy; atomic write on rank 0
+        # collective under ParcaeStrategy; atomic write on rank 0. weights_only=False given explicitly: the full
+        # training state, and no "weights_only was not set" line in the worker log at every periodic save
+        trainer.save_checkpoint(str(self.ckpt_path), weights_only=False)
         self._emit(trainer, "checkpoint", reason=reason, save_s=time.time() - t, path=str(self.ckpt_path))
 
     # ------------------------------------------------------------------------------------------------ hooks
@@ -227,7 +232,7 @@ def _elastic(trainer: pl.Trainer) -> Any:
     return getattr(trainer.strategy, "elastic_runtime", None)
 
 
-class ParcaeElasticCallback(pl.Callback):
+class ParcaeElasticCallbackMixin:
     """The interval callback of live reconfiguration (added by ``ParcaeStrategy`` when ``elastic`` is on).
 
     After every optimizer step it hands control to the strategy's
@@ -288,3 +293,25 @@ class ParcaeElasticCallback(pl.Callback):
         for k, v in values.items():
             pl_module.log(k, v, on_step=True, on_epoch=False, prog_bar=k in ("parcae/N", "parcae/D", "parcae/P"),
                           sync_dist=False, batch_size=1)
+
+
+@lru_cache(maxsize=None)
+def callback_class(kind: str, ns_name: str = "pytorch_lightning") -> type:
+    """``ParcaeRunCallback`` (``kind="run"``) or ``ParcaeElasticCallback`` (``kind="elastic"``) built over the
+    ``Callback`` of one Lightning namespace (``"pytorch_lightning"`` or ``"lightning.pytorch"``)."""
+    from lightning_parcae.training.namespaces import namespace  # noqa: PLC0415
+
+    mixin = {"run": ParcaeRunCallbackMixin, "elastic": ParcaeElasticCallbackMixin}[kind]
+    name = {"run": "ParcaeRunCallback", "elastic": "ParcaeElasticCallback"}[kind]
+    module = __name__ if ns_name == "pytorch_lightning" else "lightning_parcae.lightning"
+    return type(name, (mixin, namespace(ns_name).pl.Callback),
+                {"__module__": module, "__qualname__": name, "__doc__": mixin.__doc__})
+
+
+def __getattr__(name: str) -> Any:
+    # the pytorch_lightning classes, built on first use (lightning.pytorch: lightning_parcae.lightning)
+    if name == "ParcaeRunCallback":
+        return callback_class("run")
+    if name == "ParcaeElasticCallback":
+        return callback_class("elastic")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -690,7 +690,7 @@ class ElasticRuntime:
         sends: dict[int, dict[str, Any]] = {}
         for t in plan.sends(self.member):
             box = sends.setdefault(transition.index(t.dst), {"layers": {}})
-            box["layers"][t.layer] = layer_payload(module, f"{s.stack_path}.{s.layer_names[t.layer]}", opts)
+            box["layers"][t.layer] = layer_payload(module, s.layer_key(s.layer_names[t.layer]), opts)
         if loop is not None:
             for j in joiners:
                 sends.setdefault(transition.index(j), {"layers": {}})["loop"] = loop
@@ -737,9 +737,8 @@ class ElasticRuntime:
         stage_keys = s._stage_key_set()
         ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in ckpt["state_dict"].items()
                               if k not in stage_keys}
-        prefix = f"{s.stack_path}."
         for opt in ckpt.get("optimizer_states", []):
-            opt["state"] = {k: v for k, v in opt.get("state", {}).items() if not k.startswith(prefix)}
+            opt["state"] = {k: v for k, v in opt.get("state", {}).items() if not s.is_stage_key(k)}
         ckpt["parcae"] = {"version": 1, "data": s.data_state(), "layout": {}}
         return plain_containers(ckpt)
 
