@@ -291,7 +291,7 @@ class ParcaeElasticCallbackMixin:
         if er.stats.get("liveput") is not None:
             values["parcae/liveput"] = float(er.stats["liveput"])
         for k, v in values.items():
-            pl_module.log(k, v, on_step=True, on_epoch=False, prog_bar=k in ("parcae/N", "parcae/D", "parcae/P"),
+            pl_module.log(k, v, on_step=True, on_epoch=False, prog_bar=k in ("parcae/N", "parcae/D", "parcae/P", "parcae/generation"),
                           sync_dist=False, batch_size=1)
 
 
