@@ -228,6 +228,9 @@ def _batch_len(batch: Any) -> int:
     return 0
 
 
+_PROGRESS_BAR = ("parcae/N", "parcae/D", "parcae/P", "parcae/generation")
+
+
 def _elastic(trainer: pl.Trainer) -> Any:
     return getattr(trainer.strategy, "elastic_runtime", None)
 
@@ -291,7 +294,7 @@ class ParcaeElasticCallbackMixin:
         if er.stats.get("liveput") is not None:
             values["parcae/liveput"] = float(er.stats["liveput"])
         for k, v in values.items():
-            pl_module.log(k, v, on_step=True, on_epoch=False, prog_bar=k in ("parcae/N", "parcae/D", "parcae/P", "parcae/generation"),
+            pl_module.log(k, v, on_step=True, on_epoch=False, prog_bar=k in _PROGRESS_BAR,
                           sync_dist=False, batch_size=1)
 
 
