@@ -280,6 +280,9 @@ class ParcaeStrategyMixin:
         self._train_loader: Optional[Any] = None
         self._bg_writer: Optional[Any] = None
         self._no_cut_reason: Optional[str] = None
+        self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
+        self._post_fit_stages = 0
+        self._stepped = False  # a training step ran in this process (a joiner is no longer solo)
 
     # ============================================================================================ Lightning plumbing
     @property
@@ -289,10 +292,11 @@ class ParcaeStrategyMixin:
 
     @property
     def _solo(self) -> bool:
-        """A joiner before it trains: Lightning's set-up collectives would not be matched by the running members,
-        so ``broadcast`` / ``barrier`` / ``reduce`` act locally until it has joined."""
+        """A joiner before its first training step: Lightning's set-up collectives would not be matched by the
+        running members, so ``broadcast`` / ``barrier`` / ``reduce`` act locally until then (after ``fit`` it takes
+        part in ``validate`` / ``test`` like any member)."""
         er = self.elastic_runtime
-        return er is not None and er.joining and er.life.phase.value != "training"
+        return er is not None and er.joining and not self._stepped
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -369,6 +373,12 @@ class ParcaeStrategyMixin:
         Under live reconfiguration the launcher's (or agent's, or torchrun's) ``RANK`` / ``WORLD_SIZE`` are taken
         as given, so a script started with ``devices=1`` on each of N machines needs no ``num_nodes=N``.
         """
+        er = self.elastic_runtime
+        if er is not None and er.layout is not None and er.member in er.layout.members:
+            # a later Trainer stage (validate/test after an elastic fit): the ranks of the fit's last generation,
+            # not the launcher's start-up RANK/WORLD_SIZE (a joiner started as RANK=0 of WORLD_SIZE=1)
+            self._set_ranks(er.layout.members.index(er.member), len(er.layout.members))
+            return
         if self.cluster_environment is not None:
             if self.elastic and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 self.cluster_environment.set_global_rank(int(os.environ["RANK"]))
@@ -417,11 +427,22 @@ class ParcaeStrategyMixin:
             self.groups.destroy()
         elif dist.is_initialized():
             dist.destroy_process_group()
-        generation = int(os.environ.get("PARCAE_GENERATION_BASE", "0")) + _next_generation()
+        er = self.elastic_runtime
+        after_fit = er is not None and er.layout is not None
+        if after_fit:
+            # validate/test/predict after an elastic fit: the members may have migrated (and joined) during fit,
+            # so per-process Trainer-run counters disagree and low numbers are taken by the fit's generations.
+            # Every member agrees on the fit's last generation; later Trainer stages count on from there.
+            if self._fit_generation is None:
+                self._fit_generation = int(er.generation)
+            self._post_fit_stages += 1
+            generation = self._fit_generation + self._post_fit_stages
+        else:
+            generation = int(os.environ.get("PARCAE_GENERATION_BASE", "0")) + _next_generation()
         self.groups = ProcessGroups(generation, self.global_rank, world, world // p, p, self._store, backend,
                                     self._timeout).build()
-        if self.elastic_runtime is not None:
-            self.elastic_runtime.boot_register(generation, self.global_rank)
+        if er is not None and not after_fit:
+            er.boot_register(generation, self.global_rank)
 
     def _install_launcher_resume(self, trainer: Any) -> None:
         """Under ``parcae run``: a ``fit`` without ``ckpt_path`` resumes from the launcher's checkpoint
@@ -950,6 +971,7 @@ class ParcaeStrategyMixin:
         for p, prev in zip(params, previous):
             p.grad = prev
         self._count_samples()
+        self._stepped = True
         losses = torch.stack([_loss_of(r).detach().float() for r in results])
         loss = losses.mean().to(losses.device)
         last = results[-1]

@@ -95,19 +95,23 @@ def _check_trace_run(report: dict) -> None:
     assert report["num_restarts"] == 0, report.get("restarts")
     assert any(m["N"] == 1 for m in migrations), migrations  # the removal changed the running job
     assert any(m["joiners"] for m in migrations), migrations  # the addition joined it
+    # regression: after an elastic fit, validate() reset a joiner to its start-up RANK=0/WORLD_SIZE=1, so the
+    # leader hung in validate and was SIGKILLed by the launcher at the end of the run
+    exits = [e for e in report["events"] if e.get("event") == "exit"]
+    assert exits and all(e["rc"] == 0 and not e["killed"] for e in exits), exits
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 60-90 s each on 2 cores: start-up, a removal, a joiner admitted, the one-process baseline
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("script,args", [
-    (PL_SCRIPT, ["--max-steps", "700"]),
-    (L_SCRIPT, ["--max-steps", "900"]),
-    (CLI_SCRIPT, ["fit", "--config", str(CLI_YAML), "--trainer.max_steps", "1200"]),
+    (PL_SCRIPT, ["--max-steps", "1500"]),
+    (L_SCRIPT, ["--max-steps", "3000"]),
+    (CLI_SCRIPT, ["fit", "--config", str(CLI_YAML), "--trainer.max_steps", "3000"]),
 ], ids=["pytorch_lightning-modulelist", "lightning.pytorch", "LightningCLI-yaml"])
 def test_unchanged_script_survives_removal_and_addition_like_one_process(tmp_path: Path, script: Path,
                                                                          args: list[str]) -> None:
     report = _parcae_run(tmp_path / "parcae", [str(script), *args],
-                         trace=REMOVE_AND_ADD.format(remove=16000, add=24000))
+                         trace=REMOVE_AND_ADD.format(remove=13000, add=15000))
     _check_trace_run(report)
     got = torch.load(tmp_path / "parcae" / "final.ckpt", weights_only=True)["state_dict"]
     base_args = [str(CLI_YAML) if a == str(CLI_YAML) else a for a in args]
