@@ -65,6 +65,8 @@ from lightning_parcae.runtime.partition import (
 )
 from lightning_parcae.runtime.pipeline import (
     P2P,
+    BlockListProxy,
+    hidden_of,
     StageBoundary,
     StageProxy,
     chunk_batch,
@@ -73,7 +75,7 @@ from lightning_parcae.runtime.pipeline import (
     schedule_ops,
     split_micro_batches,
 )
-from lightning_parcae.runtime.stage import cut_stage, locate_layer_stack, replace_submodule, swapped
+from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule, swapped
 from lightning_parcae.training import environment as launcher_env
 from lightning_parcae.training.namespaces import IMPORT_HINT, namespace, namespace_of
 
@@ -678,6 +680,13 @@ class ParcaeStrategyMixin:
             self._whole_model(module, str(err))
             return
         stack = self._stack()
+        if is_block_list(stack):
+            verdict = self._check_block_list(trainer)
+            if verdict is not None:
+                if self.layers_attr is not None or (self.pipeline_stages_option or 1) > 1 or self.balance is not None:
+                    raise ModelLayoutError(f"cannot cut '{self.stack_path}' into pipeline stages: {verdict}")
+                self._whole_model(module, f"'{self.stack_path}' cannot be cut: {verdict}")
+                return
         self.layer_names = list(stack._modules.keys())
         n_layers = len(self.layer_names)
         world = self.groups.world
@@ -762,15 +771,105 @@ class ParcaeStrategyMixin:
         full = self._full_stack if self._full_stack is not None else self._stack()
         self._stage = cut_stage(full, self.layer_names[a:b])
         replace_submodule(self.lightning_module, self.stack_path, self._stage)
-        self._proxy = StageProxy(self._stage)
+        self._proxy = BlockListProxy(self._stage) if is_block_list(self._stage) else StageProxy(self._stage)
         self._p2p = P2P(self.root_device, self.groups.pipeline_group)
+
+    _BLOCK_VERDICTS = {
+        1: "no sample input to check how forward uses the blocks (give the module an example_input_array or "
+           "training data)",
+        2: "forward did not loop over the block list exactly once, in order (`for block in self.blocks: x = "
+           "block(x, ...)`); indexing it or calling blocks out of order cannot be cut",
+        3: "a block's first argument is not the previous block's output (or its first element): code between the "
+           "blocks (e.g. `x = x + block(x)`) cannot be cut; move it into the block",
+        4: "running the step with the block list under inspection failed",
+    }
+
+    def _check_block_list(self, trainer: Any) -> Optional[str]:
+        """Check on rank 0, with one sample, that ``forward`` loops the block list as a chain (block ``i + 1`` gets
+        block ``i``'s hidden state first), and keep the first block's input for profiling; every rank gets the
+        verdict (None: the list can be cut)."""
+        code = 0
+        if self.global_rank == 0:
+            code, self._block_sample = self._probe_blocks(trainer)
+        if self.groups is not None and self.groups.world > 1:
+            t = torch.tensor([code], dtype=torch.int64)
+            dist.broadcast(t, src=0)
+            code = int(t.item())
+        return self._BLOCK_VERDICTS.get(code) if code else None
+
+    def _probe_blocks(self, trainer: Any) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
+        module = self.lightning_module
+        assert module is not None and self.stack_path is not None
+        stack = self._stack()
+        blocks = list(stack._modules.values())
+        calls: list[tuple[int, Any, Any, tuple, dict]] = []
+
+        class _Trace(nn.Module):
+            def __init__(self, i: int, block: nn.Module) -> None:
+                super().__init__()
+                object.__setattr__(self, "_i", i)
+                object.__setattr__(self, "_b", block)
+
+            def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+                out = self._b(x, *args, **kwargs)  # type: ignore[operator]
+                calls.append((self._i, x, hidden_of(out), args, kwargs))  # type: ignore[attr-defined]
+                return out
+
+        class _TraceList(nn.Module):
+            def __iter__(self) -> Any:
+                return iter([_Trace(i, b) for i, b in enumerate(blocks)])
+
+            def __len__(self) -> int:
+                return len(blocks)
+
+            def __getitem__(self, idx: Any) -> Any:
+                raise IndexError("indexed")
+
+        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.stack_path, _TraceList()), \
+                _LogRecorder(module).active():
+            try:
+                example = getattr(module, "example_input_array", None)
+                if example is not None:
+                    example = self.batch_to_device(example)
+                    if isinstance(example, (tuple, list)):
+                        module(*example)
+                    elif isinstance(example, dict):
+                        module(**example)
+                    else:
+                        module(example)
+                else:
+                    batch = self._sample_batch(trainer)
+                    if batch is None:
+                        return 1, None
+                    module.training_step(self.batch_to_device(batch), 0)
+            except IndexError:
+                return 2, None
+            except Exception as err:  # noqa: BLE001
+                log.warning("ParcaeStrategy could not run the step to inspect the block list: %s", err)
+                return (2 if calls else 4), None
+        if [c[0] for c in calls] != list(range(len(blocks))):
+            return 2, None
+        for prev, cur in zip(calls, calls[1:]):
+            if cur[1] is not prev[2]:
+                return 3, None
+        first = calls[0]
+        if not isinstance(first[1], Tensor):
+            return 3, None
+        return 0, (first[1].detach(), first[3], first[4])
 
     def _profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
         """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
         assert self.groups is not None
         times: list[Any] = [None]
         if self.global_rank == 0:
-            sample = self._sample_stack_input(trainer)
+            block_sample = getattr(self, "_block_sample", None) if is_block_list(stack) else None
+            extra: tuple[tuple, dict] = ((), {})
+            if block_sample is not None:
+                sample, extra = block_sample[0], (block_sample[1], block_sample[2])
+            elif is_block_list(stack):
+                sample = None
+            else:
+                sample = self._sample_stack_input(trainer)
             if sample is None:
                 warnings.warn("ParcaeStrategy found no sample input to profile; balancing by parameter count",
                               stacklevel=2)
@@ -778,7 +877,8 @@ class ParcaeStrategyMixin:
             else:
                 was_training = stack.training
                 stack.train()
-                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats)
+                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats, args=extra[0],
+                                               kwargs=extra[1])
                 stack.train(was_training)
         if self.groups.world > 1:
             # floats only: a tensor broadcast (nothing from the network is unpickled)
@@ -916,8 +1016,8 @@ class ParcaeStrategyMixin:
                    given: Optional[Tensor] = None) -> Any:
         module = self.lightning_module
         assert module is not None and self.stack_path is not None
-        if self._proxy is None:  # whole model (P = 1): the user's step as written
-            return getattr(module, name)(batch, *rest, **kwargs)
+        if self._proxy is None or (self.groups is not None and self.groups.pipeline_stages == 1):
+            return getattr(module, name)(batch, *rest, **kwargs)  # P = 1: the user's step as written
         self._proxy.mode, self._proxy.given, self._proxy.captured = mode, given, None
         with swapped(module, self.stack_path, self._proxy):
             return getattr(module, name)(batch, *rest, **kwargs)
@@ -932,6 +1032,23 @@ class ParcaeStrategyMixin:
             raise ModelLayoutError(f"{name} returned without running the layer stack '{self.stack_path}'")
 
         return head
+
+    def _middle(self, name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Callable[[Any, Tensor],
+                                                                                                 Tensor]]:
+        """For a block list: a middle stage runs the user's step with its blocks fed by the received activation,
+        so that blocks get the extra arguments (masks, positions) the step computes; None for an nn.Sequential."""
+        if not isinstance(self._proxy, BlockListProxy):
+            return None
+
+        def middle(mb: Any, act: Tensor) -> Tensor:
+            try:
+                self._call_step(name, "middle", mb, rest, kwargs, act)
+            except StageBoundary:
+                assert self._proxy is not None
+                return self._proxy.captured  # type: ignore[return-value]
+            raise ModelLayoutError(f"{name} returned without running the blocks of '{self.stack_path}'")
+
+        return middle
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss."""
@@ -963,6 +1080,7 @@ class ParcaeStrategyMixin:
             run_train_schedule(
                 ops, micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
                 self._head("training_step", rest, kwargs), tail, scale, self.precision_plugin.train_step_context,
+                middle=self._middle("training_step", rest, kwargs),
             )
             if g.pipeline_stages > 1:
                 results = self._mirror_train(micro, rest, kwargs, outputs, results)
@@ -1032,8 +1150,9 @@ class ParcaeStrategyMixin:
                 return getattr(module, name)(*args, **kwargs)
             batch, rest = args[0], tuple(args[1:])
             micro = chunk_batch(batch, self.micro_batches)
+            middle = self._middle(name, rest, kwargs)  # block lists: the last stage also stops after its blocks
             outs = run_forward_only(micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
-                                    self._head(name, rest, kwargs))
+                                    self._head(name, rest, kwargs), middle=middle, tail=middle)
             full = self._p2p.broadcast(torch.cat(outs) if g.is_last_stage else None, g.last_stage_rank())
             return self._call_step(name, "given", batch, rest, kwargs, full)
 
