@@ -224,3 +224,36 @@ def test_launcher_boot_path_registers_parcae_without_an_import(tmp_path: Path) -
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert out.stdout.split() == ["True", "False"], out.stderr
+
+
+# --------------------------------------------------------------------------------------------- LightningCLI
+@pytest.mark.parametrize("ns,spec", [
+    ("pytorch_lightning", ["--trainer.strategy", "parcae"]),
+    ("pytorch_lightning", ["--trainer.strategy.class_path", "lightning_parcae.ParcaeStrategy"]),
+    ("pytorch_lightning", ["--trainer.strategy.class_path", "lightning_parcae.strategy.ParcaeStrategy",
+                           "--trainer.strategy.init_args.micro_batches", "2"]),
+    ("lightning.pytorch", ["--trainer.strategy", "parcae"]),
+    ("lightning.pytorch", ["--trainer.strategy.class_path", "lightning_parcae.lightning.ParcaeStrategy",
+                           "--trainer.strategy.init_args.micro_batches", "2"]),
+])
+def test_lightning_cli_builds_parcae_strategy_if_named_or_given_by_class_path(ns: str, spec: list[str],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    import lightning_parcae  # noqa: F401
+
+    pl = importlib.import_module(ns)
+    cli_mod = importlib.import_module(f"{ns}.cli")
+
+    class Model(pl.LightningModule):
+        def __init__(self, hidden: int = 4) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(hidden, 1)
+
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
+    cli = cli_mod.LightningCLI(Model, run=False, save_config_callback=None,
+                               args=["--trainer.accelerator", "cpu", "--trainer.logger", "false", *spec])
+    s = cli.trainer.strategy
+    assert type(s).__name__ == "ParcaeStrategy" and isinstance(s, pl.strategies.Strategy)
+    if "micro_batches" in " ".join(spec):
+        assert s.micro_batches == 2

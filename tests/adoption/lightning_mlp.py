@@ -39,6 +39,13 @@ class Regressor(L.LightningModule):
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True)
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
@@ -81,6 +88,9 @@ def main() -> None:
     model, data = Regressor(), Data()
     trainer.fit(model, datamodule=data)
     trainer.validate(model, datamodule=data)
+    trainer.test(model, dataloaders=data.val_dataloader())
+    predictions = trainer.predict(model, dataloaders=data.val_dataloader())
+    assert sum(len(p) for p in predictions) > 0
     trainer.save_checkpoint(args.out)
 
 
