@@ -21,9 +21,9 @@ class Classifier(pl.LightningModule):
         self.head = nn.Linear(hidden, 3)
 
     def forward(self, x):
-        x = F.relu(self.stem(x))
+        x = torch.tanh(self.stem(x))
         for layer in self.layers:
-            x = F.relu(layer(x))
+            x = torch.tanh(layer(x))
         return self.head(x)
 
     def training_step(self, batch, batch_idx):
