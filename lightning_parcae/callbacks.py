@@ -19,10 +19,14 @@ Solution: :class:`ParcaeRunCallback` (active only when ``PARCAE_RUN_DIR`` is set
   ``run_dir/events.jsonl`` from global rank 0.
 
 :func:`resume_path` returns the checkpoint the launcher wants the script to resume from (``PARCAE_RESUME_CKPT``),
-or None. A script used under ``parcae run`` does::
+or None. Both are optional overrides: under the launcher ``ParcaeStrategy`` adds a ``ParcaeRunCallback()`` when the
+script has none and resumes from ``PARCAE_RESUME_CKPT`` when ``fit`` gets no ``ckpt_path``. Explicitly::
 
-    trainer = pl.Trainer(..., callbacks=[ParcaeRunCallback()])
+    trainer = pl.Trainer(..., callbacks=[ParcaeRunCallback(every_n_steps=200)])
     trainer.fit(model, data, ckpt_path=resume_path())
+
+The callback classes exist once per Lightning namespace (:func:`callback_class`); ``ParcaeRunCallback`` here is the
+``pytorch_lightning`` one, :mod:`lightning_parcae.lightning` exports the ``lightning.pytorch`` ones.
 """
 
 from __future__ import annotations

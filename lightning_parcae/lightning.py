@@ -11,8 +11,11 @@ The same strategy as :mod:`lightning_parcae.strategy`, built over ``lightning.py
 
 from __future__ import annotations
 
+from lightning_parcae.callbacks import callback_class
 from lightning_parcae.strategy import strategy_class
 
-__all__ = ["ParcaeStrategy"]
+__all__ = ["ParcaeStrategy", "ParcaeRunCallback", "ParcaeElasticCallback"]
 
 ParcaeStrategy = strategy_class("lightning.pytorch")
+ParcaeRunCallback = callback_class("run", "lightning.pytorch")
+ParcaeElasticCallback = callback_class("elastic", "lightning.pytorch")
