@@ -10,10 +10,10 @@ Data flows one way::
 
     availability signals -> predictor -> liveput optimizer -> migration plan -> runtime
 
-The planner side (:mod:`~lightning_parcae.traces`, :mod:`~lightning_parcae.predictor`,
-:mod:`~lightning_parcae.costmodel`, :mod:`~lightning_parcae.liveput`, :mod:`~lightning_parcae.optimizer`,
-:mod:`~lightning_parcae.planner`, :mod:`~lightning_parcae.sim`) is plain Python/numpy. The runtime
-(:mod:`~lightning_parcae.strategy`, :mod:`~lightning_parcae.runtime`) imports it, never the reverse.
+The planner side (:mod:`~lightning_parcae.signals.traces`, :mod:`~lightning_parcae.planning.forecast`,
+:mod:`~lightning_parcae.planning.costmodel`, :mod:`~lightning_parcae.planning.liveput`, :mod:`~lightning_parcae.planning.shape_optimizer`,
+:mod:`~lightning_parcae.planning.migration_plan`, :mod:`~lightning_parcae.planning.sim`) is plain Python/numpy. The runtime
+(:mod:`~lightning_parcae.training.strategy`, :mod:`~lightning_parcae.runtime`) imports it, never the reverse.
 
 Failure contract (``ParcaeStrategy(elastic=True)``, the default under ``parcae run``; details in
 ``docs/failure_contract.md``). In every case training ends with the parameters an uninterrupted run would reach:
@@ -42,8 +42,8 @@ def __getattr__(name: str) -> Any:
     # The runtime pulls in torch; keep planner-only users (``parcae simulate``) free of that import cost.
     if name == "ParcaeStrategy":
         # the class of the Lightning namespace in use: lightning.pytorch when only it is imported, else
-        # pytorch_lightning (explicit: lightning_parcae.strategy / lightning_parcae.lightning)
-        from lightning_parcae.strategy import strategy_class
+        # pytorch_lightning (explicit: lightning_parcae.training.strategy / lightning_parcae.lightning)
+        from lightning_parcae.training.strategy import strategy_class
         from lightning_parcae.training.namespaces import likely_namespace
 
         return strategy_class(likely_namespace())

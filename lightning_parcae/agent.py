@@ -128,7 +128,7 @@ class Agent:
         spec = self.args.notices
         if spec in ("none", "sigterm"):  # SIGTERM to the agent is handled by its own handler (see run)
             return None
-        from lightning_parcae.availability.notices import NoticeWatcher, SignalNoticeSource, make_notice_source  # noqa: PLC0415
+        from lightning_parcae.signals.notices import NoticeWatcher, SignalNoticeSource, make_notice_source  # noqa: PLC0415
 
         source = make_notice_source(spec)
         if isinstance(source, SignalNoticeSource):  # "auto" found no cloud metadata service

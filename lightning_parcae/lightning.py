@@ -1,6 +1,6 @@
 """ParcaeStrategy for the ``lightning`` package (``import lightning as L`` / ``lightning.pytorch``).
 
-The same strategy as :mod:`lightning_parcae.strategy`, built over ``lightning.pytorch``'s ``ParallelStrategy`` (a
+The same strategy as :mod:`lightning_parcae.training.strategy`, built over ``lightning.pytorch``'s ``ParallelStrategy`` (a
 ``lightning.pytorch.Trainer`` accepts only strategies of its own class hierarchy)::
 
     import lightning as L
@@ -11,8 +11,8 @@ The same strategy as :mod:`lightning_parcae.strategy`, built over ``lightning.py
 
 from __future__ import annotations
 
-from lightning_parcae.callbacks import callback_class
-from lightning_parcae.strategy import strategy_class
+from lightning_parcae.training.callbacks import callback_class
+from lightning_parcae.training.strategy import strategy_class
 
 __all__ = ["ParcaeStrategy", "ParcaeRunCallback", "ParcaeElasticCallback"]
 

@@ -465,8 +465,8 @@ class ParcaeStrategyMixin:
 
     def _add_launcher_callbacks(self, trainer: Any) -> None:
         """Under ``parcae run``: periodic checkpoints, the agreed stop of the restart fallback and progress/end
-        events (:class:`~lightning_parcae.callbacks.ParcaeRunCallback`), unless the script added its own."""
-        from lightning_parcae.callbacks import ParcaeRunCallbackMixin, callback_class  # noqa: PLC0415
+        events (:class:`~lightning_parcae.training.callbacks.ParcaeRunCallback`), unless the script added its own."""
+        from lightning_parcae.training.callbacks import ParcaeRunCallbackMixin, callback_class  # noqa: PLC0415
         from lightning_parcae.training.environment import RUN_DIR_ENV  # noqa: PLC0415
 
         if not os.environ.get(RUN_DIR_ENV) or any(isinstance(cb, ParcaeRunCallbackMixin) for cb in trainer.callbacks):
@@ -548,7 +548,7 @@ class ParcaeStrategyMixin:
     # ============================================================================================ live reconfiguration
     def _setup_elastic(self, trainer: "pl.Trainer", joining: bool) -> None:
         """Attach the interval callback; initial members agree on generation 0, a joiner starts heartbeating."""
-        from lightning_parcae.callbacks import ParcaeElasticCallbackMixin, callback_class  # noqa: PLC0415
+        from lightning_parcae.training.callbacks import ParcaeElasticCallbackMixin, callback_class  # noqa: PLC0415
 
         er = self.elastic_runtime
         assert er is not None
@@ -1545,7 +1545,7 @@ def strategy_class(ns_name: str = "pytorch_lightning") -> type:
     cls = _CLASSES.get(ns_name)
     if cls is None:
         ns = namespace(ns_name)
-        module = "lightning_parcae.strategy" if ns_name == "pytorch_lightning" else "lightning_parcae.lightning"
+        module = "lightning_parcae.training.strategy" if ns_name == "pytorch_lightning" else "lightning_parcae.lightning"
         cls = type("ParcaeStrategy", (ParcaeStrategyMixin, ns.ParallelStrategy),
                    {"__module__": module, "__qualname__": "ParcaeStrategy", "__doc__": ParcaeStrategyMixin.__doc__,
                     "_ns_name": ns_name})

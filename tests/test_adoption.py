@@ -41,7 +41,7 @@ def _env() -> dict[str, str]:
 
 def _parcae_run(cwd: Path, args: list[str], trace: str | None = None, timeout: int = 600) -> dict:
     cwd.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_parcae.run", "--instances", "2", "--run-dir", str(cwd / "run"),
+    cmd = [sys.executable, "-m", "lightning_parcae.launch.run", "--instances", "2", "--run-dir", str(cwd / "run"),
            "--progress-every", "5"]
     if trace is not None:
         (cwd / "trace.csv").write_text(trace)
@@ -155,7 +155,7 @@ def test_trainer_takes_devices_interval_and_ranks_from_launcher_if_script_gives_
 
     trainer = pl.Trainer(strategy="parcae", accelerator="cpu", logger=False, enable_progress_bar=False)
     s = trainer.strategy
-    assert type(s).__module__ == ("lightning_parcae.strategy" if ns == "pytorch_lightning"
+    assert type(s).__module__ == ("lightning_parcae.training.strategy" if ns == "pytorch_lightning"
                                   else "lightning_parcae.lightning")
     assert len(s.parallel_devices) == 4 and s.root_device == torch.device("cpu")
     assert s.global_rank == 3 and s.world_size == 4
@@ -201,7 +201,7 @@ def test_parcae_is_registered_and_built_per_namespace() -> None:
 
     import lightning_parcae
     from lightning_parcae.lightning import ParcaeStrategy as LStrategy
-    from lightning_parcae.strategy import ParcaeStrategy as PStrategy
+    from lightning_parcae.training.strategy import ParcaeStrategy as PStrategy
 
     assert "parcae" in pl.strategies.StrategyRegistry and "parcae" in L.strategies.StrategyRegistry
     assert issubclass(PStrategy, pl.strategies.Strategy) and not issubclass(PStrategy, L.strategies.Strategy)
@@ -213,7 +213,7 @@ def test_parcae_is_registered_and_built_per_namespace() -> None:
 def test_trainer_names_the_import_if_strategy_is_of_the_other_namespace(ns: str) -> None:
     import importlib
 
-    from lightning_parcae.strategy import strategy_class
+    from lightning_parcae.training.strategy import strategy_class
 
     pl = importlib.import_module(ns)
     other = "lightning.pytorch" if ns == "pytorch_lightning" else "pytorch_lightning"
@@ -238,7 +238,7 @@ def test_launcher_boot_path_registers_parcae_without_an_import(tmp_path: Path) -
 @pytest.mark.parametrize("ns,spec", [
     ("pytorch_lightning", ["--trainer.strategy", "parcae"]),
     ("pytorch_lightning", ["--trainer.strategy.class_path", "lightning_parcae.ParcaeStrategy"]),
-    ("pytorch_lightning", ["--trainer.strategy.class_path", "lightning_parcae.strategy.ParcaeStrategy",
+    ("pytorch_lightning", ["--trainer.strategy.class_path", "lightning_parcae.training.strategy.ParcaeStrategy",
                            "--trainer.strategy.init_args.micro_batches", "2"]),
     ("lightning.pytorch", ["--trainer.strategy", "parcae"]),
     ("lightning.pytorch", ["--trainer.strategy.class_path", "lightning_parcae.lightning.ParcaeStrategy",

@@ -16,7 +16,7 @@ from lightning_parcae.errors import (
     ModelLayoutError,
     StageMemoryError,
 )
-from lightning_parcae.strategy import ParcaeStrategy, check_trainer
+from lightning_parcae.training.strategy import ParcaeStrategy, check_trainer
 
 from runtime_helpers import TinyNet, cached_run, make_loader, max_rel_diff, reference
 

@@ -23,7 +23,7 @@ _WATCHED = {"pytorch_lightning": "pytorch_lightning", "lightning": "lightning.py
 
 def _register(ns_name: str) -> None:
     try:
-        from lightning_parcae.strategy import strategy_class  # noqa: PLC0415
+        from lightning_parcae.training.strategy import strategy_class  # noqa: PLC0415
 
         strategy_class(ns_name)
     except Exception as exc:  # noqa: BLE001 -- never break the user's import of Lightning

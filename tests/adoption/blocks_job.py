@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import pytorch_lightning as pl
-from lightning_parcae.strategy import ParcaeStrategy
+from lightning_parcae.training.strategy import ParcaeStrategy
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from pl_transformer import Block, TinyGPT, tokens  # noqa: E402
