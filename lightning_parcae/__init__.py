@@ -59,7 +59,25 @@ __all__ = ["__version__", *_EXPORTS]
 
 def __getattr__(name: str) -> Any:
     # Lazy: the strategy pulls in torch and Lightning; keep planner-only users (``parcae simulate``) free of that.
+    if name in ("ParcaeStrategy", "ParcaeRunCallback"):
+        # the class of the Lightning namespace in use: lightning.pytorch when only it is imported, else
+        # pytorch_lightning (explicit: lightning_parcae.training.strategy / lightning_parcae.lightning)
+        from lightning_parcae.training.namespaces import likely_namespace  # noqa: PLC0415
+
+        if name == "ParcaeStrategy":
+            from lightning_parcae.training.strategy import strategy_class  # noqa: PLC0415
+
+            return strategy_class(likely_namespace())
+        from lightning_parcae.training.callbacks import callback_class  # noqa: PLC0415
+
+        return callback_class("run", likely_namespace())
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'lightning_parcae' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+# ``strategy="parcae"`` resolves in pytorch_lightning and lightning.pytorch once either is imported
+from lightning_parcae.training.autoregister import install as _install_autoregister  # noqa: E402
+
+_install_autoregister()

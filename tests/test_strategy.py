@@ -95,7 +95,7 @@ def _partition_only(strategy: ParcaeStrategy, module: pl.LightningModule) -> Non
     p = strategy.pipeline_stages_option or 1
     strategy._lightning_module = module
     strategy.groups = types.SimpleNamespace(  # type: ignore[assignment]
-        world=p, pipeline_stages=p, coords=types.SimpleNamespace(stage=0)
+        world=p, pipeline_stages=p, coords=types.SimpleNamespace(stage=0), pipeline_group=None
     )
     strategy.parallel_devices = [torch.device("cpu")]
     strategy._partition_module(types.SimpleNamespace(fit_loop=None, state=None))  # type: ignore[arg-type]
@@ -108,8 +108,26 @@ def test_strategy_raises_model_layout_error_if_module_has_no_layer_stack() -> No
             super().__init__()
             self.a = nn.Linear(2, 2)
 
-    with pytest.raises(ModelLayoutError, match="no nn.Sequential"):
-        _partition_only(ParcaeStrategy(pipeline_stages=1), NoStack())
+    with pytest.raises(ModelLayoutError, match="no nn.Sequential or nn.ModuleList.*pipeline_stages=1 this model"):
+        _partition_only(ParcaeStrategy(pipeline_stages=2), NoStack())
+
+
+@pytest.mark.timeout(60)
+def test_strategy_trains_whole_model_at_p1_if_module_has_no_layer_stack() -> None:
+    """Regression (issue 12): a model without a cuttable stack was refused even at P = 1, where data
+    parallelism needs no cut; its top-level children now stand in for layers and P is pinned to 1."""
+    class NoStack(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.act = nn.ReLU()
+            self.b = nn.Linear(2, 1)
+
+    s = ParcaeStrategy(pipeline_stages=1)
+    _partition_only(s, NoStack())
+    assert s.whole_model and s.layer_names == ["a", "b"] and s.max_pipeline_stages == 1
+    assert s._stage_key_set() == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    assert s.is_stage_key("a.weight") and not s.is_stage_key("act.x")
 
 
 @pytest.mark.timeout(60)
@@ -127,7 +145,7 @@ def test_strategy_raises_batch_split_error_if_batch_not_divisible_by_micro_batch
 
 def test_strategy_raises_foreign_trainer_error_if_lightning_pytorch_trainer() -> None:
     foreign = type("Trainer", (), {"__module__": "lightning.pytorch.trainer.trainer"})()
-    with pytest.raises(ForeignTrainerError, match="from pytorch_lightning import Trainer"):
+    with pytest.raises(ForeignTrainerError, match="lightning_parcae.lightning import ParcaeStrategy"):
         check_trainer(foreign)
 
 

@@ -88,7 +88,9 @@ def worker_env(base: dict[str, str], *, store: str, token: Optional[str], member
         env["PARCAE_JOB_TOKEN"] = token
     if run_dir:
         env["PARCAE_RUN_DIR"] = run_dir
-    return env
+    from lightning_parcae.training.environment import with_boot_path  # noqa: PLC0415
+
+    return with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
 
 
 class Agent:

@@ -47,6 +47,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional, Sequence
 
+from lightning_parcae.training.environment import with_boot_path
 from lightning_parcae.events import append_event
 from lightning_parcae.training.callbacks import WRONG_TOKEN_EXIT
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT
@@ -442,6 +443,7 @@ class Launcher:
                 "PARCAE_PIPELINE_STAGES": cfg.pipeline_stages, "PARCAE_MODE": cfg.mode, "PARCAE_ELASTIC": "0",
             }
             env.setdefault("OMP_NUM_THREADS", "1")
+            with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
             if ckpt.exists():
                 env["PARCAE_RESUME_CKPT"] = str(ckpt)
             log_path = logs / f"gen{self.generation}_rank{rank}.log"
@@ -642,6 +644,7 @@ class Launcher:
             "PARCAE_INTERVAL_S": f"{cfg.wall_interval_s:g}",
         }
         env.setdefault("OMP_NUM_THREADS", "1")
+        with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
         ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
         if resume and ckpt.exists():
             env["PARCAE_RESUME_CKPT"] = str(ckpt)

@@ -52,10 +52,10 @@ import torch.distributed as dist
 
 from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape, ShapeLimits, ThroughputModel
 from lightning_parcae.errors import ConfigurationError, PeerLostError
+from lightning_parcae.events import append_event
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.planning.forecast import make_predictor
-from lightning_parcae.events import append_event
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
@@ -689,7 +689,7 @@ class ElasticRuntime:
         sends: dict[int, dict[str, Any]] = {}
         for t in plan.sends(self.member):
             box = sends.setdefault(transition.index(t.dst), {"layers": {}})
-            box["layers"][t.layer] = layer_payload(module, f"{s.stack_path}.{s.layer_names[t.layer]}", opts)
+            box["layers"][t.layer] = layer_payload(module, s.layer_key(s.layer_names[t.layer]), opts)
         if loop is not None:
             for j in joiners:
                 sends.setdefault(transition.index(j), {"layers": {}})["loop"] = loop
@@ -736,9 +736,8 @@ class ElasticRuntime:
         stage_keys = s._stage_key_set()
         ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in ckpt["state_dict"].items()
                               if k not in stage_keys}
-        prefix = f"{s.stack_path}."
         for opt in ckpt.get("optimizer_states", []):
-            opt["state"] = {k: v for k, v in opt.get("state", {}).items() if not k.startswith(prefix)}
+            opt["state"] = {k: v for k, v in opt.get("state", {}).items() if not s.is_stage_key(k)}
         ckpt["parcae"] = {"version": 1, "data": s.data_state(), "layout": {}}
         return plain_containers(ckpt)
 

@@ -32,16 +32,19 @@ __all__ = [
 ]
 
 
-def profile_layer_times(layers: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -> list[float]:
+def profile_layer_times(layers: nn.Module, sample: torch.Tensor, repeats: int = 3, args: tuple = (),
+                        kwargs: Optional[dict] = None) -> list[float]:
     """Measure each layer's forward + backward time on ``sample`` (seconds, median of ``repeats``).
 
     The sample flows through the stack layer by layer, so each layer is timed on its real input shape. Runs under
     a forked RNG so that profiling does not change the training run's random stream.
 
     Args:
-        layers: the full layer stack.
+        layers: the full layer stack (an ``nn.Sequential``, or an ``nn.ModuleList`` of blocks).
         sample: the input of the first layer (batch dimension first).
         repeats: timed repetitions per layer (after one warm-up).
+        args: further positional arguments every block gets (masks, positions), after the hidden state.
+        kwargs: keyword arguments every block gets.
 
     Returns:
         One time per layer, in stack order.
@@ -58,7 +61,9 @@ def profile_layer_times(layers: nn.Sequential, sample: torch.Tensor, repeats: in
                 if sample.device.type == "cuda":
                     torch.cuda.synchronize(sample.device)
                 t0 = time.perf_counter()
-                out = layer(inp)
+                out = layer(inp, *args, **(kwargs or {}))
+                if isinstance(out, (tuple, list)):  # a block may return (hidden, extras...)
+                    out = out[0]
                 if out.requires_grad:
                     out.backward(torch.ones_like(out))
                 if sample.device.type == "cuda":

@@ -33,6 +33,8 @@ __all__ = [
     "chunk_batch",
     "StageBoundary",
     "StageProxy",
+    "BlockListProxy",
+    "hidden_of",
     "P2P",
     "run_train_schedule",
     "run_forward_only",
@@ -209,6 +211,87 @@ class StageProxy(nn.Module):
         return out
 
 
+def hidden_of(out: Any) -> Any:
+    """The hidden state of a block's output: the output itself, or the first element of a tuple/list."""
+    return out[0] if isinstance(out, (tuple, list)) and out else out
+
+
+class _Block(nn.Module):
+    """One owned block as the user's loop sees it under a :class:`BlockListProxy` (not registered anywhere)."""
+
+    def __init__(self, proxy: "BlockListProxy", block: nn.Module, first: bool, last: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "_proxy", proxy)
+        object.__setattr__(self, "_block", block)
+        self.first, self.last = first, last
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        proxy = self._proxy  # type: ignore[attr-defined]
+        if self.first and proxy.mode in ("tail", "middle"):
+            x = proxy.given  # the activation received from the previous stage replaces the local one
+        out = self._block(x, *args, **kwargs)  # type: ignore[operator]
+        if isinstance(out, (tuple, list)):
+            proxy.arity = len(out)
+        if self.last:
+            proxy.captured = hidden_of(out)
+            if proxy.mode in ("head", "middle"):
+                raise StageBoundary
+        return out
+
+
+class _Given(nn.Module):
+    """Stands in for all blocks in ``given`` mode: returns the last stage's output (shaped like a block output)."""
+
+    def __init__(self, proxy: "BlockListProxy") -> None:
+        super().__init__()
+        object.__setattr__(self, "_proxy", proxy)
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        proxy = self._proxy  # type: ignore[attr-defined]
+        if proxy.arity:
+            return (proxy.given, *([None] * (proxy.arity - 1)))
+        return proxy.given
+
+
+class BlockListProxy(nn.Module):
+    """Stands in for an ``nn.ModuleList`` of blocks that the user's ``forward`` loops over
+    (``for block in self.blocks: x = block(x, mask)``), on one pipeline stage.
+
+    Iterating it yields only this stage's blocks. Each block's first argument is the hidden state; further
+    arguments (masks, positions) are whatever the user's code computes -- on every stage, since every stage runs
+    the user's step up to its blocks. A block may return a tuple whose first element is the hidden state.
+
+    Modes (like :class:`StageProxy`): ``full`` (P = 1), ``head`` (stage 0: run the blocks, keep the output in
+    :attr:`captured`, raise :class:`StageBoundary`), ``middle`` (the first block gets :attr:`given` instead of its
+    input; stop after the last), ``tail`` (last stage: the first block gets :attr:`given`; go on to the loss),
+    ``given`` (one stand-in block returns :attr:`given`: mirror of the last stage's output).
+    """
+
+    def __init__(self, stage: nn.ModuleList) -> None:
+        super().__init__()
+        blocks = list(stage._modules.values())
+        object.__setattr__(self, "_blocks", [
+            _Block(self, b, i == 0, i == len(blocks) - 1) for i, b in enumerate(blocks)])
+        object.__setattr__(self, "_given", [_Given(self)])
+        self.mode = "full"
+        self.given: Optional[Tensor] = None
+        self.captured: Optional[Tensor] = None
+        self.arity = 0
+
+    def __iter__(self) -> Any:
+        return iter(self._given if self.mode == "given" else self._blocks)  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self._given if self.mode == "given" else self._blocks)  # type: ignore[attr-defined]
+
+    def __getitem__(self, idx: Any) -> Any:
+        raise ModelLayoutError(
+            "under pipeline parallelism (P > 1) forward must loop over the block list (`for block in self.blocks: "
+            "x = block(x, ...)`); indexing it (self.blocks[i]) cannot be cut into stages. Loop over it, or train "
+            "with pipeline_stages=1"
+        )
+
+
 # ---------------------------------------------------------------------------------------------------- transport
 class P2P:
     """Point-to-point tensor transfer with a shape header, plus a pipeline-group broadcast.
@@ -301,6 +384,7 @@ def run_train_schedule(
     tail: Callable[[Any, Optional[Tensor]], Tensor],
     loss_scale: float,
     forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    middle: Optional[Callable[[Any, Tensor], Tensor]] = None,
 ) -> list[Tensor]:
     """Run one stage's forward/backward operations for one training step.
 
@@ -319,6 +403,8 @@ def run_train_schedule(
             fed by ``activation``; ``activation`` is ``None`` when P = 1).
         loss_scale: factor applied to each micro-batch loss before backward (``1 / (M * accumulation)``).
         forward_context: context manager factory wrapping every forward (autocast).
+        middle: ``middle(micro_batch, activation) -> output`` on middle stages (default: ``stage_module(act)``;
+            block lists run the user's step so that blocks get their extra arguments).
 
     Returns:
         The (unscaled, detached) micro-batch losses on the last stage; empty elsewhere.
@@ -339,6 +425,8 @@ def run_train_schedule(
                     losses.append(out.detach())
                 elif first:
                     out = head(micro[m])
+                elif middle is not None:
+                    out = middle(micro[m], act)  # type: ignore[arg-type]
                 else:
                     out = stage_module(act)
             if not last:
@@ -367,6 +455,8 @@ def run_forward_only(
     prev_rank: Optional[int],
     next_rank: Optional[int],
     head: Callable[[Any], Tensor],
+    middle: Optional[Callable[[Any, Tensor], Tensor]] = None,
+    tail: Optional[Callable[[Any, Tensor], Tensor]] = None,
 ) -> list[Tensor]:
     """Push micro-batches forward through one stage (evaluation); returns the stack outputs on the last stage.
 
@@ -377,6 +467,8 @@ def run_forward_only(
         prev_rank: previous stage's global rank or ``None``.
         next_rank: next stage's global rank or ``None``.
         head: ``head(micro_batch) -> output`` on stage 0 (the user's step up to the stack).
+        middle: ``middle(micro_batch, activation) -> output`` on middle stages (default ``stage_module``).
+        tail: ``tail(micro_batch, activation) -> output`` on the last stage (default ``stage_module``).
 
     Returns:
         The last stage's outputs, one per micro-batch (empty list on other stages).
@@ -384,7 +476,12 @@ def run_forward_only(
     first, last = prev_rank is None, next_rank is None
     outs: list[Tensor] = []
     for m, mb in enumerate(micro):
-        x = head(mb) if first else stage_module(p2p.recv(prev_rank, m))  # type: ignore[arg-type]
+        if first:
+            x = head(mb)
+        else:
+            act = p2p.recv(prev_rank, m)  # type: ignore[arg-type]
+            fn = tail if last else middle
+            x = fn(mb, act) if fn is not None else stage_module(act)
         if last:
             outs.append(x)
         else:

@@ -1,12 +1,14 @@
 """Find the model's layer stack and cut it down to this process's stage, keeping global names.
 
-Problem: the user writes an ordinary LightningModule whose ``forward`` runs an ``nn.Sequential``; the strategy must
+Problem: the user writes an ordinary LightningModule whose ``forward`` runs an ``nn.Sequential`` or loops over an
+``nn.ModuleList`` of blocks; the strategy must
 find that stack without help in the common case, accept one small hint otherwise, and replace it on each process by
 the children of its stage only. Keeping the children under their global names (``"7"``, ``"8"``, ...) in a new
 ``nn.Sequential`` keeps state-dict keys global and makes ``configure_optimizers`` see only local parameters.
 
 Lookup order: ``ParcaeStrategy(layers_attr="path.to.seq")``; else a ``parcae_layers()`` method on the module
-returning the ``nn.Sequential``; else the top-level ``nn.Sequential`` attribute holding the most parameters.
+returning the ``nn.Sequential`` / ``nn.ModuleList``; else the ``nn.Sequential`` or ``nn.ModuleList`` (at any depth)
+holding the most parameters.
 """
 
 from __future__ import annotations
@@ -20,21 +22,26 @@ from torch import nn
 
 from lightning_parcae.errors import ModelLayoutError
 
-__all__ = ["locate_layer_stack", "replace_submodule", "cut_stage", "swapped"]
+__all__ = ["locate_layer_stack", "is_block_list", "replace_submodule", "cut_stage", "swapped"]
+
+
+_STACK_TYPES = (nn.Sequential, nn.ModuleList)
 
 
 def locate_layer_stack(module: nn.Module, layers_attr: Optional[str] = None) -> str:
-    """Dotted path of the layer stack inside ``module``.
+    """Dotted path of the layer stack inside ``module``: an ``nn.Sequential``, or an ``nn.ModuleList`` of blocks
+    that ``forward`` loops over.
 
     Args:
         module: the LightningModule.
         layers_attr: explicit dotted path, if the user named it.
 
     Returns:
-        The path (e.g. ``"net"``).
+        The path (e.g. ``"net"`` or ``"transformer.h"``).
 
     Raises:
-        ModelLayoutError: if the named attribute is missing or not an ``nn.Sequential``, or no stack is found.
+        ModelLayoutError: if the named attribute is missing or not an ``nn.Sequential`` / ``nn.ModuleList``, or no
+            stack is found.
     """
     if layers_attr is not None:
         try:
@@ -43,29 +50,36 @@ def locate_layer_stack(module: nn.Module, layers_attr: Optional[str] = None) -> 
             raise ModelLayoutError(
                 f"layers_attr={layers_attr!r} names no submodule of {type(module).__name__}"
             ) from err
-        if not isinstance(seq, nn.Sequential):
+        if not isinstance(seq, _STACK_TYPES):
             raise ModelLayoutError(
-                f"layers_attr={layers_attr!r} is a {type(seq).__name__}, not an nn.Sequential; the pipeline is cut "
-                "between the children of an nn.Sequential"
+                f"layers_attr={layers_attr!r} is a {type(seq).__name__}, not an nn.Sequential or nn.ModuleList; the "
+                "pipeline is cut between the children of one of those"
             )
         return layers_attr
     hook = getattr(module, "parcae_layers", None)
     if callable(hook):
         seq = hook()
-        if not isinstance(seq, nn.Sequential):
-            raise ModelLayoutError(f"parcae_layers() must return an nn.Sequential, got {type(seq).__name__}")
+        if not isinstance(seq, _STACK_TYPES):
+            raise ModelLayoutError(
+                f"parcae_layers() must return an nn.Sequential or nn.ModuleList, got {type(seq).__name__}")
         for name, sub in module.named_modules():
             if sub is seq and name:
                 return name
-        raise ModelLayoutError("parcae_layers() returned an nn.Sequential that is not a submodule of the module")
-    candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
+        raise ModelLayoutError("parcae_layers() returned a module that is not a submodule of the module")
+    candidates = [(n, m) for n, m in module.named_modules() if n and isinstance(m, _STACK_TYPES) and len(m) > 0]
     if not candidates:
         raise ModelLayoutError(
-            f"{type(module).__name__} has no nn.Sequential attribute to cut into pipeline stages. Put the layers "
-            "run by forward() in an nn.Sequential (e.g. self.net = nn.Sequential(...)), name a nested one with "
-            "ParcaeStrategy(layers_attr='path.to.seq'), or define parcae_layers() returning it"
+            f"{type(module).__name__} has no nn.Sequential or nn.ModuleList to cut into pipeline stages. Put the "
+            "layers run by forward() in an nn.Sequential (self.net = nn.Sequential(...)) or an nn.ModuleList looped "
+            "in forward (for block in self.blocks: x = block(x, ...)), name it with "
+            "ParcaeStrategy(layers_attr='path.to.layers'), or define parcae_layers() returning it"
         )
-    return max(candidates, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))[0]
+    return max(candidates, key=lambda nm: (sum(p.numel() for p in nm[1].parameters()), -nm[0].count(".")))[0]
+
+
+def is_block_list(stack: nn.Module) -> bool:
+    """Whether the stack is an ``nn.ModuleList`` (blocks looped in ``forward``) rather than an ``nn.Sequential``."""
+    return isinstance(stack, nn.ModuleList)
 
 
 def replace_submodule(module: nn.Module, path: str, new: nn.Module) -> nn.Module:
@@ -77,8 +91,14 @@ def replace_submodule(module: nn.Module, path: str, new: nn.Module) -> nn.Module
     return old
 
 
-def cut_stage(stack: nn.Sequential, names: Sequence[str]) -> nn.Sequential:
-    """A new ``nn.Sequential`` holding only ``names`` of ``stack`` (same module objects, same names)."""
+def cut_stage(stack: nn.Module, names: Sequence[str]) -> nn.Module:
+    """A new container of ``stack``'s type holding only ``names`` (same module objects, same names, so state-dict
+    keys stay global): an ``nn.Sequential``, or an ``nn.ModuleList`` with the other blocks left out."""
+    if isinstance(stack, nn.ModuleList):
+        held = nn.ModuleList()
+        for n in names:
+            held._modules[n] = stack._modules[n]
+        return held
     return nn.Sequential(OrderedDict((n, stack._modules[n]) for n in names))  # type: ignore[misc]
 
 

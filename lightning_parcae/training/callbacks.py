@@ -19,10 +19,14 @@ Solution: :class:`ParcaeRunCallback` (active only when ``PARCAE_RUN_DIR`` is set
   ``run_dir/events.jsonl`` from global rank 0.
 
 :func:`resume_path` returns the checkpoint the launcher wants the script to resume from (``PARCAE_RESUME_CKPT``),
-or None. A script used under ``parcae run`` does::
+or None. Both are optional overrides: under the launcher ``ParcaeStrategy`` adds a ``ParcaeRunCallback()`` when the
+script has none and resumes from ``PARCAE_RESUME_CKPT`` when ``fit`` gets no ``ckpt_path``. Explicitly::
 
-    trainer = pl.Trainer(..., callbacks=[ParcaeRunCallback()])
+    trainer = pl.Trainer(..., callbacks=[ParcaeRunCallback(every_n_steps=200)])
     trainer.fit(model, data, ckpt_path=resume_path())
+
+The callback classes exist once per Lightning namespace (:func:`callback_class`); ``ParcaeRunCallback`` here is the
+``pytorch_lightning`` one, :mod:`lightning_parcae.lightning` exports the ``lightning.pytorch`` ones.
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional
-
-import pytorch_lightning as pl
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_parcae.events import append_event
 
-__all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV"]
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "callback_class"]
 
 RUN_DIR_ENV = "PARCAE_RUN_DIR"
 """Set by ``parcae run``: the run directory (checkpoints, events, logs)."""
@@ -61,7 +67,8 @@ def resume_path() -> Optional[str]:
     return path if path and os.path.isfile(path) else None
 
 
-class ParcaeRunCallback(pl.Callback):
+
+class ParcaeRunCallbackMixin:
     """Checkpoints, graceful notice handling and progress events for workers started by ``parcae run``.
 
     Inactive (a no-op) when ``PARCAE_RUN_DIR`` is not set, so a script can always add it.
@@ -140,7 +147,9 @@ class ParcaeRunCallback(pl.Callback):
         t = time.time()
         if trainer.is_global_zero:
             self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(str(self.ckpt_path))  # collective under ParcaeStrategy; atomic write on rank 0
+        # collective under ParcaeStrategy; atomic write on rank 0. weights_only=False given explicitly: the full
+        # training state, and no "weights_only was not set" line in the worker log at every periodic save
+        trainer.save_checkpoint(str(self.ckpt_path), weights_only=False)
         self._emit(trainer, "checkpoint", reason=reason, save_s=time.time() - t, path=str(self.ckpt_path))
 
     # ------------------------------------------------------------------------------------------------ hooks
@@ -208,11 +217,14 @@ def _batch_len(batch: Any) -> int:
     return 0
 
 
+_PROGRESS_BAR = ("parcae/N", "parcae/D", "parcae/P", "parcae/generation")
+
+
 def _elastic(trainer: pl.Trainer) -> Any:
     return getattr(trainer.strategy, "elastic_runtime", None)
 
 
-class ParcaeElasticCallback(pl.Callback):
+class ParcaeElasticCallbackMixin:
     """The interval callback of live reconfiguration (added by ``ParcaeStrategy`` when ``elastic`` is on).
 
     After every optimizer step it hands control to the strategy's
@@ -271,5 +283,27 @@ class ParcaeElasticCallback(pl.Callback):
         if er.stats.get("liveput") is not None:
             values["parcae/liveput"] = float(er.stats["liveput"])
         for k, v in values.items():
-            pl_module.log(k, v, on_step=True, on_epoch=False, prog_bar=k in ("parcae/N", "parcae/D", "parcae/P"),
+            pl_module.log(k, v, on_step=True, on_epoch=False, prog_bar=k in _PROGRESS_BAR,
                           sync_dist=False, batch_size=1)
+
+
+@lru_cache(maxsize=None)
+def callback_class(kind: str, ns_name: str = "pytorch_lightning") -> type:
+    """``ParcaeRunCallback`` (``kind="run"``) or ``ParcaeElasticCallback`` (``kind="elastic"``) built over the
+    ``Callback`` of one Lightning namespace (``"pytorch_lightning"`` or ``"lightning.pytorch"``)."""
+    from lightning_parcae.training.namespaces import namespace  # noqa: PLC0415
+
+    mixin = {"run": ParcaeRunCallbackMixin, "elastic": ParcaeElasticCallbackMixin}[kind]
+    name = {"run": "ParcaeRunCallback", "elastic": "ParcaeElasticCallback"}[kind]
+    module = __name__ if ns_name == "pytorch_lightning" else "lightning_parcae.lightning"
+    return type(name, (mixin, namespace(ns_name).pl.Callback),
+                {"__module__": module, "__qualname__": name, "__doc__": mixin.__doc__})
+
+
+def __getattr__(name: str) -> Any:
+    # the pytorch_lightning classes, built on first use (lightning.pytorch: lightning_parcae.lightning)
+    if name == "ParcaeRunCallback":
+        return callback_class("run")
+    if name == "ParcaeElasticCallback":
+        return callback_class("elastic")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,7 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 
-import pytorch_lightning as pl
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
-from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_parcae.errors import ConfigurationError, ForeignTrainerError, ModelLayoutError
 from lightning_parcae.runtime.checkpoint import (
@@ -71,6 +65,8 @@ from lightning_parcae.runtime.partition import (
 )
 from lightning_parcae.runtime.pipeline import (
     P2P,
+    BlockListProxy,
+    hidden_of,
     StageBoundary,
     StageProxy,
     chunk_batch,
@@ -79,9 +75,16 @@ from lightning_parcae.runtime.pipeline import (
     schedule_ops,
     split_micro_batches,
 )
-from lightning_parcae.runtime.stage import cut_stage, locate_layer_stack, replace_submodule, swapped
+from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule, swapped
+from lightning_parcae.training import environment as launcher_env
+from lightning_parcae.training.namespaces import IMPORT_HINT, namespace, namespace_of
 
-__all__ = ["ParcaeStrategy", "check_trainer"]
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["ParcaeStrategy", "ParcaeStrategyMixin", "strategy_class", "check_trainer"]
+
+_FIT, _TRAINING, _PREDICTING = "fit", "train", "predict"  # TrainerFn / RunningStage values (both namespaces)
 
 log = logging.getLogger(__name__)
 
@@ -89,25 +92,25 @@ _CKPT_KEY = "parcae"
 _CKPT_VERSION = 1
 
 
-def check_trainer(trainer: Any) -> None:
-    """Refuse Trainers of the ``lightning`` package (or anything that is not a ``pytorch_lightning.Trainer``).
+def check_trainer(trainer: Any, ns_name: str = "pytorch_lightning") -> None:
+    """Refuse a Trainer of the other Lightning namespace (or anything that is not a Trainer of ``ns_name``).
 
     Raises:
         ForeignTrainerError: naming the import to use instead.
     """
-    module = type(trainer).__module__
-    if module.startswith("lightning.") or not isinstance(trainer, pl.Trainer):
+    found = namespace_of(trainer)
+    if found != ns_name or not isinstance(trainer, namespace(ns_name).pl.Trainer):
+        hint = IMPORT_HINT.get(found or "", "a Lightning Trainer")
         raise ForeignTrainerError(
-            f"ParcaeStrategy runs under pytorch_lightning, but got a {type(trainer).__name__} from {module!r}. "
-            "Use `from pytorch_lightning import Trainer` (not `lightning.pytorch`/`lightning`) together with "
-            "`from lightning_parcae.training.strategy import ParcaeStrategy`"
+            f"this ParcaeStrategy was built for {ns_name}, but got a {type(trainer).__name__} from "
+            f"{type(trainer).__module__!r}. With that Trainer use {hint}"
         )
 
 
 class _LogRecorder:
     """Collects ``self.log`` calls of the M micro-steps and replays one merged call per name."""
 
-    def __init__(self, module: pl.LightningModule) -> None:
+    def __init__(self, module: Any) -> None:
         self.module = module
         self.calls: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
 
@@ -140,16 +143,18 @@ class _LogRecorder:
                 sizes = [kw.get("batch_size") for _, kw in calls]
                 if all(s is not None for s in sizes):
                     kwargs = {**kwargs, "batch_size": int(sum(sizes))}  # type: ignore[arg-type]
-            pl.LightningModule.log(self.module, name, value, **kwargs)
+            type(self.module).log(self.module, name, value, **kwargs)
         self.calls.clear()
 
 
-class ParcaeStrategy(ParallelStrategy):
+class ParcaeStrategyMixin:
     """Data-parallel x pipeline-parallel training with exact single-process semantics.
 
     Args:
-        pipeline_stages: P; ``None`` picks P from a short per-layer profile (see
-            :func:`~lightning_parcae.runtime.partition.choose_pipeline_stages`). D = devices / P.
+        pipeline_stages: P; ``None``: under ``parcae run`` the launcher's ``--pipeline-stages``, otherwise P is
+            picked from a short per-layer profile (see
+            :func:`~lightning_parcae.runtime.partition.choose_pipeline_stages`). D = devices / P. A model without a
+            layer stack the pipeline can cut trains at P = 1 (see ``docs/strategy.md``).
         micro_batches: M, micro-batches per pipeline batch (the pipeline batch is global batch / D).
         schedule: ``"1f1b"`` (default, at most P micro-batches of activations alive) or ``"gpipe"``.
         layers_attr: dotted path of the ``nn.Sequential`` to cut into stages (default: found automatically).
@@ -162,7 +167,8 @@ class ParcaeStrategy(ParallelStrategy):
         timeout: collective timeout.
         elastic: live reconfiguration (``None``: on when ``PARCAE_ELASTIC=1``, which ``parcae run`` sets). Needs a
             coordination store that outlives the workers (``PARCAE_STORE``); see ``docs/elastic.md``.
-        interval_s: elastic only: planning interval (predictor + liveput optimizer) in wall seconds.
+        interval_s: elastic only: planning interval (predictor + liveput optimizer) in wall seconds (default: the
+            launcher's ``PARCAE_INTERVAL_S``, else 60).
         interval_steps: elastic only: planning interval in optimizer steps (0: wall time only).
         look_ahead: elastic only: intervals the liveput optimizer plans over.
         predictor: elastic only: ``"persistence"``, ``"arima"`` or ``"artifact"``.
@@ -174,6 +180,7 @@ class ParcaeStrategy(ParallelStrategy):
     """
 
     strategy_name = "parcae"
+    _ns_name = "pytorch_lightning"
 
     def __init__(
         self,
@@ -189,19 +196,27 @@ class ParcaeStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
         elastic: Optional[bool] = None,
-        interval_s: float = 60.0,
+        interval_s: Optional[float] = None,
         interval_steps: int = 0,
         look_ahead: int = 12,
         predictor: str = "persistence",
         heartbeat_s: float = 0.2,
         dead_after_s: float = 3.0,
         max_pipeline_stages: Optional[int] = None,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
     ) -> None:
+        under = launcher_env.under_launcher()
+        if cluster_environment is None and under:
+            cluster_environment = launcher_env.environment_class(self._ns_name)()
+        if pipeline_stages is None and balance is None and under:
+            from_launcher = launcher_env.launcher_pipeline_stages()
+            pipeline_stages = from_launcher if isinstance(from_launcher, int) else None
+        if interval_s is None:
+            interval_s = (launcher_env.launcher_interval_s() if under else None) or 60.0
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -266,6 +281,10 @@ class ParcaeStrategy(ParallelStrategy):
         self.last_step_indices: list[int] = []
         self._train_loader: Optional[Any] = None
         self._bg_writer: Optional[Any] = None
+        self._no_cut_reason: Optional[str] = None
+        self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
+        self._post_fit_stages = 0
+        self._stepped = False  # a training step ran in this process (a joiner is no longer solo)
 
     # ============================================================================================ Lightning plumbing
     @property
@@ -275,10 +294,11 @@ class ParcaeStrategy(ParallelStrategy):
 
     @property
     def _solo(self) -> bool:
-        """A joiner before it trains: Lightning's set-up collectives would not be matched by the running members,
-        so ``broadcast`` / ``barrier`` / ``reduce`` act locally until it has joined."""
+        """A joiner before its first training step: Lightning's set-up collectives would not be matched by the
+        running members, so ``broadcast`` / ``barrier`` / ``reduce`` act locally until then (after ``fit`` it takes
+        part in ``validate`` / ``test`` like any member)."""
         er = self.elastic_runtime
-        return er is not None and er.joining and er.life.phase.value != "training"
+        return er is not None and er.joining and not self._stepped
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -287,10 +307,28 @@ class ParcaeStrategy(ParallelStrategy):
         return er is not None and er.joining
 
     @property
+    def parallel_devices(self) -> Optional[list[torch.device]]:
+        """This machine's devices; under ``parcae run`` / ``parcae agent`` one per worker the launcher started here
+        (``LOCAL_WORLD_SIZE``) when the script gave no ``devices=`` (a contradicting one is refused)."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
+        self._parallel_devices = launcher_env.resolve_devices(devices) if devices else devices
+
+    @property
     def root_device(self) -> torch.device:
         """This process's device."""
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        devices = self.parallel_devices
+        if not devices:
+            raise ConfigurationError("ParcaeStrategy has no devices yet: pass it to a Trainer before use")
+        rank = self.local_rank
+        if rank >= len(devices):
+            raise ConfigurationError(
+                f"this process has LOCAL_RANK={rank} but the Trainer was given {len(devices)} device(s); start "
+                f"{len(devices)} process(es) per machine or give the Trainer devices={rank + 1} or more"
+            )
+        return devices[rank]
 
     @property
     def num_nodes(self) -> int:
@@ -326,9 +364,10 @@ class ParcaeStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = self._ns.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                                self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = self._ns.MultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         """Derive global rank / world size from node rank, local rank and process count.
@@ -336,6 +375,12 @@ class ParcaeStrategy(ParallelStrategy):
         Under live reconfiguration the launcher's (or agent's, or torchrun's) ``RANK`` / ``WORLD_SIZE`` are taken
         as given, so a script started with ``devices=1`` on each of N machines needs no ``num_nodes=N``.
         """
+        er = self.elastic_runtime
+        if er is not None and er.layout is not None and er.member in er.layout.members:
+            # a later Trainer stage (validate/test after an elastic fit): the ranks of the fit's last generation,
+            # not the launcher's start-up RANK/WORLD_SIZE (a joiner started as RANK=0 of WORLD_SIZE=1)
+            self._set_ranks(er.layout.members.index(er.member), len(er.layout.members))
+            return
         if self.cluster_environment is not None:
             if self.elastic and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 self.cluster_environment.set_global_rank(int(os.environ["RANK"]))
@@ -348,7 +393,8 @@ class ParcaeStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Check the Trainer, create the base store and the generation-0 process groups."""
         if self.lightning_module is not None and getattr(self.lightning_module, "_trainer", None) is not None:
-            check_trainer(self.lightning_module._trainer)
+            check_trainer(self.lightning_module._trainer, self._ns_name)
+            self._install_launcher_resume(self.lightning_module._trainer)
         super().setup_environment()
         self.set_world_ranks()
         world = self.world_size
@@ -383,11 +429,49 @@ class ParcaeStrategy(ParallelStrategy):
             self.groups.destroy()
         elif dist.is_initialized():
             dist.destroy_process_group()
-        generation = int(os.environ.get("PARCAE_GENERATION_BASE", "0")) + _next_generation()
+        er = self.elastic_runtime
+        after_fit = er is not None and er.layout is not None
+        if after_fit:
+            # validate/test/predict after an elastic fit: the members may have migrated (and joined) during fit,
+            # so per-process Trainer-run counters disagree and low numbers are taken by the fit's generations.
+            # Every member agrees on the fit's last generation; later Trainer stages count on from there.
+            if self._fit_generation is None:
+                self._fit_generation = int(er.generation)
+            self._post_fit_stages += 1
+            generation = self._fit_generation + self._post_fit_stages
+        else:
+            generation = int(os.environ.get("PARCAE_GENERATION_BASE", "0")) + _next_generation()
         self.groups = ProcessGroups(generation, self.global_rank, world, world // p, p, self._store, backend,
                                     self._timeout).build()
-        if self.elastic_runtime is not None:
-            self.elastic_runtime.boot_register(generation, self.global_rank)
+        if er is not None and not after_fit:
+            er.boot_register(generation, self.global_rank)
+
+    def _install_launcher_resume(self, trainer: Any) -> None:
+        """Under ``parcae run``: a ``fit`` without ``ckpt_path`` resumes from the launcher's checkpoint
+        (``PARCAE_RESUME_CKPT``, set on a fallback relaunch); a ``ckpt_path`` the script gives wins."""
+        path = launcher_env.launcher_resume_path() if launcher_env.under_launcher() else None
+        if path is None or trainer.state.fn != _FIT:
+            return
+        connector = trainer._checkpoint_connector
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path: Any = None, **kwargs: Any) -> None:
+            connector.resume_start = original  # type: ignore[method-assign]
+            if checkpoint_path is None:
+                log.info("resuming from the launcher's checkpoint %s", path)
+            original(checkpoint_path if checkpoint_path is not None else path, **kwargs)
+
+        connector.resume_start = resume_start  # type: ignore[method-assign]
+
+    def _add_launcher_callbacks(self, trainer: Any) -> None:
+        """Under ``parcae run``: periodic checkpoints, the agreed stop of the restart fallback and progress/end
+        events (:class:`~lightning_parcae.training.callbacks.ParcaeRunCallback`), unless the script added its own."""
+        from lightning_parcae.training.callbacks import ParcaeRunCallbackMixin, callback_class  # noqa: PLC0415
+        from lightning_parcae.training.environment import RUN_DIR_ENV  # noqa: PLC0415
+
+        if not os.environ.get(RUN_DIR_ENV) or any(isinstance(cb, ParcaeRunCallbackMixin) for cb in trainer.callbacks):
+            return
+        trainer.callbacks.append(callback_class("run", self._ns_name)())
 
     def _join_environment(self, backend: str) -> None:
         """A joiner: wait as a standby until admitted, receive state, build the admitting generation's groups."""
@@ -401,6 +485,8 @@ class ParcaeStrategy(ParallelStrategy):
         self.partition = list(layout.partition)
         self.stack_path = rec["stack_path"]
         self.layer_names = list(rec["layer_names"])
+        if self.stack_path == "":  # the job trains a model without a cuttable stack: P stays 1
+            self.max_pipeline_stages = 1
         self.layer_times = list(rec.get("layer_times") or [])
         self.groups = ProcessGroups(int(rec["generation"]), rank, len(layout.members), layout.data_parallel,
                                     layout.pipeline_stages, self._store, backend, self._timeout).build()
@@ -414,7 +500,7 @@ class ParcaeStrategy(ParallelStrategy):
     # ============================================================================================ setup
     def setup(self, trainer: "pl.Trainer") -> None:
         """Partition the model, place this stage, sync replicas, build optimizers over local parameters."""
-        check_trainer(trainer)
+        check_trainer(trainer, self._ns_name)
         assert self.accelerator is not None and self.groups is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -442,15 +528,17 @@ class ParcaeStrategy(ParallelStrategy):
         if not joining:
             self._sync_replicas()
         self._bind_metrics()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == _FIT:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == _FIT:
             from lightning_fabric.utilities.optimizer import _optimizers_to_device  # noqa: PLC0415
 
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        if self.elastic_runtime is not None and trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == _FIT:
+            self._add_launcher_callbacks(trainer)
+        if self.elastic_runtime is not None and trainer.state.fn == _FIT:
             if "_after_closure" not in self.precision_plugin.__dict__:
                 self.precision_plugin._after_closure = self._after_closure_commit(  # type: ignore[method-assign]
                     self.precision_plugin._after_closure
@@ -460,7 +548,7 @@ class ParcaeStrategy(ParallelStrategy):
     # ============================================================================================ live reconfiguration
     def _setup_elastic(self, trainer: "pl.Trainer", joining: bool) -> None:
         """Attach the interval callback; initial members agree on generation 0, a joiner starts heartbeating."""
-        from lightning_parcae.training.callbacks import ParcaeElasticCallback  # noqa: PLC0415
+        from lightning_parcae.training.callbacks import ParcaeElasticCallbackMixin, callback_class  # noqa: PLC0415
 
         er = self.elastic_runtime
         assert er is not None
@@ -470,8 +558,8 @@ class ParcaeStrategy(ParallelStrategy):
                 "membership change between the micro-steps of one accumulated step cannot be replayed; raise the "
                 "DataLoader's batch_size instead"
             )
-        if not any(isinstance(cb, ParcaeElasticCallback) for cb in trainer.callbacks):
-            trainer.callbacks.append(ParcaeElasticCallback())
+        if not any(isinstance(cb, ParcaeElasticCallbackMixin) for cb in trainer.callbacks):
+            trainer.callbacks.append(callback_class("elastic", self._ns_name)())
         from lightning_parcae.runtime.liveness import activate  # noqa: PLC0415
 
         if joining:
@@ -506,7 +594,8 @@ class ParcaeStrategy(ParallelStrategy):
         self.groups = ProcessGroups(generation, rank, world, d, p, self._store, backend, self._timeout).build()
         self.partition = list(layout.partition)
         # layers that arrived: load into the full stack (global names are "<stack_path>.<layer>.<param>")
-        replace_submodule(module, self.stack_path, self._full_stack)  # type: ignore[arg-type]
+        if not self.whole_model:
+            replace_submodule(module, self.stack_path, self._full_stack)  # type: ignore[arg-type]
         try:
             for payload in received.values():
                 load_layer_payload(module, payload, self.root_device)
@@ -581,8 +670,23 @@ class ParcaeStrategy(ParallelStrategy):
     def _partition_module(self, trainer: "pl.Trainer") -> None:
         module = self.lightning_module
         assert module is not None and self.groups is not None
-        self.stack_path = locate_layer_stack(module, self.layers_attr)
+        try:
+            self.stack_path = locate_layer_stack(module, self.layers_attr)
+        except ModelLayoutError as err:
+            if self.layers_attr is not None or (self.pipeline_stages_option or 1) > 1 or self.balance is not None:
+                raise ModelLayoutError(
+                    f"{err}. (Data parallelism needs no layer stack: with pipeline_stages=1 this model trains as is.)"
+                ) from err
+            self._whole_model(module, str(err))
+            return
         stack = self._stack()
+        if is_block_list(stack):
+            verdict = self._check_block_list(trainer)
+            if verdict is not None:
+                if self.layers_attr is not None or (self.pipeline_stages_option or 1) > 1 or self.balance is not None:
+                    raise ModelLayoutError(f"cannot cut '{self.stack_path}' into pipeline stages: {verdict}")
+                self._whole_model(module, f"'{self.stack_path}' cannot be cut: {verdict}")
+                return
         self.layer_names = list(stack._modules.keys())
         n_layers = len(self.layer_names)
         world = self.groups.world
@@ -619,22 +723,153 @@ class ParcaeStrategy(ParallelStrategy):
         self._full_stack = stack
         self._build_stage()
 
+    def _whole_model(self, module: nn.Module, why: str) -> None:
+        """No layer stack to cut: train the whole module at P = 1 (elastic data parallelism only).
+
+        The module's top-level children stand in for "layers" so that live reconfiguration can move their state to
+        joiners exactly as it moves pipeline layers; the pipeline depth is pinned to 1.
+        """
+        assert self.groups is not None
+        names = [n for n, m in module.named_children()
+                 if any(True for _ in m.parameters()) or any(True for _ in m.buffers())]
+        self.stack_path = ""
+        self.layer_names = names
+        self.partition = [len(names)]
+        self.layer_times = [1.0] * len(names)
+        self.max_pipeline_stages = 1
+        self._no_cut_reason = why
+        if self.groups.pipeline_stages != 1:
+            self.groups = self.groups.rebuilt(self.groups.world, 1)
+        self._full_stack = module  # type: ignore[assignment]
+        log.info("ParcaeStrategy: no layer stack to cut (%s); training at P = 1", why)
+        self._build_stage()
+
+    @property
+    def whole_model(self) -> bool:
+        """True when the model has no cuttable layer stack and trains at P = 1 only."""
+        return self.stack_path == ""
+
+    def layer_key(self, name: str) -> str:
+        """The state-dict prefix of layer ``name`` (``"<stack_path>.<name>"``)."""
+        return f"{self.stack_path}.{name}" if self.stack_path else name
+
+    def is_stage_key(self, key: str) -> bool:
+        """Whether a state-dict / optimizer-state key belongs to a layer of the stack (not a replicated part)."""
+        if self.stack_path:
+            return key.startswith(self.stack_path + ".")
+        return key.split(".", 1)[0] in set(self.layer_names)
+
     def _build_stage(self) -> None:
         """(Re)build this process's stage module, proxy and transport from ``partition`` and ``groups``."""
         assert self.groups is not None and self.lightning_module is not None and self.stack_path is not None
+        if self.whole_model:
+            self._stage = cut_stage(self.lightning_module, self.layer_names)  # a view: nothing is replaced
+            self._proxy = None
+            self._p2p = P2P(self.root_device, self.groups.pipeline_group)
+            return
         a, b = stage_bounds(self.partition)[self.groups.coords.stage]
         full = self._full_stack if self._full_stack is not None else self._stack()
         self._stage = cut_stage(full, self.layer_names[a:b])
         replace_submodule(self.lightning_module, self.stack_path, self._stage)
-        self._proxy = StageProxy(self._stage)
+        self._proxy = BlockListProxy(self._stage) if is_block_list(self._stage) else StageProxy(self._stage)
         self._p2p = P2P(self.root_device, self.groups.pipeline_group)
+
+    _BLOCK_VERDICTS = {
+        1: "no sample input to check how forward uses the blocks (give the module an example_input_array or "
+           "training data)",
+        2: "forward did not loop over the block list exactly once, in order (`for block in self.blocks: x = "
+           "block(x, ...)`); indexing it or calling blocks out of order cannot be cut",
+        3: "a block's first argument is not the previous block's output (or its first element): code between the "
+           "blocks (e.g. `x = x + block(x)`) cannot be cut; move it into the block",
+        4: "running the step with the block list under inspection failed",
+    }
+
+    def _check_block_list(self, trainer: Any) -> Optional[str]:
+        """Check on rank 0, with one sample, that ``forward`` loops the block list as a chain (block ``i + 1`` gets
+        block ``i``'s hidden state first), and keep the first block's input for profiling; every rank gets the
+        verdict (None: the list can be cut)."""
+        code = 0
+        if self.global_rank == 0:
+            code, self._block_sample = self._probe_blocks(trainer)
+        if self.groups is not None and self.groups.world > 1:
+            t = torch.tensor([code], dtype=torch.int64)
+            dist.broadcast(t, src=0)
+            code = int(t.item())
+        return self._BLOCK_VERDICTS.get(code) if code else None
+
+    def _probe_blocks(self, trainer: Any) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
+        module = self.lightning_module
+        assert module is not None and self.stack_path is not None
+        stack = self._stack()
+        blocks = list(stack._modules.values())
+        calls: list[tuple[int, Any, Any, tuple, dict]] = []
+
+        class _Trace(nn.Module):
+            def __init__(self, i: int, block: nn.Module) -> None:
+                super().__init__()
+                object.__setattr__(self, "_i", i)
+                object.__setattr__(self, "_b", block)
+
+            def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+                out = self._b(x, *args, **kwargs)  # type: ignore[operator]
+                calls.append((self._i, x, hidden_of(out), args, kwargs))  # type: ignore[attr-defined]
+                return out
+
+        class _TraceList(nn.Module):
+            def __iter__(self) -> Any:
+                return iter([_Trace(i, b) for i, b in enumerate(blocks)])
+
+            def __len__(self) -> int:
+                return len(blocks)
+
+            def __getitem__(self, idx: Any) -> Any:
+                raise IndexError("indexed")
+
+        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.stack_path, _TraceList()), \
+                _LogRecorder(module).active():
+            try:
+                example = getattr(module, "example_input_array", None)
+                if example is not None:
+                    example = self.batch_to_device(example)
+                    if isinstance(example, (tuple, list)):
+                        module(*example)
+                    elif isinstance(example, dict):
+                        module(**example)
+                    else:
+                        module(example)
+                else:
+                    batch = self._sample_batch(trainer)
+                    if batch is None:
+                        return 1, None
+                    module.training_step(self.batch_to_device(batch), 0)
+            except IndexError:
+                return 2, None
+            except Exception as err:  # noqa: BLE001
+                log.warning("ParcaeStrategy could not run the step to inspect the block list: %s", err)
+                return (2 if calls else 4), None
+        if [c[0] for c in calls] != list(range(len(blocks))):
+            return 2, None
+        for prev, cur in zip(calls, calls[1:]):
+            if cur[1] is not prev[2]:
+                return 3, None
+        first = calls[0]
+        if not isinstance(first[1], Tensor):
+            return 3, None
+        return 0, (first[1].detach(), first[3], first[4])
 
     def _profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
         """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
         assert self.groups is not None
         times: list[Any] = [None]
         if self.global_rank == 0:
-            sample = self._sample_stack_input(trainer)
+            block_sample = getattr(self, "_block_sample", None) if is_block_list(stack) else None
+            extra: tuple[tuple, dict] = ((), {})
+            if block_sample is not None:
+                sample, extra = block_sample[0], (block_sample[1], block_sample[2])
+            elif is_block_list(stack):
+                sample = None
+            else:
+                sample = self._sample_stack_input(trainer)
             if sample is None:
                 warnings.warn("ParcaeStrategy found no sample input to profile; balancing by parameter count",
                               stacklevel=2)
@@ -642,7 +877,8 @@ class ParcaeStrategy(ParallelStrategy):
             else:
                 was_training = stack.training
                 stack.train()
-                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats)
+                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats, args=extra[0],
+                                               kwargs=extra[1])
                 stack.train(was_training)
         if self.groups.world > 1:
             # floats only: a tensor broadcast (nothing from the network is unpickled)
@@ -686,7 +922,7 @@ class ParcaeStrategy(ParallelStrategy):
 
     def _sample_batch(self, trainer: "pl.Trainer") -> Any:
         source = getattr(trainer.fit_loop, "_data_source", None)
-        if source is None or trainer.state.fn != TrainerFn.FITTING:
+        if source is None or trainer.state.fn != _FIT:
             return None
         try:
             loader = source.dataloader()
@@ -716,7 +952,7 @@ class ParcaeStrategy(ParallelStrategy):
 
     def _stage_key_set(self) -> set[str]:
         assert self.stack_path is not None and self._stage is not None
-        return {f"{self.stack_path}.{k}" for k in self._stage.state_dict().keys()}
+        return {self.layer_key(k) for k in self._stage.state_dict().keys()}
 
     def _bind_metrics(self) -> None:
         """torchmetrics sync over the replicas of this stage (each pipeline's state is mirrored P times)."""
@@ -737,13 +973,13 @@ class ParcaeStrategy(ParallelStrategy):
             self._prepare_patch = connector._prepare_dataloader
         original = self._prepare_patch
 
-        def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+        def prepare(dataloader: object, shuffle: bool, mode: Any) -> object:
             from torch.utils.data import DataLoader  # noqa: PLC0415
 
-            if mode == RunningStage.PREDICTING or not isinstance(dataloader, DataLoader):
+            if mode == _PREDICTING or not isinstance(dataloader, DataLoader):
                 return original(dataloader, shuffle, mode)
             assert self.groups is not None
-            train = mode == RunningStage.TRAINING
+            train = mode == _TRAINING
             loader, sampler = reshard_dataloader(
                 dataloader, self.groups.data_parallel, self.groups.coords.replica, self.micro_batches, train
             )
@@ -779,7 +1015,9 @@ class ParcaeStrategy(ParallelStrategy):
     def _call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
                    given: Optional[Tensor] = None) -> Any:
         module = self.lightning_module
-        assert module is not None and self._proxy is not None and self.stack_path is not None
+        assert module is not None and self.stack_path is not None
+        if self._proxy is None or (self.groups is not None and self.groups.pipeline_stages == 1):
+            return getattr(module, name)(batch, *rest, **kwargs)  # P = 1: the user's step as written
         self._proxy.mode, self._proxy.given, self._proxy.captured = mode, given, None
         with swapped(module, self.stack_path, self._proxy):
             return getattr(module, name)(batch, *rest, **kwargs)
@@ -794,6 +1032,23 @@ class ParcaeStrategy(ParallelStrategy):
             raise ModelLayoutError(f"{name} returned without running the layer stack '{self.stack_path}'")
 
         return head
+
+    def _middle(self, name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Callable[[Any, Tensor],
+                                                                                                 Tensor]]:
+        """For a block list: a middle stage runs the user's step with its blocks fed by the received activation,
+        so that blocks get the extra arguments (masks, positions) the step computes; None for an nn.Sequential."""
+        if not isinstance(self._proxy, BlockListProxy):
+            return None
+
+        def middle(mb: Any, act: Tensor) -> Tensor:
+            try:
+                self._call_step(name, "middle", mb, rest, kwargs, act)
+            except StageBoundary:
+                assert self._proxy is not None
+                return self._proxy.captured  # type: ignore[return-value]
+            raise ModelLayoutError(f"{name} returned without running the blocks of '{self.stack_path}'")
+
+        return middle
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss."""
@@ -825,6 +1080,7 @@ class ParcaeStrategy(ParallelStrategy):
             run_train_schedule(
                 ops, micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
                 self._head("training_step", rest, kwargs), tail, scale, self.precision_plugin.train_step_context,
+                middle=self._middle("training_step", rest, kwargs),
             )
             if g.pipeline_stages > 1:
                 results = self._mirror_train(micro, rest, kwargs, outputs, results)
@@ -833,6 +1089,7 @@ class ParcaeStrategy(ParallelStrategy):
         for p, prev in zip(params, previous):
             p.grad = prev
         self._count_samples()
+        self._stepped = True
         losses = torch.stack([_loss_of(r).detach().float() for r in results])
         loss = losses.mean().to(losses.device)
         last = results[-1]
@@ -893,8 +1150,9 @@ class ParcaeStrategy(ParallelStrategy):
                 return getattr(module, name)(*args, **kwargs)
             batch, rest = args[0], tuple(args[1:])
             micro = chunk_batch(batch, self.micro_batches)
+            middle = self._middle(name, rest, kwargs)  # block lists: the last stage also stops after its blocks
             outs = run_forward_only(micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
-                                    self._head(name, rest, kwargs))
+                                    self._head(name, rest, kwargs), middle=middle, tail=middle)
             full = self._p2p.broadcast(torch.cat(outs) if g.is_last_stage else None, g.last_stage_rank())
             return self._call_step(name, "given", batch, rest, kwargs, full)
 
@@ -1162,7 +1420,7 @@ class ParcaeStrategy(ParallelStrategy):
         if not a <= index < b:
             raise ConfigurationError(f"layer {index} is not on this process (it holds layers {a}..{b - 1})")
         opts = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return layer_state(self.lightning_module, f"{self.stack_path}.{self.layer_names[index]}", opts)
+        return layer_state(self.lightning_module, self.layer_key(self.layer_names[index]), opts)
 
     # ============================================================================================ teardown
     def teardown(self) -> None:
@@ -1190,7 +1448,18 @@ class ParcaeStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"parcae"``."""
-        strategy_registry.register("parcae", cls, description="Parcae D x P pipeline/data-parallel strategy")
+        strategy_registry.register("parcae", cls, description=_DESCRIPTION, override=True)
+
+    @property
+    def _ns(self) -> Any:
+        """This class's Lightning namespace (see :mod:`lightning_parcae.training.namespaces`)."""
+        return namespace(self._ns_name)
+
+    def __repr__(self) -> str:
+        # Lightning puts the repr into its "invalid strategy" error when a Trainer of the other namespace gets
+        # this object: say there which import that Trainer needs.
+        other = "lightning.pytorch" if self._ns_name == "pytorch_lightning" else "pytorch_lightning"
+        return (f"ParcaeStrategy (built for {self._ns_name}; a {other}.Trainer needs {IMPORT_HINT[other]})")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -1259,5 +1528,46 @@ def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> N
             offset += n
 
 
-StrategyRegistry.register("parcae", ParcaeStrategy, description="Parcae D x P pipeline/data-parallel strategy",
-                          override=True)
+
+
+# ------------------------------------------------------------------------------------------------ namespaces
+_CLASSES: dict[str, type] = {}
+_DESCRIPTION = "Parcae D x P pipeline/data-parallel strategy with live reconfiguration on spot instances"
+
+
+def strategy_class(ns_name: str = "pytorch_lightning") -> type:
+    """``ParcaeStrategy`` for one Lightning namespace, built over that namespace's ``ParallelStrategy`` and
+    registered as ``"parcae"`` in its ``StrategyRegistry`` (built once per namespace).
+
+    Args:
+        ns_name: ``"pytorch_lightning"`` or ``"lightning.pytorch"``.
+    """
+    cls = _CLASSES.get(ns_name)
+    if cls is None:
+        ns = namespace(ns_name)
+        module = "lightning_parcae.training.strategy" if ns_name == "pytorch_lightning" else "lightning_parcae.lightning"
+        cls = type("ParcaeStrategy", (ParcaeStrategyMixin, ns.ParallelStrategy),
+                   {"__module__": module, "__qualname__": "ParcaeStrategy", "__doc__": ParcaeStrategyMixin.__doc__,
+                    "_ns_name": ns_name})
+        _CLASSES[ns_name] = cls
+        ns.StrategyRegistry.register("parcae", cls, description=_DESCRIPTION, override=True)
+    return cls
+
+
+def register_imported_namespaces() -> None:
+    """Register ``"parcae"`` in every Lightning namespace imported so far (the others register on import, see
+    :mod:`lightning_parcae.training.autoregister`)."""
+    import sys  # noqa: PLC0415
+
+    for name in ("pytorch_lightning", "lightning.pytorch"):
+        if name in sys.modules and getattr(sys.modules[name], "Trainer", None) is not None:
+            strategy_class(name)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ParcaeStrategy":  # the pytorch_lightning class (lightning.pytorch: lightning_parcae.lightning)
+        return strategy_class("pytorch_lightning")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+register_imported_namespaces()

@@ -1,0 +1,249 @@
+"""The launcher's contract, read by the strategy itself: a script needs only ``strategy="parcae"``.
+
+Problem: ``parcae run`` and ``parcae agent`` start every worker with torchrun-style variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``PORT``) plus Parcae's own (``PARCAE_STORE``,
+``PARCAE_JOB_TOKEN``, ``PARCAE_RUN_DIR``, ``PARCAE_INTERVAL_S``, ``PARCAE_PIPELINE_STAGES``, ``PARCAE_RESUME_CKPT``,
+...; see ``docs/run.md``). Until now a script had to copy four of them into its Trainer by hand, and a script that
+did not (``Trainer(strategy="parcae")`` with no ``devices=``) crashed with an ``IndexError``: Lightning's default
+``devices`` on a CPU is 1 while the launcher's ``LOCAL_RANK`` goes up to ``LOCAL_WORLD_SIZE - 1``.
+
+Here the contract is read in one place:
+
+* :class:`ParcaeEnvironment` (a Lightning ``ClusterEnvironment``, one class per Lightning namespace via
+  :func:`environment_class`) gives Lightning the ranks, world size and rendezvous address; processes are created
+  externally (by the launcher), never by Lightning;
+* :func:`resolve_devices` takes the number of devices on this machine from ``LOCAL_WORLD_SIZE`` when the script
+  gave none, and refuses a ``devices=`` that contradicts the launcher with an error that says what to change;
+* :func:`launcher_interval_s`, :func:`launcher_pipeline_stages`, :func:`launcher_resume_path` read the planning
+  interval, the first generation's P and the checkpoint of a fallback relaunch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+from typing import Any, Optional, Union
+
+import torch
+
+from lightning_parcae.errors import ConfigurationError
+
+__all__ = [
+    "under_launcher",
+    "launcher_interval_s",
+    "launcher_pipeline_stages",
+    "launcher_resume_path",
+    "launcher_local_world_size",
+    "resolve_devices",
+    "environment_class",
+    "ParcaeEnvironmentMixin",
+]
+
+RUN_DIR_ENV = "PARCAE_RUN_DIR"
+RESUME_ENV = "PARCAE_RESUME_CKPT"
+STORE_ENV = "PARCAE_STORE"
+INTERVAL_ENV = "PARCAE_INTERVAL_S"
+PIPELINE_ENV = "PARCAE_PIPELINE_STAGES"
+
+
+def under_launcher() -> bool:
+    """Whether this process was started by ``parcae run`` / ``parcae agent`` (a store or run dir, and a rank)."""
+    env = os.environ
+    return bool(env.get(STORE_ENV) or env.get(RUN_DIR_ENV)) and "RANK" in env and "WORLD_SIZE" in env
+
+
+def launcher_interval_s() -> Optional[float]:
+    """The launcher's planning interval in wall seconds (``PARCAE_INTERVAL_S``), if set and valid."""
+    raw = os.environ.get(INTERVAL_ENV)
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        return None
+    return value if value is not None and value > 0 else None
+
+
+def launcher_pipeline_stages() -> Union[int, str, None]:
+    """P of this (re)launch from ``PARCAE_PIPELINE_STAGES``: an int, ``"auto"`` or None when unset/invalid."""
+    raw = os.environ.get(PIPELINE_ENV, "").strip()
+    if raw == "auto":
+        return "auto"
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+
+
+def launcher_resume_path() -> Optional[str]:
+    """The checkpoint a fallback relaunch resumes from (``PARCAE_RESUME_CKPT``), when it exists."""
+    path = os.environ.get(RESUME_ENV)
+    return path if path and os.path.isfile(path) else None
+
+
+def launcher_local_world_size() -> Optional[int]:
+    """Worker processes the launcher started on this machine (``LOCAL_WORLD_SIZE``)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+
+
+_UNKNOWN = object()
+
+
+def _trainer_devices_flag() -> Any:
+    """The ``devices`` argument the script passed to ``Trainer(...)``, read from the Trainer's ``__init__`` frame.
+
+    Lightning replaces ``"auto"`` by a count before the strategy sees the devices, so "absent" and "``devices=1``"
+    cannot be told apart from the device list alone. Returns ``_UNKNOWN`` when no Trainer frame is on the stack.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            obj = frame.f_locals.get("self")
+            cls = type(obj)
+            if cls.__name__ == "Trainer" or any(c.__name__ == "Trainer" and c.__module__.endswith("trainer.trainer")
+                                                for c in cls.__mro__):
+                if "devices" in frame.f_locals:
+                    return frame.f_locals["devices"]
+        frame = frame.f_back  # type: ignore[assignment]
+    return _UNKNOWN
+
+
+def _count(flag: Any) -> Optional[int]:
+    if isinstance(flag, int) and not isinstance(flag, bool):
+        return flag if flag > 0 else None
+    if isinstance(flag, str):
+        s = flag.strip()
+        if s.lstrip("-").isdigit():
+            return int(s) if int(s) > 0 else None
+        if "," in s:
+            return len([p for p in s.split(",") if p.strip()])
+        return None
+    if isinstance(flag, (list, tuple)):
+        return len(flag)
+    return None
+
+
+def resolve_devices(devices: Optional[list[torch.device]], requested: Any = _UNKNOWN) -> Optional[list[torch.device]]:
+    """This machine's device list under the launcher: one entry per worker process it started here.
+
+    Args:
+        devices: the list Lightning derived from ``Trainer(devices=...)``.
+        requested: the ``devices`` argument as the script gave it (default: read from the Trainer call).
+
+    Returns:
+        ``devices`` unchanged outside the launcher or when it already matches ``LOCAL_WORLD_SIZE``; otherwise,
+        when the script gave no ``devices`` (``"auto"``), ``LOCAL_WORLD_SIZE`` devices of the same type.
+
+    Raises:
+        ConfigurationError: the script's ``devices=`` contradicts the launcher, or the machine has fewer
+            accelerators than the launcher started workers.
+    """
+    want = launcher_local_world_size()
+    if devices is None or not devices or want is None or not under_launcher():
+        return devices
+    if len(devices) == want:
+        return devices
+    if requested is _UNKNOWN:
+        requested = _trainer_devices_flag()
+    auto = requested in ("auto", None, -1, "-1") or (requested is _UNKNOWN and len(devices) == 1)
+    if not auto:
+        given = _count(requested)
+        raise ConfigurationError(
+            f"Trainer(devices={requested!r}) contradicts the launcher: it started {want} worker process(es) on this "
+            f"machine (LOCAL_WORLD_SIZE={want}), each of which is one device of the job"
+            + (f", but devices={requested!r} means {given}" if given is not None else "")
+            + ". Remove devices= from the Trainer (ParcaeStrategy takes it from the launcher) or set "
+            f"devices={want}"
+        )
+    kind = devices[0].type
+    if kind == "cpu":
+        return [torch.device("cpu")] * want
+    if kind == "cuda":
+        if torch.cuda.device_count() < want:
+            raise ConfigurationError(
+                f"the launcher started {want} workers on this machine but only {torch.cuda.device_count()} CUDA "
+                f"device(s) are visible; start at most that many instances per machine"
+            )
+        return [torch.device("cuda", i) for i in range(want)]
+    return [devices[0]] * want
+
+
+class ParcaeEnvironmentMixin:
+    """Lightning's view of a process started by ``parcae run`` / ``parcae agent``.
+
+    Ranks come from ``RANK`` / ``WORLD_SIZE`` and may be changed in place (a live reconfiguration renumbers the
+    members); ``LOCAL_RANK`` picks this process's device; the launcher creates the processes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._global_rank = int(os.environ.get("RANK", "0"))
+        self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        """Always: the launcher (or agent) starts every worker."""
+        return True
+
+    @property
+    def main_address(self) -> str:
+        """``MASTER_ADDR`` (loopback by default)."""
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        """``MASTER_PORT``."""
+        return int(os.environ.get("MASTER_PORT", "29500"))
+
+    @staticmethod
+    def detect() -> bool:
+        """Whether the launcher's variables are present."""
+        return under_launcher()
+
+    def world_size(self) -> int:
+        """Members of the current generation."""
+        return self._world_size
+
+    def set_world_size(self, size: int) -> None:
+        """Set by the strategy when a generation changes."""
+        self._world_size = int(size)
+
+    def global_rank(self) -> int:
+        """This member's rank in the current generation."""
+        return self._global_rank
+
+    def set_global_rank(self, rank: int) -> None:
+        """Set by the strategy when a generation changes."""
+        self._global_rank = int(rank)
+
+    def local_rank(self) -> int:
+        """Index of this process's device on its machine (``LOCAL_RANK``)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def node_rank(self) -> int:
+        """``GROUP_RANK`` (``NODE_RANK``), 0 by default."""
+        return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """Devices are checked by :func:`resolve_devices`; nothing else to check."""
+
+    def teardown(self) -> None:
+        """Nothing to undo (the launcher owns the processes)."""
+
+
+@lru_cache(maxsize=None)
+def environment_class(ns_name: str) -> type:
+    """``ParcaeEnvironment`` for one Lightning namespace (a subclass of that namespace's ``ClusterEnvironment``)."""
+    from lightning_parcae.training.namespaces import namespace  # noqa: PLC0415
+
+    ns = namespace(ns_name)
+    return type("ParcaeEnvironment", (ParcaeEnvironmentMixin, ns.ClusterEnvironment),
+                {"__module__": __name__, "__doc__": ParcaeEnvironmentMixin.__doc__})
+
+
+BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
+"""Put on the workers' ``PYTHONPATH`` by the launcher: its ``sitecustomize`` registers ``strategy="parcae"``."""
+
+
+def with_boot_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :data:`BOOT_DIR` first on ``PYTHONPATH`` (a worker script need not import lightning_parcae)."""
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *rest])
+    return env
