@@ -168,6 +168,8 @@ class ParcaeStrategy(ParallelStrategy):
         predictor: elastic only: ``"persistence"``, ``"arima"`` or ``"artifact"``.
         heartbeat_s: elastic only: heartbeat period.
         dead_after_s: elastic only: a member silent this long is declared dead.
+        stall_after_s: elastic only: progress watchdog -- an operation that makes no progress this long (while
+            heartbeats are fine) fails and becomes a recovery (``PARCAE_STALL_S`` overrides it).
         max_pipeline_stages: elastic only: deepest pipeline the optimizer may choose (default: number of layers).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
@@ -195,6 +197,7 @@ class ParcaeStrategy(ParallelStrategy):
         predictor: str = "persistence",
         heartbeat_s: float = 0.2,
         dead_after_s: float = 3.0,
+        stall_after_s: float = 60.0,
         max_pipeline_stages: Optional[int] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -255,7 +258,7 @@ class ParcaeStrategy(ParallelStrategy):
         self.elastic = bool(elastic)
         self.elastic_options: dict[str, Any] = dict(
             interval_s=interval_s, interval_steps=interval_steps, look_ahead=look_ahead, predictor=predictor,
-            heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
+            heartbeat_s=heartbeat_s, dead_after_s=dead_after_s, stall_after_s=stall_after_s,
         )
         self.max_pipeline_stages = max_pipeline_stages
         self.elastic_runtime: Optional[Any] = None
@@ -361,6 +364,7 @@ class ParcaeStrategy(ParallelStrategy):
             self._store = self.elastic_runtime.connect()
             self._timeout = min(self._timeout, timedelta(minutes=5))
             if self.elastic_runtime.joining:  # its shape comes from the generation that admits it
+                self._timeout = self.elastic_runtime.stall_timeout  # everyone it meets is already running
                 self._join_environment(backend)
                 return
         p = len(self.partition) if self.partition else (self.pipeline_stages_option or 1)
@@ -474,10 +478,18 @@ class ParcaeStrategy(ParallelStrategy):
             trainer.callbacks.append(ParcaeElasticCallback())
         from lightning_parcae.runtime.liveness import activate  # noqa: PLC0415
 
+        # Lightning broadcasts a SIGTERM flag from rank 0 before every batch, outside any guarded wait: a lost or
+        # hung rank 0 would block the others there for the group timeout. SIGTERM is a notice here (agreed at
+        # the step boundary), so the broadcast has nothing to carry.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
         if joining:
             return  # er.joined() runs once the loop state is restored (on_train_start)
         er.boot_publish(trainer)
         activate(er.live)
+        # start-up is over: from now on an operation that makes no progress fails within the watchdog's bound
+        self._timeout = er.stall_timeout
+        if self.groups is not None:
+            self.groups.set_op_timeout(self._timeout)
 
     def _install_live_restore(self, trainer: "pl.Trainer") -> None:
         """A joiner 'resumes' from the state received from live peers, through Lightning's own restore path."""
@@ -745,7 +757,8 @@ class ParcaeStrategy(ParallelStrategy):
             assert self.groups is not None
             train = mode == RunningStage.TRAINING
             loader, sampler = reshard_dataloader(
-                dataloader, self.groups.data_parallel, self.groups.coords.replica, self.micro_batches, train
+                dataloader, self.groups.data_parallel, self.groups.coords.replica, self.micro_batches, train,
+                fixed_epoch=self.elastic,  # every member, joiner or not, must agree on where an epoch ends
             )
             if train:
                 self._train_sampler = sampler

@@ -86,3 +86,26 @@ def test_commit_discards_the_step_for_everyone_if_a_member_never_counted_in() ->
     with pytest.raises(PeerLostError, match="discarded"):
         b.commit(3)
     assert b.decide_commit(3) is False
+
+
+def test_sampler_epoch_has_the_same_steps_at_every_d_if_elastic() -> None:
+    """Regression (issue 9, repro 1): the README job with ``--batch-size 48`` stalled for 290 s after a warm
+    standby was admitted into D = 3. 2048 samples leave a trailing partial batch of 32, which splits over D = 4 x
+    M = 2 (the members sized the loader at D = 4: 43 batches) but not over D = 3 x 2 (the joiner, sized at D = 3:
+    42). The members then ended each epoch with one extra loop iteration (a ``StopIteration``) that the joiner
+    did not run, and its collectives no longer matched. Under live reconfiguration the partial batch is now
+    dropped at every D, so every member sizes and ends an epoch alike."""
+    base = SequentialSampler(range(44))  # 3 full global batches of 12 + 8 samples (splits over 2x2, not 3x2)
+    static = [GlobalBatchSampler(base, 12, d, 0, d * 2, False, True) for d in (2, 3)]
+    assert [len(s) for s in static] == [4, 3]  # a static job keeps the partial batch where it splits
+    for d_start in (1, 2, 3, 6):
+        members = GlobalBatchSampler(base, 12, d_start, 0, d_start * 2, False, True, fixed_epoch=True)
+        it = iter(members)
+        got = [next(it)]
+        members.reshard(3, 0, 6)  # the job changed shape after the first step
+        got += list(it)
+        joiner = GlobalBatchSampler(base, 12, 3, 0, 6, False, True, fixed_epoch=True)
+        joiner.start_at(0, 12)  # admitted after one step
+        assert len(members) == len(joiner) == 3
+        assert len(got) == 1 + len(list(joiner)) == 3
+        assert [r[2] for r in members.records][-1] == list(range(24, 36))  # the 8 trailing samples are dropped

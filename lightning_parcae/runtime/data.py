@@ -28,7 +28,16 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_parcae.errors import BatchSplitError, ConfigurationError
 
-__all__ = ["GlobalBatchSampler", "global_batch_size", "reshard_dataloader"]
+__all__ = ["GlobalBatchSampler", "batch_splits", "global_batch_size", "reshard_dataloader"]
+
+
+def batch_splits(global_batch: int, data_parallel: int, micro_batches: int = 1) -> bool:
+    """Whether a global batch splits over ``data_parallel`` pipelines of ``micro_batches`` micro-batches each.
+
+    The one rule every choice of D uses: the data path here, the liveput optimizer's candidate shapes
+    (:class:`~lightning_parcae.runtime.elastic.RuntimeThroughput`) and ``parcae run --restart-fallback``.
+    """
+    return data_parallel >= 1 and micro_batches >= 1 and global_batch % (data_parallel * micro_batches) == 0
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -43,6 +52,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
             does not is dropped (with a warning) when ``train`` is set.
         drop_last: drop a trailing partial global batch (as the user's DataLoader would).
         train: training (partial batches must split exactly) or evaluation (near-equal split, may be empty).
+        fixed_epoch: training under live reconfiguration: a trailing partial global batch is always dropped, so
+            that an epoch has the same number of steps at every D. (Whether ``n`` samples split into ``D x M``
+            depends on D; members that sized or drew the epoch at different D -- a joiner admitted into D = 3 while
+            the others started the epoch at D = 2 -- would otherwise disagree on where the epoch ends and issue
+            mismatched collectives.)
     """
 
     def __init__(
@@ -54,6 +68,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         unit: int,
         drop_last: bool,
         train: bool,
+        fixed_epoch: bool = False,
     ) -> None:
         self.base = base
         self.global_batch = global_batch
@@ -62,6 +77,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.unit = unit
         self.drop_last = drop_last
         self.train = train
+        self.fixed_epoch = fixed_epoch and train
         self.epoch = 0
         self.cursor = 0
         self._drawn = 0
@@ -126,16 +142,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def _slice(self, chunk: list[int]) -> Optional[list[int]]:
         n = len(chunk)
-        if n == self.global_batch or (self.train and n % self.unit == 0):
+        if n == self.global_batch or (self.train and not self.fixed_epoch and n % self.unit == 0):
             per = n // self.replicas
             return chunk[self.replica * per : (self.replica + 1) * per]
         if self.train:
             if not self._warned:
-                warnings.warn(
-                    f"dropping the last partial global batch of {n} samples: it does not split into "
-                    f"{self.replicas} pipelines x micro-batches (multiple of {self.unit} needed)",
-                    stacklevel=2,
-                )
+                why = ("under live reconfiguration an epoch has the same number of steps at every D; make the "
+                       "dataset a multiple of the global batch to use every sample" if self.fixed_epoch else
+                       f"it does not split into {self.replicas} pipelines x micro-batches (multiple of {self.unit} "
+                       "needed)")
+                warnings.warn(f"dropping the last partial global batch of {n} samples: {why}", stacklevel=2)
                 self._warned = True
             return None
         base, extra = divmod(n, self.replicas)
@@ -162,7 +178,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         full, rest = divmod(n, self.global_batch)
         if rest and not self.drop_last:
             if self.train:
-                full += 1 if rest % self.unit == 0 else 0
+                full += 1 if rest % self.unit == 0 and not self.fixed_epoch else 0
             else:
                 full += 1 if self.replica < rest else 0 if rest < self.replicas else 1
         return full
@@ -190,7 +206,7 @@ def global_batch_size(loader: DataLoader) -> int:
 
 
 def reshard_dataloader(
-    loader: DataLoader, replicas: int, replica: int, micro_batches: int, train: bool
+    loader: DataLoader, replicas: int, replica: int, micro_batches: int, train: bool, fixed_epoch: bool = False
 ) -> tuple[DataLoader, GlobalBatchSampler]:
     """Rebuild ``loader`` so that it yields this replica's share of each global batch.
 
@@ -200,6 +216,8 @@ def reshard_dataloader(
         replica: this pipeline's index.
         micro_batches: M (training batches of B / D samples must split into M).
         train: whether this is the training loader.
+        fixed_epoch: live reconfiguration: drop a trailing partial global batch at any D (see
+            :class:`GlobalBatchSampler`).
 
     Returns:
         The new loader and its :class:`GlobalBatchSampler` (keep it to set the cursor on resume).
@@ -208,12 +226,12 @@ def reshard_dataloader(
         BatchSplitError: if B is not divisible by D, or (training) B / D not by M.
     """
     b = global_batch_size(loader)
-    if b % replicas:
+    if not batch_splits(b, replicas):
         raise BatchSplitError(
             f"global batch size {b} cannot be split evenly over D={replicas} pipelines; use a batch_size divisible "
             f"by {replicas}"
         )
-    if train and (b // replicas) % micro_batches:
+    if train and not batch_splits(b, replicas, micro_batches):
         raise BatchSplitError(
             f"global batch size {b} over D={replicas} pipelines gives {b // replicas} samples per pipeline, which "
             f"cannot be split into micro_batches={micro_batches}; the global batch must be a multiple of "
@@ -221,7 +239,7 @@ def reshard_dataloader(
         )
     drop_last = bool(getattr(loader, "drop_last", False))
     sampler = GlobalBatchSampler(
-        loader.sampler, b, replicas, replica, replicas * micro_batches, drop_last, train
+        loader.sampler, b, replicas, replica, replicas * micro_batches, drop_last, train, fixed_epoch
     )
     kwargs: dict[str, Any] = dict(
         batch_sampler=sampler,

@@ -56,6 +56,7 @@ from lightning_parcae.optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planner import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.predictor import make_predictor
 from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.data import batch_splits
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
 from lightning_parcae.runtime.migration import exchange, layer_payload
@@ -75,6 +76,7 @@ LIVE_CHECKPOINT = "parcae-live://peers"
 STORE_ENV = "PARCAE_STORE"
 MEMBER_ENV = "PARCAE_MEMBER"
 JOIN_ENV = "PARCAE_JOIN"
+STALL_ENV = "PARCAE_STALL_S"
 
 
 RUNTIME_CONSTANTS = MigrationConstants(group_base_ms=30.0, join_ms=150.0, restart_ms=10000.0)
@@ -111,7 +113,7 @@ class RuntimeThroughput(ThroughputModel):
         return max(sum(self.layer_ms[b[k] : b[k + 1]]) for k in range(p))
 
     def throughput(self, d: int, p: int) -> float:
-        if d < 1 or p < 1 or p > self.limits.max_p or self.global_batch % (d * self.micro_batches):
+        if d < 1 or p < 1 or p > self.limits.max_p or not batch_splits(self.global_batch, d, self.micro_batches):
             return 0.0
         m = self.micro_batches
         step_ms = (m + p - 1) * self._stage_max(p) / (d * m)
@@ -142,6 +144,11 @@ class ElasticRuntime:
         predictor: Predictor name (``persistence``, ``arima``, ``artifact``).
         heartbeat_s: Heartbeat period.
         dead_after_s: Silence after which a member is declared dead.
+        stall_after_s: Progress watchdog: an operation of a generation (collective, point-to-point, rendezvous of
+            a rebuilt group) that makes no progress for this long fails and becomes a recovery, while every
+            heartbeat is fine (a mismatched collective, a peer whose traffic is silently dropped). It is the gloo
+            timeout of every group after start-up; set it above the longest legitimate wait (a step, a
+            checkpoint gather, the leader's planning). ``PARCAE_STALL_S`` overrides it.
         max_instances: Upper bound for forecasts.
     """
 
@@ -159,6 +166,7 @@ class ElasticRuntime:
         predictor: str = "persistence",
         heartbeat_s: float = 0.2,
         dead_after_s: float = 3.0,
+        stall_after_s: float = 60.0,
         max_instances: int = 64,
     ) -> None:
         self.s = strategy
@@ -172,6 +180,9 @@ class ElasticRuntime:
         self.predictor_name = predictor
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
+        self.stall_after_s = float(os.environ.get(STALL_ENV) or stall_after_s)
+        if not self.stall_after_s > 0:
+            raise ConfigurationError(f"stall_after_s must be > 0 seconds, got {self.stall_after_s}")
         self.max_instances = max_instances
         self.store: Any = None
         self.coord: Optional[Coordinator] = None
@@ -343,6 +354,11 @@ class ElasticRuntime:
         assert self.layout is not None
         members = list(self.layout.members)
         return members if members and members[0] == self.member else members[:1]
+
+    @property
+    def stall_timeout(self) -> timedelta:
+        """The progress watchdog's bound as a group timeout (see ``stall_after_s``)."""
+        return timedelta(seconds=self.stall_after_s)
 
     @property
     def is_leader(self) -> bool:
@@ -663,7 +679,7 @@ class ElasticRuntime:
         transition = list(rec["transition"])
         prefixed = dist.PrefixStore(f"mig/{rec['generation']}/", self.store)
         dist.init_process_group("gloo", store=prefixed, rank=transition.index(self.member),
-                                world_size=len(transition), timeout=timedelta(seconds=120))
+                                world_size=len(transition), timeout=self.stall_timeout)
 
     def switch(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
         """Move to generation ``rec``: transfer state, rebuild groups and the stage in place (or leave/fall back)."""
