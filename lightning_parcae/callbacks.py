@@ -147,7 +147,10 @@ class ParcaeRunCallback(pl.Callback):
         append_event(self.run_dir, {
             "source": "worker", "event": kind, "generation": self.generation, "step": int(trainer.global_step),
             "samples": int(trainer.global_step) * self._samples_per_step, "D": d, "P": p, "N": trainer.world_size,
-            "elapsed_s": time.time() - self._t0, **fields,
+            "elapsed_s": time.time() - self._t0,
+            # the launcher's restart fallback chooses only a D that splits this batch (runtime.data.batch_splits)
+            "global_batch": getattr(s, "_global_batch", None), "micro_batches": getattr(s, "micro_batches", None),
+            **fields,
         })
 
     def _save(self, trainer: pl.Trainer, reason: str) -> None:

@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-timeout", type=float, default=10.0, help="seconds to reach the store (default 10)")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="seconds a generation may take to report its first step (default 120)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="how often one instance may be restarted after its process died by a signal nobody here "
+                   "sent (kill -9, the OOM killer): it counts as a lost instance, the others recover and a fresh "
+                   "standby takes its place; past this the run fails (default 3)")
+    p.add_argument("--stall-timeout", type=float, default=None,
+                   help="progress watchdog in seconds: an operation that makes no progress this long while every "
+                   "heartbeat is fine becomes a recovery (passed to workers as PARCAE_STALL_S; default: the "
+                   "strategy's stall_after_s, 60)")
     p.add_argument("--progress-every", type=float, default=2.0, help="seconds between progress lines")
     p.add_argument("--no-plot", action="store_true", help="skip report.png")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command, e.g. python train.py")
@@ -131,6 +139,8 @@ class RunConfig:
     progress_every_s: float = 2.0
     plot: bool = True
     mode: str = ELASTIC
+    max_restarts: int = 3
+    stall_timeout_s: Optional[float] = None
     schedule: list[int] = field(default_factory=list)
     """Instances during each (scaled) replay interval; empty for a static cluster."""
     trace_counts: list[int] = field(default_factory=list)
@@ -191,6 +201,10 @@ def _config(argv: Sequence[str]) -> RunConfig:
     for name in ("time_scale", "interval", "store_timeout", "startup_timeout", "progress_every"):
         if not getattr(ns, name) > 0:
             raise ConfigurationError(f"--{name.replace('_', '-')} must be > 0, got {getattr(ns, name)}")
+    if ns.max_restarts < 0:
+        raise ConfigurationError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+    if ns.stall_timeout is not None and not ns.stall_timeout > 0:
+        raise ConfigurationError(f"--stall-timeout must be > 0 seconds, got {ns.stall_timeout}")
     if not ns.grace >= 0:
         raise ConfigurationError(f"--grace must be >= 0, got {ns.grace}")
     max_inst = ns.instances if ns.max_instances is None else ns.max_instances
@@ -211,7 +225,7 @@ def _config(argv: Sequence[str]) -> RunConfig:
         interval_s=ns.interval, grace_s=ns.grace, max_instances=max_inst, pipeline_stages=ns.pipeline_stages,
         store_host=ns.store_host, store_url=ns.store, store_timeout_s=ns.store_timeout,
         startup_timeout_s=ns.startup_timeout, progress_every_s=ns.progress_every, plot=not ns.no_plot,
-        mode=ns.mode,
+        mode=ns.mode, max_restarts=ns.max_restarts, stall_timeout_s=ns.stall_timeout,
     )
     if ns.trace is not None:
         cfg.trace_counts, cfg.schedule = _load_schedule(ns.trace, ns.interval, max_inst)
@@ -346,6 +360,11 @@ class Launcher:
         self._recoveries: set[Any] = set()
         self._recovering_since: dict[int, float] = {}
         self._kill_times: list[float] = []
+        self._batch: Optional[tuple[int, int]] = None
+        """(global batch, micro-batches) as the workers report them (None until the first report)."""
+        self._lost: dict[int, int] = {}
+        """Instance -> how often its process died by a signal nobody here sent."""
+        self._lost_relaunches = 0
 
     # ------------------------------------------------------------------------------------------------ store
     def _open_store(self) -> None:
@@ -392,6 +411,8 @@ class Launcher:
                 continue
             self.events.append(ev)
             if ev.get("source") == "worker":
+                if ev.get("global_batch"):
+                    self._batch = (int(ev["global_batch"]), int(ev.get("micro_batches") or 1))
                 rate = ev.get("samples_per_s", self.latest.get("samples_per_s", 0.0))
                 if ev.get("event") != "progress" and ev.get("generation") == self.latest.get("generation"):
                     rate = self.latest.get("samples_per_s", 0.0)  # only progress events carry a fresh rate
@@ -411,11 +432,24 @@ class Launcher:
 
     # ------------------------------------------------------------------------------------------------ workers
     def _shape_for(self, n: int) -> tuple[int, int, int]:
-        """(workers, D, P) for ``n`` instances; with a fixed P, instances beyond D*P stay idle."""
+        """(workers, D, P) for ``n`` instances; with a fixed P, instances beyond D*P stay idle.
+
+        D must split the job's global batch, by the rule the elastic path uses
+        (:func:`~lightning_parcae.runtime.data.batch_splits`): once a worker has reported its global batch B and
+        micro-batches M, D is the largest ``<= n // P`` that splits B into D x M; before that (the first launch)
+        it is a power of two, as :func:`initial_members` chooses for ``--elastic``.
+        """
         if self.cfg.pipeline_stages == "auto":
             return n, 0, 0  # the strategy picks; D, P come back in the workers' events
         p = min(int(self.cfg.pipeline_stages), n)
-        d = n // p
+        if self._batch is None:
+            members, _ = initial_members(n, str(p))
+            d = members // p
+        else:
+            from lightning_parcae.runtime.data import batch_splits  # noqa: PLC0415
+
+            b, m = self._batch
+            d = next((k for k in range(n // p, 0, -1) if batch_splits(b, k, m)), 1)
         return d * p, d, p
 
     def _start_generation(self, n: int) -> None:
@@ -441,6 +475,8 @@ class Launcher:
                 "PARCAE_PIPELINE_STAGES": cfg.pipeline_stages, "PARCAE_MODE": cfg.mode, "PARCAE_ELASTIC": "0",
             }
             env.setdefault("OMP_NUM_THREADS", "1")
+            if cfg.stall_timeout_s:
+                env["PARCAE_STALL_S"] = f"{cfg.stall_timeout_s:g}"
             if ckpt.exists():
                 env["PARCAE_RESUME_CKPT"] = str(ckpt)
             log_path = logs / f"gen{self.generation}_rank{rank}.log"
@@ -641,6 +677,8 @@ class Launcher:
             "PARCAE_INTERVAL_S": f"{cfg.wall_interval_s:g}",
         }
         env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.stall_timeout_s:
+            env["PARCAE_STALL_S"] = f"{cfg.stall_timeout_s:g}"
         ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
         if resume and ckpt.exists():
             env["PARCAE_RESUME_CKPT"] = str(ckpt)
@@ -773,16 +811,36 @@ class Launcher:
                               f"{self.instances[w.instance].member}")  # type: ignore[union-attr]
                 continue
             ours = w.killed or (w.noticed_at is not None and rc in (-signal.SIGTERM, -signal.SIGKILL))
-            if rc == 0 or ours:
+            lost = rc < 0 and not ours  # a signal nobody here sent (kill -9, the OOM killer): a lost instance
+            if lost:
+                self._count_lost(w, rc)
+            if rc == 0 or ours or lost:
                 if (not w.joiner and w.launch == self.launch and w.member not in self.phases and not self.finished
                         and self._fallback is None):
                     # lost before the first generation formed: the other initial members cannot go on without it
                     self._fallback_reason = f"initial member {w.member} lost during start-up"
                     self._start_fallback()
+                elif lost and current and not self.finished and self._fallback is None and not self._need_launch:
+                    self._spawn(w.instance, join=True)  # the survivors recover in place; a fresh standby for it
+                    self._say(f"{w.member} died by signal {-rc} (not sent by parcae run): a lost instance; the "
+                              f"others recover in place, restarted as warm standby "
+                              f"{self.instances[w.instance].member}")  # type: ignore[union-attr]
                 continue
+            # an exception in the script (or any exit that is neither a signal nor a protocol status): like
+            # Lightning, the job fails with the worker's traceback
             self.kill_all()
             raise self._fail(f"parcae run failed: worker {w.member} (launch {w.launch}) exited with {rc}; stopped "
                              "all workers", [w])
+
+    def _count_lost(self, w: _Worker, rc: int) -> None:
+        """Count one unrequested death by signal of ``w``'s instance; past ``--max-restarts`` the run fails."""
+        n = self._lost[w.instance] = self._lost.get(w.instance, 0) + 1
+        self.event("lost", member=w.member, instance=w.instance, rc=rc, count=n, max_restarts=self.cfg.max_restarts)
+        if n > self.cfg.max_restarts:
+            self.kill_all()
+            raise self._fail(f"parcae run failed: instance {w.instance} lost its process to a signal {n} times "
+                             f"(last: {w.member}, signal {-rc}), more than --max-restarts {self.cfg.max_restarts}; "
+                             "stopped all workers", [w])
 
     def _start_fallback(self) -> None:
         if self._fallback is not None:
@@ -982,6 +1040,19 @@ class Launcher:
             if self.workers:
                 codes = [w.proc.poll() for w in self.workers]
                 bad = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
+                lost = [w for w in bad if w.proc.returncode < 0]
+                if lost and self._lost_relaunches < cfg.max_restarts:
+                    # a worker died by a signal nobody here sent: a lost instance. The others cannot go on without
+                    # it (no live reconfiguration here): stop the generation and relaunch it from last.ckpt
+                    self._lost_relaunches += 1
+                    self.event("lost", ranks=[w.rank for w in lost], rc=[w.proc.returncode for w in lost],
+                               count=self._lost_relaunches, max_restarts=cfg.max_restarts)
+                    print(f"[parcae run] worker(s) {[w.rank for w in lost]} died by signal "
+                          f"{[-int(w.proc.returncode) for w in lost]}: relaunching generation {self.generation + 1} "
+                          "from last.ckpt", file=self.out, flush=True)
+                    self._pending_restart = self._stop_generation(self.n)
+                    self._start_generation(self.n)
+                    continue
                 if bad:
                     if any(w.proc.returncode == WRONG_TOKEN_EXIT for w in bad):
                         why = "a worker rejected the job token (wrong or missing PARCAE_JOB_TOKEN)"

@@ -279,9 +279,11 @@ class ParcaeStrategy(ParallelStrategy):
     @property
     def _solo(self) -> bool:
         """A joiner before it trains: Lightning's set-up collectives would not be matched by the running members,
-        so ``broadcast`` / ``barrier`` / ``reduce`` act locally until it has joined."""
+        so ``broadcast`` / ``barrier`` / ``reduce`` act locally until it has joined -- and never again after: once
+        admitted it is a member like any other, also after ``fit`` (a joiner whose barrier in
+        ``trainer.save_checkpoint`` returned at once exited while the others were still in it)."""
         er = self.elastic_runtime
-        return er is not None and er.joining and er.life.phase.value != "training"
+        return er is not None and er.joining and not er.admitted
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -353,6 +355,10 @@ class ParcaeStrategy(ParallelStrategy):
         if self.lightning_module is not None and getattr(self.lightning_module, "_trainer", None) is not None:
             check_trainer(self.lightning_module._trainer)
         super().setup_environment()
+        if self.elastic_runtime is not None and self.groups is not None and self.groups.built:
+            # validate/test/predict after fit: the job runs on the generation fit ended in (its members, ranks and
+            # groups); the launch's RANK / WORLD_SIZE and a rebuilt "generation 1" would be stale after any change
+            return
         self.set_world_ranks()
         world = self.world_size
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")

@@ -296,3 +296,35 @@ def test_elastic_join_into_d3_does_not_stall_if_the_epoch_ends_in_a_partial_batc
     assert any(e.get("event") == "migration" and e.get("D") == 3 and e.get("joiners") for e in events)
     assert not [e for e in events if e.get("event") == "recovering"], "a collective stalled after the join"
     _assert_invariant(job, tmp_path, args, 26, ref_args=[*args, "--drop-last"])
+
+
+@pytest.mark.timeout(240)
+def test_elastic_save_validate_test_predict_work_after_fit_if_the_job_recovered_from_a_hang(tmp_path: Path) -> None:
+    """Regression (issue 9, repro 3): one worker SIGSTOPped for 8 s and continued; the survivors recovered in
+    place and trained to the last step, and then the script's ``trainer.save_checkpoint(...)`` after ``fit``
+    failed in the strategy's barrier ("Connection closed by peer") and the job exited 1. After ``fit`` every
+    Lightning entry point (save_checkpoint, validate, test, predict) must run on the current generation."""
+    import os
+    import signal
+
+    args = ["--max-steps", "24", "--pipeline-stages", "1", "--interval-steps", "0", "--delay", "0.2",
+            "--batch-size", "24", "--samples", "480", "--after-fit", "--val-every", "10"]
+    job = ElasticJob(tmp_path / "job", args)
+    try:
+        job.start(3)
+        job.wait_step(4)
+        os.kill(job.procs["m2"].pid, signal.SIGSTOP)
+        time.sleep(8.0)
+        os.kill(job.procs["m2"].pid, signal.SIGCONT)
+        rc = job.wait(200)
+    finally:
+        job.stop()
+    assert rc["m2"] == 77 and rc["m0"] == 0 and rc["m1"] in (0, 76), job.tail()
+    assert any(e.get("event") == "recovering" for e in job.events())
+    import json
+
+    after = json.loads((job.out / "after_m0.json").read_text())
+    assert after["checkpoint_step"] == 24
+    assert after["validate"][0]["val_loss"] > 0 and after["test"][0]["test_loss"] > 0
+    assert after["predict_rows"] > 0
+    _assert_invariant(job, tmp_path, args, 24)

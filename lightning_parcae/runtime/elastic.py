@@ -204,6 +204,8 @@ class ElasticRuntime:
         self._standby_seen: dict[str, bytes] = {}
         self._last_standbys: list[str] = []
         self._recovering_since: Optional[float] = None
+        self.admitted = not joining
+        """Whether this process is (or was) a training member; a joiner becomes one in :meth:`joined`."""
         self.run_dir = os.environ.get("PARCAE_RUN_DIR")
 
     # ============================================================================================ connection
@@ -431,6 +433,7 @@ class ElasticRuntime:
         assert self.live is not None
         activate(self.live)
         self.live.set_generation(self.generation, self._watch())
+        self.admitted = True
         self.life.to(Phase.TRAINING, generation=self.generation, joined=True)
         self.event("joined", step=int(trainer.global_step), D=self.layout.data_parallel if self.layout else None,
                    P=self.layout.pipeline_stages if self.layout else None,
