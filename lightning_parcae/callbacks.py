@@ -158,7 +158,18 @@ class ParcaeRunCallback(pl.Callback):
         t = time.time()
         if trainer.is_global_zero:
             self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(str(self.ckpt_path))  # collective under ParcaeStrategy; atomic write on rank 0
+        from lightning_parcae.errors import PeerLostError  # noqa: PLC0415
+
+        try:
+            trainer.save_checkpoint(str(self.ckpt_path))  # collective under ParcaeStrategy; atomic write on rank 0
+        except PeerLostError as exc:
+            if _elastic(trainer) is None:
+                raise
+            # a member was lost while the checkpoint was gathered: skip this one (the previous last.ckpt stays,
+            # the write is atomic); the step boundary right after this hook recovers in place
+            print(f"checkpoint at step {trainer.global_step} skipped: {exc}", file=sys.stderr, flush=True)
+            self._emit(trainer, "checkpoint_skipped", reason=str(exc)[:200])
+            return
         self._emit(trainer, "checkpoint", reason=reason, save_s=time.time() - t, path=str(self.ckpt_path))
 
     # ------------------------------------------------------------------------------------------------ hooks

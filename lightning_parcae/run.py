@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="progress watchdog in seconds: an operation that makes no progress this long while every "
                    "heartbeat is fine becomes a recovery (passed to workers as PARCAE_STALL_S; default: the "
                    "strategy's stall_after_s, 60)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more instances than this machine hosts well (one per GPU, two per CPU core): for "
+                   "tests of the protocol with many small workers")
     p.add_argument("--progress-every", type=float, default=2.0, help="seconds between progress lines")
     p.add_argument("--no-plot", action="store_true", help="skip report.png")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command, e.g. python train.py")
@@ -212,10 +215,10 @@ def _config(argv: Sequence[str]) -> RunConfig:
         raise ConfigurationError(f"--max-instances must be >= 1, got {max_inst}")
     cap = host_capacity()
     need = max(ns.instances, max_inst) if ns.trace is None else max_inst
-    if need > cap:
+    if need > cap and not ns.oversubscribe:
         raise ConfigurationError(
             f"more instances than the machine can host: {need} requested, this machine hosts at most {cap} (one per "
-            "GPU, or two per CPU core); lower --instances/--max-instances"
+            "GPU, or two per CPU core); lower --instances/--max-instances (or pass --oversubscribe)"
         )
     if ns.pipeline_stages != "auto" and not (ns.pipeline_stages.isdigit() and int(ns.pipeline_stages) >= 1):
         raise ConfigurationError(f"--pipeline-stages must be a positive integer or 'auto', got {ns.pipeline_stages!r}")

@@ -772,7 +772,7 @@ class ParcaeStrategy(ParallelStrategy):
                 self._global_batch = sampler.global_batch
                 if self._resume_data is not None:
                     sampler.start_at(self._resume_data["epoch"], self._resume_data["cursor"],
-                                     self._resume_data.get("rng"))
+                                     self._resume_data.get("rng"), self._resume_data.get("rng_now"))
             return loader
 
         connector._prepare_dataloader = prepare  # type: ignore[method-assign]
@@ -792,6 +792,9 @@ class ParcaeStrategy(ParallelStrategy):
         rng = self._train_sampler.rng_state if self._train_sampler is not None else None
         if rng is not None:
             state["rng"] = rng
+        now = self._train_sampler.rng_now if self._train_sampler is not None else None
+        if now is not None:
+            state["rng_now"] = now
         return state
 
     # ============================================================================================ steps
@@ -1005,7 +1008,9 @@ class ParcaeStrategy(ParallelStrategy):
         if op in ("mean", "sum") and not out.is_floating_point():
             out = out.float()
         torch_op = {"max": ReduceOp.MAX, "min": ReduceOp.MIN}.get(op, ReduceOp.SUM)
-        guarded(lambda: dist.all_reduce(out, op=torch_op, group=group, async_op=True), "metric reduction")
+        if not self._elastic_guarded(lambda: dist.all_reduce(out, op=torch_op, group=group, async_op=True),
+                                     "metric reduction"):
+            return tensor  # a peer was lost: this rank's value; the next step boundary recovers
         if op == "mean":
             return out / dist.get_world_size(group)
         if op == "sum" and group is None:
@@ -1017,8 +1022,28 @@ class ParcaeStrategy(ParallelStrategy):
         if self.groups is None or self.groups.world == 1 or self._solo:
             return decision
         t = torch.tensor(int(decision), device=self.root_device)
-        guarded(lambda: dist.all_reduce(t, op=ReduceOp.SUM, async_op=True), "decision all-reduce")
+        if not self._elastic_guarded(lambda: dist.all_reduce(t, op=ReduceOp.SUM, async_op=True),
+                                     "decision all-reduce"):
+            return decision
         return bool(t.item() == self.groups.world) if all else bool(t.item() > 0)
+
+    def _elastic_guarded(self, post: Callable[[], Any], what: str) -> bool:
+        """Run a guarded collective of Lightning's (metric sync, barrier); False if a peer was lost during it.
+
+        Under live reconfiguration a loss outside the optimizer step (in validation, a checkpoint's barrier) must
+        not crash the script: the generation is already aborted, the caller goes on with its local value, and the
+        next step boundary recovers in place. Without live reconfiguration the error propagates.
+        """
+        from lightning_parcae.errors import PeerLostError  # noqa: PLC0415
+
+        try:
+            guarded(post, what)
+        except PeerLostError:
+            if self.elastic_runtime is None or self.elastic_runtime.live is None:
+                raise
+            log.warning("%s abandoned: a peer was lost; recovering at the next step boundary", what)
+            return False
+        return True
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         """Barrier over every rank."""
@@ -1027,7 +1052,7 @@ class ParcaeStrategy(ParallelStrategy):
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
-            guarded(lambda: dist.barrier(async_op=True), "barrier")
+            self._elastic_guarded(lambda: dist.barrier(async_op=True), "barrier")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Broadcast a picklable object from global rank ``src``."""
@@ -1133,7 +1158,7 @@ class ParcaeStrategy(ParallelStrategy):
         parcae = checkpoint.get(_CKPT_KEY)
         if isinstance(parcae, Mapping) and "data" in parcae:
             self._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"]),
-                                 "rng": parcae["data"].get("rng")}
+                                 "rng": parcae["data"].get("rng"), "rng_now": parcae["data"].get("rng_now")}
             saved_b = int(parcae["data"].get("global_batch", 0))
             if saved_b and self._global_batch and saved_b != self._global_batch:
                 warnings.warn(f"checkpoint global batch {saved_b} differs from {self._global_batch}", stacklevel=2)

@@ -109,3 +109,54 @@ def test_sampler_epoch_has_the_same_steps_at_every_d_if_elastic() -> None:
         assert len(members) == len(joiner) == 3
         assert len(got) == 1 + len(list(joiner)) == 3
         assert [r[2] for r in members.records][-1] == list(range(24, 36))  # the 8 trailing samples are dropped
+
+
+def _loader(seed: int = 11):
+    from torch.utils.data import DataLoader
+
+    from lightning_parcae.runtime.data import reshard_dataloader
+
+    data = list(range(32))
+    user = DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    return reshard_dataloader(user, 1, 0, 1, True, fixed_epoch=True)
+
+
+def _epoch(loader, sampler, epoch: int) -> list[int]:
+    sampler.set_epoch(epoch)
+    return [int(i) for batch in loader for i in batch]
+
+
+def test_sampler_resumes_the_next_epochs_order_if_saved_at_an_epochs_last_step() -> None:
+    """Regression (issue 9, found by the chaos harness, seed 4): a joiner admitted at the last step of an epoch
+    trained on another order than the members: Lightning resumed it straight into the next epoch, where the
+    sampler (a) still started at the saved epoch's cursor -- the whole epoch was skipped -- and (b) had not
+    replayed the generator draws the members had made since (the DataLoader takes one seed per iterator from
+    the shuffle generator). Samples were repeated and others skipped. The resumed process now continues from the
+    saving process's generator state (``rng_now``) and starts the new epoch at its first sample."""
+    loader, sampler = _loader()
+    seen = [_epoch(loader, sampler, e) for e in range(3)]
+    state = {"rng": sampler.rng_state, "now": sampler.rng_now}
+    expected = [_epoch(loader, sampler, e) for e in (3, 4)]
+    for skip_saved_epoch in (True, False):  # Lightning goes on to epoch 3, or first re-enters the finished epoch 2
+        joiner_loader, joiner = _loader()
+        joiner.start_at(2, 32, state["rng"], state["now"])
+        if not skip_saved_epoch:
+            assert _epoch(joiner_loader, joiner, 2) == []
+        got = [_epoch(joiner_loader, joiner, e) for e in (3, 4)]
+        assert got == expected
+        assert sorted(got[0]) == list(range(32)) and got[0] != seen[2]
+
+
+def test_sampler_resumes_mid_epoch_with_the_same_order_and_next_epochs() -> None:
+    loader, sampler = _loader()
+    _epoch(loader, sampler, 0)
+    sampler.set_epoch(1)
+    it = iter(loader)
+    first = [int(i) for i in next(it)]
+    state = {"rng": sampler.rng_state, "now": sampler.rng_now}
+    rest = [int(i) for batch in it for i in batch]
+    nxt = _epoch(loader, sampler, 2)
+    joiner_loader, joiner = _loader()
+    joiner.start_at(1, 8, state["rng"], state["now"])
+    assert _epoch(joiner_loader, joiner, 1) == rest and len(first + rest) == 32
+    assert _epoch(joiner_loader, joiner, 2) == nxt

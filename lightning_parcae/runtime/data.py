@@ -84,6 +84,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self._warned = False
         self._resume: Optional[tuple[int, Optional[torch.Tensor]]] = None
         self._rng_state: Optional[torch.Tensor] = None
+        self.loader_generator: Optional[torch.Generator] = None
+        """The DataLoader's generator (it draws one seed from it per iterator); set by :func:`reshard_dataloader`."""
         self.records: deque[tuple[int, int, list[int]]] = deque()
         self.sampler = self  # so that Lightning's _set_sampler_epoch finds set_epoch
 
@@ -104,7 +106,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         """Select the epoch whose order the next iteration uses (called by Lightning)."""
         self.epoch = epoch
 
-    def start_at(self, epoch: int, cursor: int, rng_state: Optional[torch.Tensor] = None) -> None:
+    def start_at(self, epoch: int, cursor: int, rng_state: Optional[torch.Tensor] = None,
+                 rng_now: Optional[torch.Tensor] = None) -> None:
         """Resume: the next iteration of ``epoch`` starts at global sample ``cursor``.
 
         Args:
@@ -112,9 +115,25 @@ class GlobalBatchSampler(Sampler[list[int]]):
             cursor: global samples of that epoch already consumed.
             rng_state: the base sampler generator's state right before it drew ``epoch``'s order (from
                 :attr:`rng_state`); restores the exact order of a shuffled loader.
+            rng_now: the generator's state when the checkpoint was taken (:attr:`rng_now`). The generator is put
+                back to it after ``epoch``'s order is redrawn, so the next epochs draw what the saving process
+                draws -- also the DataLoader's per-iteration seed, which comes from the same generator. When
+                Lightning resumes straight into the next epoch (a checkpoint taken at an epoch's last step), the
+                generator is set to it plus that epoch's one seed draw (a joiner admitted at an epoch's end once
+                trained on an order of its own: samples repeated, others skipped).
         """
         self.epoch, self.cursor = epoch, cursor
-        self._resume = (epoch, rng_state)
+        self._resume = (epoch, rng_state, rng_now)
+
+    def _generator(self) -> Optional[torch.Generator]:
+        gen = getattr(self.base, "generator", None)
+        return gen if isinstance(gen, torch.Generator) else None
+
+    @property
+    def rng_now(self) -> Optional[torch.Tensor]:
+        """The base sampler generator's current state (``None`` without a generator)."""
+        gen = self._generator()
+        return gen.get_state() if gen is not None else None
 
     @property
     def rng_state(self) -> Optional[torch.Tensor]:
@@ -129,12 +148,23 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return list(itertools.islice(iter(self.base), len(self.base)))  # type: ignore[arg-type]
 
     def _order(self) -> list[int]:
-        gen = getattr(self.base, "generator", None)
-        gen = gen if isinstance(gen, torch.Generator) else None
+        gen = self._generator()
         resume, self._resume = self._resume, None
+        if resume is not None and resume[0] < self.epoch:
+            self.cursor = 0  # the resumed epoch was complete: the next one starts at its first sample
         if resume is not None and resume[0] == self.epoch and resume[1] is not None and gen is not None:
             gen.set_state(resume[1])
             self._drawn = self.epoch
+            if resume[2] is not None:
+                self._rng_state = gen.get_state()
+                order = self._draw()
+                gen.set_state(resume[2])  # where the saving process's generator was: the next epochs agree
+                return order
+        elif resume is not None and resume[0] < self.epoch and resume[2] is not None and gen is not None:
+            gen.set_state(resume[2])  # the saved epoch was complete: continue from the saving process's state ...
+            if self.loader_generator is gen:  # ... plus this epoch's DataLoader-iterator seed, as it will draw
+                torch.empty((), dtype=torch.int64).random_(generator=gen)
+            self._drawn = resume[0] + 1
         while self._drawn < self.epoch:  # fast-forward a resumed run through the epochs it did not see
             self._draw()
         self._rng_state = gen.get_state() if gen is not None else None
@@ -241,6 +271,7 @@ def reshard_dataloader(
     sampler = GlobalBatchSampler(
         loader.sampler, b, replicas, replica, replicas * micro_batches, drop_last, train, fixed_epoch
     )
+    sampler.loader_generator = loader.generator
     kwargs: dict[str, Any] = dict(
         batch_sampler=sampler,
         num_workers=loader.num_workers,
