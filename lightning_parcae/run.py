@@ -368,6 +368,7 @@ class Launcher:
         self._lost: dict[int, int] = {}
         """Instance -> how often its process died by a signal nobody here sent."""
         self._lost_relaunches = 0
+        self._no_members_since: Optional[float] = None
 
     # ------------------------------------------------------------------------------------------------ store
     def _open_store(self) -> None:
@@ -835,6 +836,22 @@ class Launcher:
             raise self._fail(f"parcae run failed: worker {w.member} (launch {w.launch}) exited with {rc}; stopped "
                              "all workers", [w])
 
+    def _check_members_left(self, alive: list[_Worker]) -> None:
+        """Every training member is gone (killed together, or the last one lost) while standbys wait: nobody is
+        left to hand state over or to exit 75, so the launcher starts the fallback itself (relaunch from
+        last.ckpt). The condition must hold for 3 s: phase events reach the launcher with a delay."""
+        members = [w for w in alive if not self._waiting(w)]
+        if members or not self._gen_first_step or self.finished or self._fallback is not None or self._need_launch:
+            self._no_members_since = None
+            return
+        now = time.time()
+        if self._no_members_since is None:
+            self._no_members_since = now
+        elif now - self._no_members_since > 3.0:
+            self._no_members_since = None
+            self._fallback_reason = "every training member was lost (no live process holds the model)"
+            self._start_fallback()
+
     def _count_lost(self, w: _Worker, rc: int) -> None:
         """Count one unrequested death by signal of ``w``'s instance; past ``--max-restarts`` the run fails."""
         n = self._lost[w.instance] = self._lost.get(w.instance, 0) + 1
@@ -925,6 +942,7 @@ class Launcher:
             if self._fallback is not None:
                 self._advance_fallback()
             alive = [w for w in self.workers if w.alive()]
+            self._check_members_left(alive)
             if self.finished:
                 if not alive:
                     break
