@@ -79,7 +79,7 @@ class Trial:
         args = ["--max-steps", str(self.max_steps), "--batch-size", str(self.batch), "--samples", str(self.samples),
                 "--pipeline-stages", str(self.pipeline_stages), "--micro-batches", str(self.micro_batches),
                 "--schedule", self.schedule, "--optimizer", self.optimizer, "--interval-steps", "4",
-                "--delay", "0.15", "--ckpt-every", "5", "--stall-s", str(WATCHDOG_S)]
+                "--delay", "0.15", "--ckpt-every", "5", "--stall-s", str(WATCHDOG_S), "--blocks"]
         if self.val_every:
             args += ["--val-every", str(self.val_every)]
         return args

@@ -42,13 +42,17 @@ class Indexed(Dataset):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, hidden: int = 16, optimizer: str = "adam") -> None:
+    def __init__(self, hidden: int = 16, optimizer: str = "adam", blocks: bool = False) -> None:
         super().__init__()
         self.optimizer_name = optimizer
         torch.manual_seed(3)
         h = hidden
-        self.net = nn.Sequential(nn.Linear(8, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h),
-                                 nn.Tanh(), nn.Linear(h, 2))
+        if blocks:  # 4 layers, each with parameters: any P <= 3 gives every stage something to optimize
+            self.net = nn.Sequential(nn.Sequential(nn.Linear(8, h), nn.Tanh()), nn.Sequential(nn.Linear(h, h),
+                                     nn.Tanh()), nn.Sequential(nn.Linear(h, h), nn.Tanh()), nn.Linear(h, 2))
+        else:
+            self.net = nn.Sequential(nn.Linear(8, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h),
+                                     nn.Tanh(), nn.Linear(h, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -122,13 +126,14 @@ def main() -> None:
     ap.add_argument("--drop-last", action="store_true")
     ap.add_argument("--after-fit", action="store_true", help="save_checkpoint/validate/test/predict after fit")
     ap.add_argument("--stall-s", type=float, default=30.0, help="progress watchdog bound (seconds)")
+    ap.add_argument("--blocks", action="store_true", help="Linear+Tanh blocks as layers (no parameter-free stage)")
     ap.add_argument("--reference", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     loader = DataLoader(Indexed(args.samples), batch_size=args.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(11), drop_last=args.drop_last)
     val = DataLoader(Indexed(48), batch_size=12) if args.val_every else None
-    model = Net(args.hidden, args.optimizer)
+    model = Net(args.hidden, args.optimizer, args.blocks)
     common = dict(accelerator="cpu", max_steps=args.max_steps, max_epochs=-1, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     if args.val_every:
