@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--val-every", type=int, default=0, help="validation every N steps (0: none)")
     ap.add_argument("--drop-last", action="store_true")
     ap.add_argument("--after-fit", action="store_true", help="save_checkpoint/validate/test/predict after fit")
-    ap.add_argument("--stall-s", type=float, default=30.0, help="progress watchdog bound (seconds)")
+    ap.add_argument("--stall-s", type=float, default=120.0, help="progress watchdog bound (seconds)")
     ap.add_argument("--blocks", action="store_true", help="Linear+Tanh blocks as layers (no parameter-free stage)")
     ap.add_argument("--reference", action="store_true")
     args = ap.parse_args()
