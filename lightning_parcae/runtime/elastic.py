@@ -702,7 +702,10 @@ class ElasticRuntime:
         t_groups = time.monotonic()
         # the transfers belong to the new generation: a death now aborts *it* (and is seen by every participant)
         self.live.set_generation(int(rec["generation"]), [m for m in transition if m != self.member])
-        self._init_transition(rec)
+        try:
+            self._init_transition(rec)
+        except RuntimeError as exc:
+            self._rendezvous_failed(trainer, rec, exc)
         module = s.lightning_module
         assert module is not None
         opts = [getattr(o, "_optimizer", o) for o in s.optimizers]
@@ -725,7 +728,10 @@ class ElasticRuntime:
         received: dict[int, Any] = {}
         for blob in inbox.values():
             received.update(blob.get("layers", {}))
-        s.apply_layout(trainer, new, int(rec["generation"]), received, self.group_of)
+        try:
+            s.apply_layout(trainer, new, int(rec["generation"]), received, self.group_of)
+        except RuntimeError as exc:
+            self._rendezvous_failed(trainer, rec, exc)
         self._enter(rec)
         self.live.set_generation(self.generation, self._watch())
         if self.is_leader:
@@ -742,6 +748,15 @@ class ElasticRuntime:
         self.migrations.append(info)
         self.event("migration", **info)
         self.life.to(Phase.TRAINING, **{k: info[k] for k in ("kind", "duration_s", "D", "P")})
+
+    def _rendezvous_failed(self, trainer: "pl.Trainer", rec: dict[str, Any], exc: BaseException) -> None:
+        """Building a new generation's groups failed (a peer lost or stalled during the rendezvous, or gloo's
+        connectFullMesh racing -- chaos seed 14 saw "Connection closed by peer" there once, not on replay). The
+        generation cannot be entered consistently; rather than fail the job, fall back: exit 75 and let the
+        launcher restart from the last checkpoint (at most the steps since it are lost)."""
+        reason = f"process groups of generation {rec['generation']} could not be built: {str(exc).splitlines()[0][:160]}"
+        self.event("rendezvous_failed", reason=reason)
+        self.fallback(trainer, {"reason": reason})
 
     def _loop_state(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """Leader: everything a joiner needs besides its layers (loop, callbacks, schedulers, replicated params)."""
