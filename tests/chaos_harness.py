@@ -236,7 +236,7 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
     shutil.rmtree(run_dir, ignore_errors=True)
     out = run_dir / "job"
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "lightning_parcae.run", "--instances", str(trial.instances), "--run-dir",
+    cmd = [sys.executable, "-m", "lightning_parcae.launch.run", "--instances", str(trial.instances), "--run-dir",
            str(run_dir), "--no-plot", "--progress-every", "30", "--oversubscribe", "--stall-timeout", str(WATCHDOG_S),
            "--pipeline-stages", str(trial.pipeline_stages), "--startup-timeout", "240", "--",
            sys.executable, JOB, "--out", str(out), *trial.job_args()]

@@ -143,8 +143,8 @@ def main() -> None:
         trainer.fit(model, loader, val)
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "reference.pt"))
         return
-    from lightning_parcae.callbacks import ParcaeRunCallback, resume_path
-    from lightning_parcae.strategy import ParcaeStrategy
+    from lightning_parcae.training.callbacks import ParcaeRunCallback, resume_path
+    from lightning_parcae.training.strategy import ParcaeStrategy
 
     strategy = ParcaeStrategy(pipeline_stages=args.pipeline_stages, micro_batches=args.micro_batches, elastic=True,
                               schedule=args.schedule, interval_s=0, interval_steps=args.interval_steps,

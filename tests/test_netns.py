@@ -113,7 +113,7 @@ def test_agents_on_three_namespaced_machines_train_one_job_if_a_machine_is_preem
         url, store = cluster.host_store(token)
 
         def start(name: str, *how: str) -> None:
-            cmd = [sys.executable, "-m", "lightning_parcae.cli", "agent", "--store", url, "--member", name,
+            cmd = [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name,
                    "--notices", "none", "--run-dir", str(out), *how, "--", sys.executable, JOB, "--out", str(out),
                    *args]
             agents[name] = cluster.popen(name, cmd, {**env, "MASTER_ADDR": cluster.addr["a0"]},

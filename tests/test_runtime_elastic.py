@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_parcae.runtime.etcd_server import EtcdServer
+from lightning_parcae.testing.etcd_server import EtcdServer
 from elastic_harness import (
     ElasticJob,
     check_replicas_agree,

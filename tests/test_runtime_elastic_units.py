@@ -41,7 +41,7 @@ class _Owner:
 
 
 def _runtime(store, member: str, members: tuple[str, ...]):  # noqa: ANN001, ANN202
-    from lightning_parcae.planner import Layout
+    from lightning_parcae.planning.migration_plan import Layout
     from lightning_parcae.runtime.coordinator import Coordinator
     from lightning_parcae.runtime.elastic import ElasticRuntime
     from lightning_parcae.runtime.liveness import Liveness

@@ -5,7 +5,7 @@ must (a) decide ahead of time which shape to run next (predictor + liveput optim
 process), (b) get every process to switch at the *same* step, (c) move only the state that has to move between
 processes that keep running, (d) survive a sudden loss without any stage applying an optimizer step that another
 did not, and (e) let a new process join with the exact model, optimizer and loop state of the running job. This
-module is that protocol; :class:`~lightning_parcae.strategy.ParcaeStrategy` calls into it at a few points.
+module is that protocol; :class:`~lightning_parcae.training.strategy.ParcaeStrategy` calls into it at a few points.
 
 Protocol (see ``docs/elastic.md`` for the user-facing version and :mod:`.lifecycle` for the state machine):
 
@@ -50,11 +50,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_parcae.costmodel import DefaultCostModel, MigrationConstants, Shape, ShapeLimits, ThroughputModel
+from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape, ShapeLimits, ThroughputModel
 from lightning_parcae.errors import ConfigurationError, PeerLostError
-from lightning_parcae.optimizer import PAUSED, LiveputOptimizer
-from lightning_parcae.planner import Layout, MigrationPlan, StageLostError, plan_migration
-from lightning_parcae.predictor import make_predictor
+from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
+from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
+from lightning_parcae.planning.forecast import make_predictor
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.data import batch_splits
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
@@ -64,7 +64,7 @@ from lightning_parcae.runtime.migration import exchange, layer_payload
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-    from lightning_parcae.strategy import ParcaeStrategy
+    from lightning_parcae.training.strategy import ParcaeStrategy
 
 __all__ = ["ElasticRuntime", "RuntimeThroughput", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
 
@@ -107,7 +107,7 @@ class RuntimeThroughput(ThroughputModel):
         self.limits = ShapeLimits(max_p=min(max_p or len(layer_ms), len(layer_ms)))
 
     def _stage_max(self, p: int) -> float:
-        from lightning_parcae.costmodel import balanced_partition  # noqa: PLC0415
+        from lightning_parcae.planning.costmodel import balanced_partition  # noqa: PLC0415
 
         b = balanced_partition(self.layer_ms, p)
         return max(sum(self.layer_ms[b[k] : b[k + 1]]) for k in range(p))
@@ -261,7 +261,7 @@ class ElasticRuntime:
               "event": event_name}
         log.debug("%s", ev)
         if self.run_dir:
-            from lightning_parcae.callbacks import append_event  # noqa: PLC0415
+            from lightning_parcae.training.callbacks import append_event  # noqa: PLC0415
 
             try:
                 append_event(self.run_dir, _json_safe(ev))
