@@ -5,6 +5,11 @@ stage-0 ranks append the sample ids of their slice, and every rank appends a dig
 (replicas of a stage must agree). At the end every process writes its parameters (global names) to
 ``<out>/final_<member>.pt``. ``--reference`` trains the same job in one plain process (no strategy) and writes
 ``<out>/reference.pt``.
+
+Options the chaos harness draws from (``tests/chaos``): ``--optimizer adam|sgd``, ``--schedule 1f1b|gpipe``,
+``--val-every N`` (a validation loop every N steps, metrics synced over the job), ``--drop-last`` (the reference
+drops a trailing partial batch too) and ``--after-fit`` (what a script does after ``fit``: ``save_checkpoint``,
+``validate``, ``test`` and ``predict``; their results go to ``<out>/after_<member>.json``).
 """
 
 from __future__ import annotations
@@ -37,12 +42,17 @@ class Indexed(Dataset):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, hidden: int = 16) -> None:
+    def __init__(self, hidden: int = 16, optimizer: str = "adam", blocks: bool = False) -> None:
         super().__init__()
+        self.optimizer_name = optimizer
         torch.manual_seed(3)
         h = hidden
-        self.net = nn.Sequential(nn.Linear(8, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h),
-                                 nn.Tanh(), nn.Linear(h, 2))
+        if blocks:  # 4 layers, each with parameters: any P <= 3 gives every stage something to optimize
+            self.net = nn.Sequential(nn.Sequential(nn.Linear(8, h), nn.Tanh()), nn.Sequential(nn.Linear(h, h),
+                                     nn.Tanh()), nn.Sequential(nn.Linear(h, h), nn.Tanh()), nn.Linear(h, 2))
+        else:
+            self.net = nn.Sequential(nn.Linear(8, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h),
+                                     nn.Tanh(), nn.Linear(h, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -53,8 +63,22 @@ class Net(pl.LightningModule):
         self.log("loss", loss)
         return loss
 
+    def validation_step(self, batch: tuple, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: tuple, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
     def configure_optimizers(self) -> dict:
-        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        if self.optimizer_name == "sgd":
+            opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=5e-2, momentum=0.9)
+        else:
+            opt = torch.optim.Adam(self.parameters(), lr=1e-2)
         # a scheduler whose state must survive migrations and reach joiners (the LR changes every 5 steps)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -96,33 +120,58 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--samples", type=int, default=512, help="dataset size (a multiple of the batch size)")
+    ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    ap.add_argument("--val-every", type=int, default=0, help="validation every N steps (0: none)")
+    ap.add_argument("--drop-last", action="store_true")
+    ap.add_argument("--after-fit", action="store_true", help="save_checkpoint/validate/test/predict after fit")
+    ap.add_argument("--stall-s", type=float, default=120.0, help="progress watchdog bound (seconds)")
+    ap.add_argument("--blocks", action="store_true", help="Linear+Tanh blocks as layers (no parameter-free stage)")
     ap.add_argument("--reference", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     loader = DataLoader(Indexed(args.samples), batch_size=args.batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(11))
-    model = Net(args.hidden)
+                        generator=torch.Generator().manual_seed(11), drop_last=args.drop_last)
+    val = DataLoader(Indexed(48), batch_size=12) if args.val_every else None
+    model = Net(args.hidden, args.optimizer, args.blocks)
     common = dict(accelerator="cpu", max_steps=args.max_steps, max_epochs=-1, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    if args.val_every:
+        common.update(val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0)
     if args.reference:
         trainer = pl.Trainer(devices=1, **common)
-        trainer.fit(model, loader)
+        trainer.fit(model, loader, val)
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "reference.pt"))
         return
     from lightning_parcae.training.callbacks import ParcaeRunCallback, resume_path
     from lightning_parcae.training.strategy import ParcaeStrategy
 
     strategy = ParcaeStrategy(pipeline_stages=args.pipeline_stages, micro_batches=args.micro_batches, elastic=True,
-                              interval_s=0, interval_steps=args.interval_steps, heartbeat_s=0.1, dead_after_s=3.0)
+                              schedule=args.schedule, interval_s=0, interval_steps=args.interval_steps,
+                              heartbeat_s=0.1, dead_after_s=3.0, stall_after_s=args.stall_s)
     callbacks: list[pl.Callback] = [Recorder(args.out, args.delay)]
     if args.ckpt_every:
         callbacks.append(ParcaeRunCallback(every_n_steps=args.ckpt_every, check_token=False))
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     trainer = pl.Trainer(devices=devices, strategy=strategy, callbacks=callbacks, **common)
-    trainer.fit(model, loader, ckpt_path=resume_path())
+    trainer.fit(model, loader, val, ckpt_path=resume_path())
     er = strategy.elastic_runtime
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     torch.save(state, os.path.join(args.out, f"final_{er.member}.pt"))
+    if args.after_fit:  # what a Lightning script does next; must work after any number of reconfigurations
+        after: dict = {}
+        path = os.path.join(args.out, "after_fit.ckpt")
+        trainer.save_checkpoint(path)
+        strategy.wait_for_checkpoint()
+        after["checkpoint_step"] = int(torch.load(path, weights_only=True)["global_step"]) \
+            if trainer.is_global_zero else None
+        check = DataLoader(Indexed(48), batch_size=12)
+        after["validate"] = trainer.validate(model, check, verbose=False)
+        after["test"] = trainer.test(model, check, verbose=False)
+        preds = trainer.predict(model, check)
+        after["predict_rows"] = int(sum(p.shape[0] for p in preds)) if preds else 0
+        with open(os.path.join(args.out, f"after_{er.member}.json"), "w") as f:
+            json.dump(after, f)
 
 
 if __name__ == "__main__":

@@ -311,3 +311,106 @@ def test_main_migrates_in_place_if_trace_removes_and_adds(tmp_path: Path, capsys
     assert "migration -> gen" in out
     left = [e for e in report["events"] if e.get("event") == "left"]
     assert [(e["member"], e["reason"]) for e in left] == [("i1", "notice")]
+
+
+# ------------------------------------------------------------------------------------------------ issue 9 regressions
+def _kill_when(launcher_dir: Path, member: str, sig: int, after_s: float = 1.0) -> None:
+    """Send ``sig`` to worker ``member`` of the run in ``launcher_dir`` from outside (as an operator or the kernel's
+    OOM killer would), once it has been up for ``after_s``."""
+    import threading
+    import time
+
+    def go() -> None:
+        t_end = time.time() + 60
+        while time.time() < t_end:
+            for d in Path("/proc").iterdir():
+                if not d.name.isdigit():
+                    continue
+                try:
+                    env = (d / "environ").read_bytes()
+                except OSError:
+                    continue
+                if f"PARCAE_MEMBER={member}\0".encode() in env and str(launcher_dir).encode() in env:
+                    time.sleep(after_s)
+                    os.kill(int(d.name), sig)
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=go, daemon=True).start()
+
+
+@pytest.mark.timeout(60)
+def test_elastic_restarts_a_standby_if_a_worker_is_sigkilled_from_outside(tmp_path: Path) -> None:
+    """Regression (issue 9, repro 2): ``kill -9`` of one worker from outside made ``parcae run`` stop every worker
+    ("exited with -9; stopped all workers") while the survivors were already recovering. A death by a signal the
+    launcher did not send is a lost instance: the job goes on and a fresh standby takes the instance's place."""
+    cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--",
+                   sys.executable, FAKE, "--steps", "40", "--step-s", "0.1"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    import signal
+
+    _kill_when(tmp_path, "i1", signal.SIGKILL)
+    report = launcher.run()
+    _assert_nothing_left(launcher)
+    exits = {e["member"]: e for e in _launcher_events(report, "exit")}
+    assert exits["i1"]["rc"] == -9 and not exits["i1"]["killed"]
+    lost = _launcher_events(report, "lost")
+    assert [(e["member"], e["count"]) for e in lost] == [("i1", 1)]
+    assert _env(tmp_path, "i1.1")["PARCAE_JOIN"] == "1"  # a fresh standby for the lost instance
+    assert report["final_step"] == 40 and report["num_restarts"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_elastic_fails_if_an_instance_keeps_dying_by_signal_past_max_restarts(tmp_path: Path) -> None:
+    cfg = _config(["--instances", "2", "--max-restarts", "1", "--run-dir", str(tmp_path), "--no-plot", "--",
+                   sys.executable, FAKE, "--steps", "400", "--step-s", "0.1"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    import signal
+
+    _kill_when(tmp_path, "i1", signal.SIGKILL)
+    _kill_when(tmp_path, "i1.1", signal.SIGKILL)
+    with pytest.raises(RunFailed, match="lost its process to a signal 2 times"):
+        launcher.run()
+    _assert_nothing_left(launcher)
+
+
+def test_restart_fallback_chooses_only_d_that_splits_the_reported_batch() -> None:
+    """Regression (issue 9, repro 4): ``parcae run --restart-fallback`` (docs/run.md) died at the first change
+    with ``BatchSplitError: global batch size 64 cannot be split evenly over D=3 pipelines``: the relaunch took
+    D = N // P. It now takes the largest D that splits the batch the workers reported (the rule of the elastic
+    path, ``runtime.data.batch_splits``), and a power of two before any report."""
+    from lightning_parcae.runtime.data import batch_splits
+
+    cfg = _config(["--instances", "4", "--restart-fallback", "--", "python", "x.py"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    assert launcher._shape_for(3) == (2, 2, 1)  # nothing reported yet: a power of two
+    for b, m in [(64, 2), (48, 2), (60, 1), (30, 2), (7, 1)]:
+        launcher._batch = (b, m)
+        for n in range(1, 7):
+            workers, d, p = launcher._shape_for(n)
+            legal = [k for k in range(1, n + 1) if batch_splits(b, k, m)]
+            assert d == (max(legal) if legal else 1) and workers == d, (b, m, n, d)
+    launcher._batch = (64, 2)
+    assert launcher._shape_for(3) == (2, 2, 1)
+    launcher._batch = (48, 2)
+    assert launcher._shape_for(3) == (3, 3, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_restart_fallback_relaunches_at_a_splitting_d_if_the_trace_leaves_three(tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The documented baseline end to end: 4 instances, then 3, with the default global batch 64 (D = 3 does not
+    split it): the relaunch runs D = 2 and the job finishes."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,4\n60000,3\n")
+    run_dir = tmp_path / "run"
+    rc = main(["--instances", "4", "--restart-fallback", "--trace", str(trace), "--time-scale", "6", "--grace", "30",
+               "--run-dir", str(run_dir), "--no-plot", "--progress-every", "10", "--",
+               sys.executable, EXAMPLE, "--max-steps", "400", "--step-delay", "0.03", "--ckpt-every", "50"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["final_step"] == 400 and report["num_restarts"] >= 1
+    launches = _launcher_events(report, "launch")
+    assert [(e["N"], e["D"]) for e in launches][-1] == (3, 2)

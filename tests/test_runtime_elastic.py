@@ -46,17 +46,19 @@ pytestmark = pytest.mark.multiprocess
 BATCH = 16
 
 
-def _assert_invariant(job: ElasticJob, tmp_path: Path, args: list[str], max_steps: int) -> None:
+def _assert_invariant(job: ElasticJob, tmp_path: Path, args: list[str], max_steps: int,
+                      ref_args: list[str] | None = None) -> None:
     steps = job.steps()
     assert max(r["step"] for r in steps) == max_steps, job.tail()
     batch = int(args[args.index("--batch-size") + 1]) if "--batch-size" in args else BATCH
     ids = check_samples_once(steps, max_steps, batch)
     epoch = int(args[args.index("--samples") + 1]) if "--samples" in args else 512
+    epoch -= epoch % batch  # a trailing partial batch is dropped under live reconfiguration
     for a in range(0, len(ids), epoch):  # each epoch (512 samples) is a permutation: nothing repeated or skipped
         chunk = ids[a : a + epoch]
         assert len(set(chunk)) == len(chunk), "a sample was consumed twice within one epoch"
     assert check_replicas_agree(steps) > 0
-    ref = reference(tmp_path / "ref", args)
+    ref = reference(tmp_path / "ref", ref_args or args)
     final = merged_final(job.finals())
     assert set(final) == set(ref)
     for k in ref:
@@ -251,3 +253,78 @@ def test_elastic_moves_a_survivor_to_another_stage_if_every_replica_of_that_stag
     kinds = _kinds(job)
     assert "inter-stage" in kinds, f"migration kinds: {kinds}"
     _assert_invariant(job, tmp_path, args, 14)
+
+
+def _wait_standby(job: ElasticJob, member: str, timeout: float = 120.0) -> None:
+    t_end = time.time() + timeout
+    while not any(e.get("member") == member and e.get("new") == "standby" for e in job.events()):
+        assert time.time() < t_end, job.tail()
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(240)
+def test_elastic_join_into_d3_does_not_stall_if_the_epoch_ends_in_a_partial_batch(tmp_path: Path) -> None:
+    """Regression (issue 9, repro 1): the README job with ``--batch-size 48`` stalled for 290 s (gloo's timeout)
+    right after a warm standby was admitted into D = 3, with every heartbeat fine. The trailing partial batch
+    (2048 = 42 x 48 + 32) splits over D = 2 or 4 but not over D = 3, so the members (whose loader length was
+    taken at D = 4: 43 batches) found the epoch's end by a ``StopIteration`` in one extra loop iteration, while
+    the joiner (length taken at D = 3: 42) stopped by count. That extra iteration starts with Lightning's
+    unguarded SIGTERM broadcast from rank 0 -- a collective the joiner never issued -- so rank 0 waited in the
+    broadcast and the others in the next gradient all-reduce until gloo's timeout. Two fixes, each enough here:
+    the partial batch is dropped at every D under live reconfiguration (epochs have one length everywhere), and
+    the per-batch SIGTERM broadcast is off (a notice is agreed at the step boundary). Here 116 samples = 4 x 24
+    + 20 (20 splits over 2 x 2, not 3 x 2); the job is forced into 3 x 1 and runs several epochs after the join.
+    It must finish with no recovery at all (the progress watchdog turned the old stall into one after 20 s), and
+    equal the uninterrupted run that drops the partial batch."""
+    from lightning_parcae.runtime.coordinator import Coordinator
+    from lightning_parcae.runtime.store import connect_store
+
+    args = ["--max-steps", "26", "--pipeline-stages", "1", "--interval-steps", "2", "--delay", "0.15",
+            "--batch-size", "24", "--samples", "116", "--stall-s", "20"]
+    job = ElasticJob(tmp_path / "job", args)
+    try:
+        job.start(2)
+        joiner = job.add()
+        _wait_standby(job, joiner)
+        Coordinator(connect_store(job.url, token=job.token), job.token).put("parcae/request",
+                                                                            {"id": 1, "D": 3, "P": 1})
+        rc = job.wait(180)
+    finally:
+        job.stop()
+    assert rc == {"m0": 0, "m1": 0, joiner: 0}, job.tail()
+    events = job.events()
+    assert any(e.get("event") == "migration" and e.get("D") == 3 and e.get("joiners") for e in events)
+    assert not [e for e in events if e.get("event") == "recovering"], "a collective stalled after the join"
+    _assert_invariant(job, tmp_path, args, 26, ref_args=[*args, "--drop-last"])
+
+
+@pytest.mark.timeout(240)
+def test_elastic_save_validate_test_predict_work_after_fit_if_the_job_recovered_from_a_hang(tmp_path: Path) -> None:
+    """Regression (issue 9, repro 3): one worker SIGSTOPped for 8 s and continued; the survivors recovered in
+    place and trained to the last step, and then the script's ``trainer.save_checkpoint(...)`` after ``fit``
+    failed in the strategy's barrier ("Connection closed by peer") and the job exited 1. After ``fit`` every
+    Lightning entry point (save_checkpoint, validate, test, predict) must run on the current generation."""
+    import os
+    import signal
+
+    args = ["--max-steps", "24", "--pipeline-stages", "1", "--interval-steps", "0", "--delay", "0.2",
+            "--batch-size", "24", "--samples", "480", "--after-fit", "--val-every", "10"]
+    job = ElasticJob(tmp_path / "job", args)
+    try:
+        job.start(3)
+        job.wait_step(4)
+        os.kill(job.procs["m2"].pid, signal.SIGSTOP)
+        time.sleep(8.0)
+        os.kill(job.procs["m2"].pid, signal.SIGCONT)
+        rc = job.wait(200)
+    finally:
+        job.stop()
+    assert rc["m2"] == 77 and rc["m0"] == 0 and rc["m1"] in (0, 76), job.tail()
+    assert any(e.get("event") == "recovering" for e in job.events())
+    import json
+
+    after = json.loads((job.out / "after_m0.json").read_text())
+    assert after["checkpoint_step"] == 24
+    assert after["validate"][0]["val_loss"] > 0 and after["test"][0]["test_loss"] > 0
+    assert after["predict_rows"] > 0
+    _assert_invariant(job, tmp_path, args, 24)

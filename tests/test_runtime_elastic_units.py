@@ -86,3 +86,77 @@ def test_commit_discards_the_step_for_everyone_if_a_member_never_counted_in() ->
     with pytest.raises(PeerLostError, match="discarded"):
         b.commit(3)
     assert b.decide_commit(3) is False
+
+
+def test_sampler_epoch_has_the_same_steps_at_every_d_if_elastic() -> None:
+    """Regression (issue 9, repro 1): the README job with ``--batch-size 48`` stalled for 290 s after a warm
+    standby was admitted into D = 3. 2048 samples leave a trailing partial batch of 32, which splits over D = 4 x
+    M = 2 (the members sized the loader at D = 4: 43 batches) but not over D = 3 x 2 (the joiner, sized at D = 3:
+    42). The members then ended each epoch with one extra loop iteration (a ``StopIteration``) that the joiner
+    did not run, and its collectives no longer matched. Under live reconfiguration the partial batch is now
+    dropped at every D, so every member sizes and ends an epoch alike."""
+    base = SequentialSampler(range(44))  # 3 full global batches of 12 + 8 samples (splits over 2x2, not 3x2)
+    static = [GlobalBatchSampler(base, 12, d, 0, d * 2, False, True) for d in (2, 3)]
+    assert [len(s) for s in static] == [4, 3]  # a static job keeps the partial batch where it splits
+    for d_start in (1, 2, 3, 6):
+        members = GlobalBatchSampler(base, 12, d_start, 0, d_start * 2, False, True, fixed_epoch=True)
+        it = iter(members)
+        got = [next(it)]
+        members.reshard(3, 0, 6)  # the job changed shape after the first step
+        got += list(it)
+        joiner = GlobalBatchSampler(base, 12, 3, 0, 6, False, True, fixed_epoch=True)
+        joiner.start_at(0, 12)  # admitted after one step
+        assert len(members) == len(joiner) == 3
+        assert len(got) == 1 + len(list(joiner)) == 3
+        assert [r[2] for r in members.records][-1] == list(range(24, 36))  # the 8 trailing samples are dropped
+
+
+def _loader(seed: int = 11):
+    from torch.utils.data import DataLoader
+
+    from lightning_parcae.runtime.data import reshard_dataloader
+
+    data = list(range(32))
+    user = DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    return reshard_dataloader(user, 1, 0, 1, True, fixed_epoch=True)
+
+
+def _epoch(loader, sampler, epoch: int) -> list[int]:
+    sampler.set_epoch(epoch)
+    return [int(i) for batch in loader for i in batch]
+
+
+def test_sampler_resumes_the_next_epochs_order_if_saved_at_an_epochs_last_step() -> None:
+    """Regression (issue 9, found by the chaos harness, seed 4): a joiner admitted at the last step of an epoch
+    trained on another order than the members: Lightning resumed it straight into the next epoch, where the
+    sampler (a) still started at the saved epoch's cursor -- the whole epoch was skipped -- and (b) had not
+    replayed the generator draws the members had made since (the DataLoader takes one seed per iterator from
+    the shuffle generator). Samples were repeated and others skipped. The resumed process now continues from the
+    saving process's generator state (``rng_now``) and starts the new epoch at its first sample."""
+    loader, sampler = _loader()
+    seen = [_epoch(loader, sampler, e) for e in range(3)]
+    state = {"rng": sampler.rng_state, "now": sampler.rng_now}
+    expected = [_epoch(loader, sampler, e) for e in (3, 4)]
+    for skip_saved_epoch in (True, False):  # Lightning goes on to epoch 3, or first re-enters the finished epoch 2
+        joiner_loader, joiner = _loader()
+        joiner.start_at(2, 32, state["rng"], state["now"])
+        if not skip_saved_epoch:
+            assert _epoch(joiner_loader, joiner, 2) == []
+        got = [_epoch(joiner_loader, joiner, e) for e in (3, 4)]
+        assert got == expected
+        assert sorted(got[0]) == list(range(32)) and got[0] != seen[2]
+
+
+def test_sampler_resumes_mid_epoch_with_the_same_order_and_next_epochs() -> None:
+    loader, sampler = _loader()
+    _epoch(loader, sampler, 0)
+    sampler.set_epoch(1)
+    it = iter(loader)
+    first = [int(i) for i in next(it)]
+    state = {"rng": sampler.rng_state, "now": sampler.rng_now}
+    rest = [int(i) for batch in it for i in batch]
+    nxt = _epoch(loader, sampler, 2)
+    joiner_loader, joiner = _loader()
+    joiner.start_at(1, 8, state["rng"], state["now"])
+    assert _epoch(joiner_loader, joiner, 1) == rest and len(first + rest) == 32
+    assert _epoch(joiner_loader, joiner, 2) == nxt

@@ -70,3 +70,53 @@ def test_groups_rebuild_with_new_shape_if_two_processes(tmp_path: object) -> Non
     r0, r1 = torch.load(f"{tmp_path}/r0.pt"), torch.load(f"{tmp_path}/r1.pt")
     assert r0["sum"] == r1["sum"] == 3.0
     assert r1["recv"] == 10.0 and r1["gen"] == 1
+
+
+def _stall_worker(rank: int, port: int, out: str) -> None:
+    import time
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    g = ProcessGroups(0, rank, 2, 2, 1, store).build()  # start-up: the long rendezvous timeout
+    g.set_op_timeout(timedelta(seconds=2))  # then the progress watchdog's bound
+    result: dict = {}
+    if rank == 0:
+        # a mismatched collective: rank 1 never joins it (while being perfectly alive)
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=g.data_group)
+            result["raised"] = False
+        except RuntimeError as exc:
+            result["raised"], result["error"] = True, str(exc)[:200]
+        result["waited_s"] = time.monotonic() - t0
+        # a rebuilt generation whose other member never arrives (declared dead while the groups are built)
+        g.abandon()
+        t0 = time.monotonic()
+        try:
+            ProcessGroups(1, 0, 2, 2, 1, store, timeout=timedelta(seconds=2)).build()
+            result["init_raised"] = False
+        except Exception as exc:  # noqa: BLE001 -- DistStoreError / RuntimeError, by torch version
+            result["init_raised"] = True
+            result["init_error"] = type(exc).__name__
+        result["init_waited_s"] = time.monotonic() - t0
+        torch.save(result, f"{out}/stall.pt")
+        store.set("done", "1")
+    else:
+        store.wait(["done"], timedelta(seconds=60))
+    os._exit(0)  # the abandoned groups' threads are stuck on purpose
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_groups_fail_a_stalled_collective_and_rendezvous_within_the_watchdog_bound(tmp_path: object) -> None:
+    """The progress watchdog (issue 9): a collective that makes no progress while every peer is alive, and the
+    rendezvous of a new generation whose member never comes, must fail within the bound (2 s here) -- not at
+    gloo's group timeout (5-30 minutes) -- so that the runtime can turn them into a recovery."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_stall_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    r = torch.load(f"{tmp_path}/stall.pt")
+    assert r["raised"], r
+    assert 1.5 <= r["waited_s"] < 15.0, r
+    assert r["init_raised"] and r["init_waited_s"] < 15.0, r

@@ -107,6 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-timeout", type=float, default=10.0, help="seconds to reach the store (default 10)")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="seconds a generation may take to report its first step (default 120)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="how often one instance may be restarted after its process died by a signal nobody here "
+                   "sent (kill -9, the OOM killer): it counts as a lost instance, the others recover and a fresh "
+                   "standby takes its place; past this the run fails (default 3)")
+    p.add_argument("--stall-timeout", type=float, default=None,
+                   help="progress watchdog in seconds: an operation that makes no progress this long while every "
+                   "heartbeat is fine becomes a recovery (passed to workers as PARCAE_STALL_S; default: the "
+                   "strategy's stall_after_s, 60)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more instances than this machine hosts well (one per GPU, two per CPU core): for "
+                   "tests of the protocol with many small workers")
     p.add_argument("--progress-every", type=float, default=2.0, help="seconds between progress lines")
     p.add_argument("--no-plot", action="store_true", help="skip report.png")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command, e.g. python train.py")
@@ -133,6 +144,8 @@ class RunConfig:
     progress_every_s: float = 2.0
     plot: bool = True
     mode: str = ELASTIC
+    max_restarts: int = 3
+    stall_timeout_s: Optional[float] = None
     schedule: list[int] = field(default_factory=list)
     """Instances during each (scaled) replay interval; empty for a static cluster."""
     trace_counts: list[int] = field(default_factory=list)
@@ -193,6 +206,10 @@ def _config(argv: Sequence[str]) -> RunConfig:
     for name in ("time_scale", "interval", "store_timeout", "startup_timeout", "progress_every"):
         if not getattr(ns, name) > 0:
             raise ConfigurationError(f"--{name.replace('_', '-')} must be > 0, got {getattr(ns, name)}")
+    if ns.max_restarts < 0:
+        raise ConfigurationError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+    if ns.stall_timeout is not None and not ns.stall_timeout > 0:
+        raise ConfigurationError(f"--stall-timeout must be > 0 seconds, got {ns.stall_timeout}")
     if not ns.grace >= 0:
         raise ConfigurationError(f"--grace must be >= 0, got {ns.grace}")
     max_inst = ns.instances if ns.max_instances is None else ns.max_instances
@@ -200,10 +217,10 @@ def _config(argv: Sequence[str]) -> RunConfig:
         raise ConfigurationError(f"--max-instances must be >= 1, got {max_inst}")
     cap = host_capacity()
     need = max(ns.instances, max_inst) if ns.trace is None else max_inst
-    if need > cap:
+    if need > cap and not ns.oversubscribe:
         raise ConfigurationError(
             f"more instances than the machine can host: {need} requested, this machine hosts at most {cap} (one per "
-            "GPU, or two per CPU core); lower --instances/--max-instances"
+            "GPU, or two per CPU core); lower --instances/--max-instances (or pass --oversubscribe)"
         )
     if ns.pipeline_stages != "auto" and not (ns.pipeline_stages.isdigit() and int(ns.pipeline_stages) >= 1):
         raise ConfigurationError(f"--pipeline-stages must be a positive integer or 'auto', got {ns.pipeline_stages!r}")
@@ -213,7 +230,7 @@ def _config(argv: Sequence[str]) -> RunConfig:
         interval_s=ns.interval, grace_s=ns.grace, max_instances=max_inst, pipeline_stages=ns.pipeline_stages,
         store_host=ns.store_host, store_url=ns.store, store_timeout_s=ns.store_timeout,
         startup_timeout_s=ns.startup_timeout, progress_every_s=ns.progress_every, plot=not ns.no_plot,
-        mode=ns.mode,
+        mode=ns.mode, max_restarts=ns.max_restarts, stall_timeout_s=ns.stall_timeout,
     )
     if ns.trace is not None:
         cfg.trace_counts, cfg.schedule = _load_schedule(ns.trace, ns.interval, max_inst)
@@ -348,6 +365,12 @@ class Launcher:
         self._recoveries: set[Any] = set()
         self._recovering_since: dict[int, float] = {}
         self._kill_times: list[float] = []
+        self._batch: Optional[tuple[int, int]] = None
+        """(global batch, micro-batches) as the workers report them (None until the first report)."""
+        self._lost: dict[int, int] = {}
+        """Instance -> how often its process died by a signal nobody here sent."""
+        self._lost_relaunches = 0
+        self._no_members_since: Optional[float] = None
 
     # ------------------------------------------------------------------------------------------------ store
     def _open_store(self) -> None:
@@ -394,6 +417,8 @@ class Launcher:
                 continue
             self.events.append(ev)
             if ev.get("source") == "worker":
+                if ev.get("global_batch"):
+                    self._batch = (int(ev["global_batch"]), int(ev.get("micro_batches") or 1))
                 rate = ev.get("samples_per_s", self.latest.get("samples_per_s", 0.0))
                 if ev.get("event") != "progress" and ev.get("generation") == self.latest.get("generation"):
                     rate = self.latest.get("samples_per_s", 0.0)  # only progress events carry a fresh rate
@@ -413,11 +438,24 @@ class Launcher:
 
     # ------------------------------------------------------------------------------------------------ workers
     def _shape_for(self, n: int) -> tuple[int, int, int]:
-        """(workers, D, P) for ``n`` instances; with a fixed P, instances beyond D*P stay idle."""
+        """(workers, D, P) for ``n`` instances; with a fixed P, instances beyond D*P stay idle.
+
+        D must split the job's global batch, by the rule the elastic path uses
+        (:func:`~lightning_parcae.runtime.data.batch_splits`): once a worker has reported its global batch B and
+        micro-batches M, D is the largest ``<= n // P`` that splits B into D x M; before that (the first launch)
+        it is a power of two, as :func:`initial_members` chooses for ``--elastic``.
+        """
         if self.cfg.pipeline_stages == "auto":
             return n, 0, 0  # the strategy picks; D, P come back in the workers' events
         p = min(int(self.cfg.pipeline_stages), n)
-        d = n // p
+        if self._batch is None:
+            members, _ = initial_members(n, str(p))
+            d = members // p
+        else:
+            from lightning_parcae.runtime.data import batch_splits  # noqa: PLC0415
+
+            b, m = self._batch
+            d = next((k for k in range(n // p, 0, -1) if batch_splits(b, k, m)), 1)
         return d * p, d, p
 
     def _start_generation(self, n: int) -> None:
@@ -444,6 +482,8 @@ class Launcher:
             }
             env.setdefault("OMP_NUM_THREADS", "1")
             with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
+            if cfg.stall_timeout_s:
+                env["PARCAE_STALL_S"] = f"{cfg.stall_timeout_s:g}"
             if ckpt.exists():
                 env["PARCAE_RESUME_CKPT"] = str(ckpt)
             log_path = logs / f"gen{self.generation}_rank{rank}.log"
@@ -645,6 +685,8 @@ class Launcher:
         }
         env.setdefault("OMP_NUM_THREADS", "1")
         with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
+        if cfg.stall_timeout_s:
+            env["PARCAE_STALL_S"] = f"{cfg.stall_timeout_s:g}"
         ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
         if resume and ckpt.exists():
             env["PARCAE_RESUME_CKPT"] = str(ckpt)
@@ -777,16 +819,52 @@ class Launcher:
                               f"{self.instances[w.instance].member}")  # type: ignore[union-attr]
                 continue
             ours = w.killed or (w.noticed_at is not None and rc in (-signal.SIGTERM, -signal.SIGKILL))
-            if rc == 0 or ours:
+            lost = rc < 0 and not ours  # a signal nobody here sent (kill -9, the OOM killer): a lost instance
+            if lost:
+                self._count_lost(w, rc)
+            if rc == 0 or ours or lost:
                 if (not w.joiner and w.launch == self.launch and w.member not in self.phases and not self.finished
                         and self._fallback is None):
                     # lost before the first generation formed: the other initial members cannot go on without it
                     self._fallback_reason = f"initial member {w.member} lost during start-up"
                     self._start_fallback()
+                elif lost and current and not self.finished and self._fallback is None and not self._need_launch:
+                    self._spawn(w.instance, join=True)  # the survivors recover in place; a fresh standby for it
+                    self._say(f"{w.member} died by signal {-rc} (not sent by parcae run): a lost instance; the "
+                              f"others recover in place, restarted as warm standby "
+                              f"{self.instances[w.instance].member}")  # type: ignore[union-attr]
                 continue
+            # an exception in the script (or any exit that is neither a signal nor a protocol status): like
+            # Lightning, the job fails with the worker's traceback
             self.kill_all()
             raise self._fail(f"parcae run failed: worker {w.member} (launch {w.launch}) exited with {rc}; stopped "
                              "all workers", [w])
+
+    def _check_members_left(self, alive: list[_Worker]) -> None:
+        """Every training member is gone (killed together, or the last one lost) while standbys wait: nobody is
+        left to hand state over or to exit 75, so the launcher starts the fallback itself (relaunch from
+        last.ckpt). The condition must hold for 3 s: phase events reach the launcher with a delay."""
+        members = [w for w in alive if not self._waiting(w)]
+        if members or not self._gen_first_step or self.finished or self._fallback is not None or self._need_launch:
+            self._no_members_since = None
+            return
+        now = time.time()
+        if self._no_members_since is None:
+            self._no_members_since = now
+        elif now - self._no_members_since > 3.0:
+            self._no_members_since = None
+            self._fallback_reason = "every training member was lost (no live process holds the model)"
+            self._start_fallback()
+
+    def _count_lost(self, w: _Worker, rc: int) -> None:
+        """Count one unrequested death by signal of ``w``'s instance; past ``--max-restarts`` the run fails."""
+        n = self._lost[w.instance] = self._lost.get(w.instance, 0) + 1
+        self.event("lost", member=w.member, instance=w.instance, rc=rc, count=n, max_restarts=self.cfg.max_restarts)
+        if n > self.cfg.max_restarts:
+            self.kill_all()
+            raise self._fail(f"parcae run failed: instance {w.instance} lost its process to a signal {n} times "
+                             f"(last: {w.member}, signal {-rc}), more than --max-restarts {self.cfg.max_restarts}; "
+                             "stopped all workers", [w])
 
     def _start_fallback(self) -> None:
         if self._fallback is not None:
@@ -868,6 +946,7 @@ class Launcher:
             if self._fallback is not None:
                 self._advance_fallback()
             alive = [w for w in self.workers if w.alive()]
+            self._check_members_left(alive)
             if self.finished:
                 if not alive:
                     break
@@ -986,6 +1065,19 @@ class Launcher:
             if self.workers:
                 codes = [w.proc.poll() for w in self.workers]
                 bad = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
+                lost = [w for w in bad if w.proc.returncode < 0]
+                if lost and self._lost_relaunches < cfg.max_restarts:
+                    # a worker died by a signal nobody here sent: a lost instance. The others cannot go on without
+                    # it (no live reconfiguration here): stop the generation and relaunch it from last.ckpt
+                    self._lost_relaunches += 1
+                    self.event("lost", ranks=[w.rank for w in lost], rc=[w.proc.returncode for w in lost],
+                               count=self._lost_relaunches, max_restarts=cfg.max_restarts)
+                    print(f"[parcae run] worker(s) {[w.rank for w in lost]} died by signal "
+                          f"{[-int(w.proc.returncode) for w in lost]}: relaunching generation {self.generation + 1} "
+                          "from last.ckpt", file=self.out, flush=True)
+                    self._pending_restart = self._stop_generation(self.n)
+                    self._start_generation(self.n)
+                    continue
                 if bad:
                     if any(w.proc.returncode == WRONG_TOKEN_EXIT for w in bad):
                         why = "a worker rejected the job token (wrong or missing PARCAE_JOB_TOKEN)"

@@ -28,7 +28,16 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_parcae.errors import BatchSplitError, ConfigurationError
 
-__all__ = ["GlobalBatchSampler", "global_batch_size", "reshard_dataloader"]
+__all__ = ["GlobalBatchSampler", "batch_splits", "global_batch_size", "reshard_dataloader"]
+
+
+def batch_splits(global_batch: int, data_parallel: int, micro_batches: int = 1) -> bool:
+    """Whether a global batch splits over ``data_parallel`` pipelines of ``micro_batches`` micro-batches each.
+
+    The one rule every choice of D uses: the data path here, the liveput optimizer's candidate shapes
+    (:class:`~lightning_parcae.runtime.elastic.RuntimeThroughput`) and ``parcae run --restart-fallback``.
+    """
+    return data_parallel >= 1 and micro_batches >= 1 and global_batch % (data_parallel * micro_batches) == 0
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -43,6 +52,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
             does not is dropped (with a warning) when ``train`` is set.
         drop_last: drop a trailing partial global batch (as the user's DataLoader would).
         train: training (partial batches must split exactly) or evaluation (near-equal split, may be empty).
+        fixed_epoch: training under live reconfiguration: a trailing partial global batch is always dropped, so
+            that an epoch has the same number of steps at every D. (Whether ``n`` samples split into ``D x M``
+            depends on D; members that sized or drew the epoch at different D -- a joiner admitted into D = 3 while
+            the others started the epoch at D = 2 -- would otherwise disagree on where the epoch ends and issue
+            mismatched collectives.)
     """
 
     def __init__(
@@ -54,6 +68,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         unit: int,
         drop_last: bool,
         train: bool,
+        fixed_epoch: bool = False,
     ) -> None:
         self.base = base
         self.global_batch = global_batch
@@ -62,12 +77,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.unit = unit
         self.drop_last = drop_last
         self.train = train
+        self.fixed_epoch = fixed_epoch and train
         self.epoch = 0
         self.cursor = 0
         self._drawn = 0
         self._warned = False
         self._resume: Optional[tuple[int, Optional[torch.Tensor]]] = None
         self._rng_state: Optional[torch.Tensor] = None
+        self.loader_generator: Optional[torch.Generator] = None
+        """The DataLoader's generator (it draws one seed from it per iterator); set by :func:`reshard_dataloader`."""
         self.records: deque[tuple[int, int, list[int]]] = deque()
         self.sampler = self  # so that Lightning's _set_sampler_epoch finds set_epoch
 
@@ -88,7 +106,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         """Select the epoch whose order the next iteration uses (called by Lightning)."""
         self.epoch = epoch
 
-    def start_at(self, epoch: int, cursor: int, rng_state: Optional[torch.Tensor] = None) -> None:
+    def start_at(self, epoch: int, cursor: int, rng_state: Optional[torch.Tensor] = None,
+                 rng_now: Optional[torch.Tensor] = None) -> None:
         """Resume: the next iteration of ``epoch`` starts at global sample ``cursor``.
 
         Args:
@@ -96,9 +115,25 @@ class GlobalBatchSampler(Sampler[list[int]]):
             cursor: global samples of that epoch already consumed.
             rng_state: the base sampler generator's state right before it drew ``epoch``'s order (from
                 :attr:`rng_state`); restores the exact order of a shuffled loader.
+            rng_now: the generator's state when the checkpoint was taken (:attr:`rng_now`). The generator is put
+                back to it after ``epoch``'s order is redrawn, so the next epochs draw what the saving process
+                draws -- also the DataLoader's per-iteration seed, which comes from the same generator. When
+                Lightning resumes straight into the next epoch (a checkpoint taken at an epoch's last step), the
+                generator is set to it plus that epoch's one seed draw (a joiner admitted at an epoch's end once
+                trained on an order of its own: samples repeated, others skipped).
         """
         self.epoch, self.cursor = epoch, cursor
-        self._resume = (epoch, rng_state)
+        self._resume = (epoch, rng_state, rng_now)
+
+    def _generator(self) -> Optional[torch.Generator]:
+        gen = getattr(self.base, "generator", None)
+        return gen if isinstance(gen, torch.Generator) else None
+
+    @property
+    def rng_now(self) -> Optional[torch.Tensor]:
+        """The base sampler generator's current state (``None`` without a generator)."""
+        gen = self._generator()
+        return gen.get_state() if gen is not None else None
 
     @property
     def rng_state(self) -> Optional[torch.Tensor]:
@@ -113,12 +148,23 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return list(itertools.islice(iter(self.base), len(self.base)))  # type: ignore[arg-type]
 
     def _order(self) -> list[int]:
-        gen = getattr(self.base, "generator", None)
-        gen = gen if isinstance(gen, torch.Generator) else None
+        gen = self._generator()
         resume, self._resume = self._resume, None
+        if resume is not None and resume[0] < self.epoch:
+            self.cursor = 0  # the resumed epoch was complete: the next one starts at its first sample
         if resume is not None and resume[0] == self.epoch and resume[1] is not None and gen is not None:
             gen.set_state(resume[1])
             self._drawn = self.epoch
+            if resume[2] is not None:
+                self._rng_state = gen.get_state()
+                order = self._draw()
+                gen.set_state(resume[2])  # where the saving process's generator was: the next epochs agree
+                return order
+        elif resume is not None and resume[0] < self.epoch and resume[2] is not None and gen is not None:
+            gen.set_state(resume[2])  # the saved epoch was complete: continue from the saving process's state ...
+            if self.loader_generator is gen:  # ... plus this epoch's DataLoader-iterator seed, as it will draw
+                torch.empty((), dtype=torch.int64).random_(generator=gen)
+            self._drawn = resume[0] + 1
         while self._drawn < self.epoch:  # fast-forward a resumed run through the epochs it did not see
             self._draw()
         self._rng_state = gen.get_state() if gen is not None else None
@@ -126,16 +172,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def _slice(self, chunk: list[int]) -> Optional[list[int]]:
         n = len(chunk)
-        if n == self.global_batch or (self.train and n % self.unit == 0):
+        if n == self.global_batch or (self.train and not self.fixed_epoch and n % self.unit == 0):
             per = n // self.replicas
             return chunk[self.replica * per : (self.replica + 1) * per]
         if self.train:
             if not self._warned:
-                warnings.warn(
-                    f"dropping the last partial global batch of {n} samples: it does not split into "
-                    f"{self.replicas} pipelines x micro-batches (multiple of {self.unit} needed)",
-                    stacklevel=2,
-                )
+                why = ("under live reconfiguration an epoch has the same number of steps at every D; make the "
+                       "dataset a multiple of the global batch to use every sample" if self.fixed_epoch else
+                       f"it does not split into {self.replicas} pipelines x micro-batches (multiple of {self.unit} "
+                       "needed)")
+                warnings.warn(f"dropping the last partial global batch of {n} samples: {why}", stacklevel=2)
                 self._warned = True
             return None
         base, extra = divmod(n, self.replicas)
@@ -162,7 +208,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         full, rest = divmod(n, self.global_batch)
         if rest and not self.drop_last:
             if self.train:
-                full += 1 if rest % self.unit == 0 else 0
+                full += 1 if rest % self.unit == 0 and not self.fixed_epoch else 0
             else:
                 full += 1 if self.replica < rest else 0 if rest < self.replicas else 1
         return full
@@ -190,7 +236,7 @@ def global_batch_size(loader: DataLoader) -> int:
 
 
 def reshard_dataloader(
-    loader: DataLoader, replicas: int, replica: int, micro_batches: int, train: bool
+    loader: DataLoader, replicas: int, replica: int, micro_batches: int, train: bool, fixed_epoch: bool = False
 ) -> tuple[DataLoader, GlobalBatchSampler]:
     """Rebuild ``loader`` so that it yields this replica's share of each global batch.
 
@@ -200,6 +246,8 @@ def reshard_dataloader(
         replica: this pipeline's index.
         micro_batches: M (training batches of B / D samples must split into M).
         train: whether this is the training loader.
+        fixed_epoch: live reconfiguration: drop a trailing partial global batch at any D (see
+            :class:`GlobalBatchSampler`).
 
     Returns:
         The new loader and its :class:`GlobalBatchSampler` (keep it to set the cursor on resume).
@@ -208,12 +256,12 @@ def reshard_dataloader(
         BatchSplitError: if B is not divisible by D, or (training) B / D not by M.
     """
     b = global_batch_size(loader)
-    if b % replicas:
+    if not batch_splits(b, replicas):
         raise BatchSplitError(
             f"global batch size {b} cannot be split evenly over D={replicas} pipelines; use a batch_size divisible "
             f"by {replicas}"
         )
-    if train and (b // replicas) % micro_batches:
+    if train and not batch_splits(b, replicas, micro_batches):
         raise BatchSplitError(
             f"global batch size {b} over D={replicas} pipelines gives {b // replicas} samples per pipeline, which "
             f"cannot be split into micro_batches={micro_batches}; the global batch must be a multiple of "
@@ -221,8 +269,9 @@ def reshard_dataloader(
         )
     drop_last = bool(getattr(loader, "drop_last", False))
     sampler = GlobalBatchSampler(
-        loader.sampler, b, replicas, replica, replicas * micro_batches, drop_last, train
+        loader.sampler, b, replicas, replica, replicas * micro_batches, drop_last, train, fixed_epoch
     )
+    sampler.loader_generator = loader.generator
     kwargs: dict[str, Any] = dict(
         batch_sampler=sampler,
         num_workers=loader.num_workers,

@@ -57,6 +57,7 @@ from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.planning.forecast import make_predictor
 from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.data import batch_splits
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
 from lightning_parcae.runtime.migration import exchange, layer_payload
@@ -76,6 +77,7 @@ LIVE_CHECKPOINT = "parcae-live://peers"
 STORE_ENV = "PARCAE_STORE"
 MEMBER_ENV = "PARCAE_MEMBER"
 JOIN_ENV = "PARCAE_JOIN"
+STALL_ENV = "PARCAE_STALL_S"
 
 
 RUNTIME_CONSTANTS = MigrationConstants(group_base_ms=30.0, join_ms=150.0, restart_ms=10000.0)
@@ -112,7 +114,7 @@ class RuntimeThroughput(ThroughputModel):
         return max(sum(self.layer_ms[b[k] : b[k + 1]]) for k in range(p))
 
     def throughput(self, d: int, p: int) -> float:
-        if d < 1 or p < 1 or p > self.limits.max_p or self.global_batch % (d * self.micro_batches):
+        if d < 1 or p < 1 or p > self.limits.max_p or not batch_splits(self.global_batch, d, self.micro_batches):
             return 0.0
         m = self.micro_batches
         step_ms = (m + p - 1) * self._stage_max(p) / (d * m)
@@ -143,6 +145,11 @@ class ElasticRuntime:
         predictor: Predictor name (``persistence``, ``arima``, ``artifact``).
         heartbeat_s: Heartbeat period.
         dead_after_s: Silence after which a member is declared dead.
+        stall_after_s: Progress watchdog: an operation of a generation (collective, point-to-point, rendezvous of
+            a rebuilt group) that makes no progress for this long fails and becomes a recovery, while every
+            heartbeat is fine (a mismatched collective, a peer whose traffic is silently dropped). It is the gloo
+            timeout of every group after start-up; set it above the longest legitimate wait (a step, a
+            checkpoint gather, the leader's planning). ``PARCAE_STALL_S`` overrides it.
         max_instances: Upper bound for forecasts.
     """
 
@@ -160,6 +167,7 @@ class ElasticRuntime:
         predictor: str = "persistence",
         heartbeat_s: float = 0.2,
         dead_after_s: float = 3.0,
+        stall_after_s: float = 60.0,
         max_instances: int = 64,
     ) -> None:
         self.s = strategy
@@ -173,6 +181,9 @@ class ElasticRuntime:
         self.predictor_name = predictor
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
+        self.stall_after_s = float(os.environ.get(STALL_ENV) or stall_after_s)
+        if not self.stall_after_s > 0:
+            raise ConfigurationError(f"stall_after_s must be > 0 seconds, got {self.stall_after_s}")
         self.max_instances = max_instances
         self.store: Any = None
         self.coord: Optional[Coordinator] = None
@@ -194,6 +205,8 @@ class ElasticRuntime:
         self._standby_seen: dict[str, bytes] = {}
         self._last_standbys: list[str] = []
         self._recovering_since: Optional[float] = None
+        self.admitted = not joining
+        """Whether this process is (or was) a training member; a joiner becomes one in :meth:`joined`."""
         self.run_dir = os.environ.get("PARCAE_RUN_DIR")
 
     # ============================================================================================ connection
@@ -344,6 +357,11 @@ class ElasticRuntime:
         return members if members and members[0] == self.member else members[:1]
 
     @property
+    def stall_timeout(self) -> timedelta:
+        """The progress watchdog's bound as a group timeout (see ``stall_after_s``)."""
+        return timedelta(seconds=self.stall_after_s)
+
+    @property
     def is_leader(self) -> bool:
         """Rank 0 of the current generation plans for everyone."""
         return self.layout is not None and self.layout.members[0] == self.member
@@ -414,6 +432,7 @@ class ElasticRuntime:
         assert self.live is not None
         activate(self.live)
         self.live.set_generation(self.generation, self._watch())
+        self.admitted = True
         self.life.to(Phase.TRAINING, generation=self.generation, joined=True)
         self.event("joined", step=int(trainer.global_step), D=self.layout.data_parallel if self.layout else None,
                    P=self.layout.pipeline_stages if self.layout else None,
@@ -662,7 +681,7 @@ class ElasticRuntime:
         transition = list(rec["transition"])
         prefixed = dist.PrefixStore(f"mig/{rec['generation']}/", self.store)
         dist.init_process_group("gloo", store=prefixed, rank=transition.index(self.member),
-                                world_size=len(transition), timeout=timedelta(seconds=120))
+                                world_size=len(transition), timeout=self.stall_timeout)
 
     def switch(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
         """Move to generation ``rec``: transfer state, rebuild groups and the stage in place (or leave/fall back)."""
@@ -682,7 +701,10 @@ class ElasticRuntime:
         t_groups = time.monotonic()
         # the transfers belong to the new generation: a death now aborts *it* (and is seen by every participant)
         self.live.set_generation(int(rec["generation"]), [m for m in transition if m != self.member])
-        self._init_transition(rec)
+        try:
+            self._init_transition(rec)
+        except RuntimeError as exc:
+            self._rendezvous_failed(trainer, rec, exc)
         module = s.lightning_module
         assert module is not None
         opts = [getattr(o, "_optimizer", o) for o in s.optimizers]
@@ -705,7 +727,10 @@ class ElasticRuntime:
         received: dict[int, Any] = {}
         for blob in inbox.values():
             received.update(blob.get("layers", {}))
-        s.apply_layout(trainer, new, int(rec["generation"]), received, self.group_of)
+        try:
+            s.apply_layout(trainer, new, int(rec["generation"]), received, self.group_of)
+        except RuntimeError as exc:
+            self._rendezvous_failed(trainer, rec, exc)
         self._enter(rec)
         self.live.set_generation(self.generation, self._watch())
         if self.is_leader:
@@ -722,6 +747,15 @@ class ElasticRuntime:
         self.migrations.append(info)
         self.event("migration", **info)
         self.life.to(Phase.TRAINING, **{k: info[k] for k in ("kind", "duration_s", "D", "P")})
+
+    def _rendezvous_failed(self, trainer: "pl.Trainer", rec: dict[str, Any], exc: BaseException) -> None:
+        """Building a new generation's groups failed (a peer lost or stalled during the rendezvous, or gloo's
+        connectFullMesh racing -- chaos seed 14 saw "Connection closed by peer" there once, not on replay). The
+        generation cannot be entered consistently; rather than fail the job, fall back: exit 75 and let the
+        launcher restart from the last checkpoint (at most the steps since it are lost)."""
+        reason = f"process groups of generation {rec['generation']} could not be built: {str(exc).splitlines()[0][:160]}"
+        self.event("rendezvous_failed", reason=reason)
+        self.fallback(trainer, {"reason": reason})
 
     def _loop_state(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """Leader: everything a joiner needs besides its layers (loop, callbacks, schedulers, replicated params)."""

@@ -157,10 +157,28 @@ class ProcessGroups:
             backend=self.backend, store=prefixed, rank=self.rank, world_size=self.world, timeout=self.timeout
         )
         # new_group is collective over the world: every rank creates every group in the same order.
-        self._pipeline_groups = [dist.new_group(self.pipeline_ranks(r)) for r in range(self.data_parallel)]
-        self._data_groups = [dist.new_group(self.data_ranks(s)) for s in range(self.pipeline_stages)]
+        self._pipeline_groups = [dist.new_group(self.pipeline_ranks(r), timeout=self.timeout)
+                                 for r in range(self.data_parallel)]
+        self._data_groups = [dist.new_group(self.data_ranks(s), timeout=self.timeout)
+                             for s in range(self.pipeline_stages)]
         self._built = True
         return self
+
+    def set_op_timeout(self, timeout: timedelta) -> None:
+        """Bound every later operation of this generation's groups (this rank's world, pipeline and data groups).
+
+        The progress watchdog of live reconfiguration: generation 0 is built with a long rendezvous timeout (the
+        processes start at different times), then its operations get the short stall bound, so a collective that
+        makes no progress fails within ``timeout`` -- and becomes a recovery -- instead of blocking for gloo's
+        group timeout.
+        """
+        from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+        if not self._built or self.backend != "gloo":
+            return
+        self.timeout = timeout
+        for group in (None, self.pipeline_group, self.data_group):
+            c10d._set_pg_timeout(timeout, group)
 
     def destroy(self) -> None:
         """Destroy every group of this generation (the base store survives)."""

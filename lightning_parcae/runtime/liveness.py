@@ -198,6 +198,14 @@ class Liveness:
                 if "timeout" in str(exc).lower() or "timed out" in str(exc).lower() or isinstance(exc, LookupError):
                     continue
                 raise
+            except Exception as exc:  # noqa: BLE001
+                # a store hiccup (etcd's client wraps a read timeout of its long poll as EtcdConnectionFailed on a
+                # loaded machine): keep waiting; a lost peer still ends the wait through the abort flag
+                if type(exc).__name__ in ("EtcdConnectionFailed", "EtcdWatchTimedOut") or isinstance(
+                        exc, (ConnectionError, TimeoutError)):
+                    time.sleep(self.poll_s)
+                    continue
+                raise
 
     # ------------------------------------------------------------------------------------------------ thread
     def _beat(self, counter: int) -> None:

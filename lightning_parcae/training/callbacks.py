@@ -139,7 +139,10 @@ class ParcaeRunCallbackMixin:
         append_event(self.run_dir, {
             "source": "worker", "event": kind, "generation": self.generation, "step": int(trainer.global_step),
             "samples": int(trainer.global_step) * self._samples_per_step, "D": d, "P": p, "N": trainer.world_size,
-            "elapsed_s": time.time() - self._t0, **fields,
+            "elapsed_s": time.time() - self._t0,
+            # the launcher's restart fallback chooses only a D that splits this batch (runtime.data.batch_splits)
+            "global_batch": getattr(s, "_global_batch", None), "micro_batches": getattr(s, "micro_batches", None),
+            **fields,
         })
 
     def _save(self, trainer: pl.Trainer, reason: str) -> None:
@@ -147,9 +150,20 @@ class ParcaeRunCallbackMixin:
         t = time.time()
         if trainer.is_global_zero:
             self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        # collective under ParcaeStrategy; atomic write on rank 0. weights_only=False given explicitly: the full
-        # training state, and no "weights_only was not set" line in the worker log at every periodic save
-        trainer.save_checkpoint(str(self.ckpt_path), weights_only=False)
+        from lightning_parcae.errors import PeerLostError  # noqa: PLC0415
+
+        try:
+            # collective under ParcaeStrategy; atomic write on rank 0. weights_only=False given explicitly: the full
+            # training state, and no "weights_only was not set" line in the worker log at every periodic save
+            trainer.save_checkpoint(str(self.ckpt_path), weights_only=False)
+        except PeerLostError as exc:
+            if _elastic(trainer) is None:
+                raise
+            # a member was lost while the checkpoint was gathered: skip this one (the previous last.ckpt stays,
+            # the write is atomic); the step boundary right after this hook recovers in place
+            print(f"checkpoint at step {trainer.global_step} skipped: {exc}", file=sys.stderr, flush=True)
+            self._emit(trainer, "checkpoint_skipped", reason=str(exc)[:200])
+            return
         self._emit(trainer, "checkpoint", reason=reason, save_s=time.time() - t, path=str(self.ckpt_path))
 
     # ------------------------------------------------------------------------------------------------ hooks

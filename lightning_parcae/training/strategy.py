@@ -174,6 +174,8 @@ class ParcaeStrategyMixin:
         predictor: elastic only: ``"persistence"``, ``"arima"`` or ``"artifact"``.
         heartbeat_s: elastic only: heartbeat period.
         dead_after_s: elastic only: a member silent this long is declared dead.
+        stall_after_s: elastic only: progress watchdog -- an operation that makes no progress this long (while
+            heartbeats are fine) fails and becomes a recovery (``PARCAE_STALL_S`` overrides it).
         max_pipeline_stages: elastic only: deepest pipeline the optimizer may choose (default: number of layers).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
@@ -202,6 +204,7 @@ class ParcaeStrategyMixin:
         predictor: str = "persistence",
         heartbeat_s: float = 0.2,
         dead_after_s: float = 3.0,
+        stall_after_s: float = 60.0,
         max_pipeline_stages: Optional[int] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -270,7 +273,7 @@ class ParcaeStrategyMixin:
         self.elastic = bool(elastic)
         self.elastic_options: dict[str, Any] = dict(
             interval_s=interval_s, interval_steps=interval_steps, look_ahead=look_ahead, predictor=predictor,
-            heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
+            heartbeat_s=heartbeat_s, dead_after_s=dead_after_s, stall_after_s=stall_after_s,
         )
         self.max_pipeline_stages = max_pipeline_stages
         self.elastic_runtime: Optional[Any] = None
@@ -284,7 +287,6 @@ class ParcaeStrategyMixin:
         self._no_cut_reason: Optional[str] = None
         self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
         self._post_fit_stages = 0
-        self._stepped = False  # a training step ran in this process (a joiner is no longer solo)
 
     # ============================================================================================ Lightning plumbing
     @property
@@ -294,11 +296,12 @@ class ParcaeStrategyMixin:
 
     @property
     def _solo(self) -> bool:
-        """A joiner before its first training step: Lightning's set-up collectives would not be matched by the
-        running members, so ``broadcast`` / ``barrier`` / ``reduce`` act locally until then (after ``fit`` it takes
-        part in ``validate`` / ``test`` like any member)."""
+        """A joiner before it trains: Lightning's set-up collectives would not be matched by the running members,
+        so ``broadcast`` / ``barrier`` / ``reduce`` act locally until it has joined -- and never again after: once
+        admitted it is a member like any other, also after ``fit`` (a joiner whose barrier in
+        ``trainer.save_checkpoint`` returned at once exited while the others were still in it)."""
         er = self.elastic_runtime
-        return er is not None and er.joining and not self._stepped
+        return er is not None and er.joining and not er.admitted
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -396,6 +399,10 @@ class ParcaeStrategyMixin:
             check_trainer(self.lightning_module._trainer, self._ns_name)
             self._install_launcher_resume(self.lightning_module._trainer)
         super().setup_environment()
+        if self.elastic_runtime is not None and self.groups is not None and self.groups.built:
+            # validate/test/predict after fit: the job runs on the generation fit ended in (its members, ranks and
+            # groups); the launch's RANK / WORLD_SIZE and a rebuilt "generation 1" would be stale after any change
+            return
         self.set_world_ranks()
         world = self.world_size
         backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
@@ -407,6 +414,7 @@ class ParcaeStrategyMixin:
             self._store = self.elastic_runtime.connect()
             self._timeout = min(self._timeout, timedelta(minutes=5))
             if self.elastic_runtime.joining:  # its shape comes from the generation that admits it
+                self._timeout = self.elastic_runtime.stall_timeout  # everyone it meets is already running
                 self._join_environment(backend)
                 return
         p = len(self.partition) if self.partition else (self.pipeline_stages_option or 1)
@@ -562,10 +570,18 @@ class ParcaeStrategyMixin:
             trainer.callbacks.append(callback_class("elastic", self._ns_name)())
         from lightning_parcae.runtime.liveness import activate  # noqa: PLC0415
 
+        # Lightning broadcasts a SIGTERM flag from rank 0 before every batch, outside any guarded wait: a lost or
+        # hung rank 0 would block the others there for the group timeout. SIGTERM is a notice here (agreed at
+        # the step boundary), so the broadcast has nothing to carry.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
         if joining:
             return  # er.joined() runs once the loop state is restored (on_train_start)
         er.boot_publish(trainer)
         activate(er.live)
+        # start-up is over: from now on an operation that makes no progress fails within the watchdog's bound
+        self._timeout = er.stall_timeout
+        if self.groups is not None:
+            self.groups.set_op_timeout(self._timeout)
 
     def _install_live_restore(self, trainer: "pl.Trainer") -> None:
         """A joiner 'resumes' from the state received from live peers, through Lightning's own restore path."""
@@ -981,7 +997,8 @@ class ParcaeStrategyMixin:
             assert self.groups is not None
             train = mode == _TRAINING
             loader, sampler = reshard_dataloader(
-                dataloader, self.groups.data_parallel, self.groups.coords.replica, self.micro_batches, train
+                dataloader, self.groups.data_parallel, self.groups.coords.replica, self.micro_batches, train,
+                fixed_epoch=self.elastic,  # every member, joiner or not, must agree on where an epoch ends
             )
             if train:
                 self._train_sampler = sampler
@@ -989,7 +1006,7 @@ class ParcaeStrategyMixin:
                 self._global_batch = sampler.global_batch
                 if self._resume_data is not None:
                     sampler.start_at(self._resume_data["epoch"], self._resume_data["cursor"],
-                                     self._resume_data.get("rng"))
+                                     self._resume_data.get("rng"), self._resume_data.get("rng_now"))
             return loader
 
         connector._prepare_dataloader = prepare  # type: ignore[method-assign]
@@ -1009,6 +1026,9 @@ class ParcaeStrategyMixin:
         rng = self._train_sampler.rng_state if self._train_sampler is not None else None
         if rng is not None:
             state["rng"] = rng
+        now = self._train_sampler.rng_now if self._train_sampler is not None else None
+        if now is not None:
+            state["rng_now"] = now
         return state
 
     # ============================================================================================ steps
@@ -1089,7 +1109,6 @@ class ParcaeStrategyMixin:
         for p, prev in zip(params, previous):
             p.grad = prev
         self._count_samples()
-        self._stepped = True
         losses = torch.stack([_loss_of(r).detach().float() for r in results])
         loss = losses.mean().to(losses.device)
         last = results[-1]
@@ -1244,7 +1263,9 @@ class ParcaeStrategyMixin:
         if op in ("mean", "sum") and not out.is_floating_point():
             out = out.float()
         torch_op = {"max": ReduceOp.MAX, "min": ReduceOp.MIN}.get(op, ReduceOp.SUM)
-        guarded(lambda: dist.all_reduce(out, op=torch_op, group=group, async_op=True), "metric reduction")
+        if not self._elastic_guarded(lambda: dist.all_reduce(out, op=torch_op, group=group, async_op=True),
+                                     "metric reduction"):
+            return tensor  # a peer was lost: this rank's value; the next step boundary recovers
         if op == "mean":
             return out / dist.get_world_size(group)
         if op == "sum" and group is None:
@@ -1256,8 +1277,28 @@ class ParcaeStrategyMixin:
         if self.groups is None or self.groups.world == 1 or self._solo:
             return decision
         t = torch.tensor(int(decision), device=self.root_device)
-        guarded(lambda: dist.all_reduce(t, op=ReduceOp.SUM, async_op=True), "decision all-reduce")
+        if not self._elastic_guarded(lambda: dist.all_reduce(t, op=ReduceOp.SUM, async_op=True),
+                                     "decision all-reduce"):
+            return decision
         return bool(t.item() == self.groups.world) if all else bool(t.item() > 0)
+
+    def _elastic_guarded(self, post: Callable[[], Any], what: str) -> bool:
+        """Run a guarded collective of Lightning's (metric sync, barrier); False if a peer was lost during it.
+
+        Under live reconfiguration a loss outside the optimizer step (in validation, a checkpoint's barrier) must
+        not crash the script: the generation is already aborted, the caller goes on with its local value, and the
+        next step boundary recovers in place. Without live reconfiguration the error propagates.
+        """
+        from lightning_parcae.errors import PeerLostError  # noqa: PLC0415
+
+        try:
+            guarded(post, what)
+        except PeerLostError:
+            if self.elastic_runtime is None or self.elastic_runtime.live is None:
+                raise
+            log.warning("%s abandoned: a peer was lost; recovering at the next step boundary", what)
+            return False
+        return True
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         """Barrier over every rank."""
@@ -1266,7 +1307,7 @@ class ParcaeStrategyMixin:
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
-            guarded(lambda: dist.barrier(async_op=True), "barrier")
+            self._elastic_guarded(lambda: dist.barrier(async_op=True), "barrier")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Broadcast a picklable object from global rank ``src``."""
@@ -1372,7 +1413,7 @@ class ParcaeStrategyMixin:
         parcae = checkpoint.get(_CKPT_KEY)
         if isinstance(parcae, Mapping) and "data" in parcae:
             self._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"]),
-                                 "rng": parcae["data"].get("rng")}
+                                 "rng": parcae["data"].get("rng"), "rng_now": parcae["data"].get("rng_now")}
             saved_b = int(parcae["data"].get("global_batch", 0))
             if saved_b and self._global_batch and saved_b != self._global_batch:
                 warnings.warn(f"checkpoint global batch {saved_b} differs from {self._global_batch}", stacklevel=2)

@@ -1,0 +1,119 @@
+"""Network namespaces as "machines": each member in its own namespace, all bridged, the store in another.
+
+Problem: on loopback a dead peer answers at once with a reset; a vanished cloud VM answers with *silence* (its
+packets are dropped), which is where real hangs live. ``tc netem`` and iptables are not available on the CI
+machines, but namespaces and veth pairs are (as root): a member whose veth is set down is silent -- its process
+lives on, its TCP connections stay open, nothing answers.
+
+Layout (``10.203.<net>.0/24``, addresses only inside the namespaces made here): a hub namespace holds a bridge;
+each machine ``k`` is a namespace with one veth end ``p9eth`` (``10.203.<net>.<10 + k>``), the other end on the
+bridge; the store's namespace is one more machine (``.2``). Workers find their interface with
+``GLOO_SOCKET_IFNAME=p9eth``, so every process-group connection goes over the bridge.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = str(Path(__file__).resolve().parents[1])
+IFNAME = "p9eth"
+
+
+def unavailable() -> Optional[str]:
+    """Why namespaces cannot be made here (None: they can)."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (the `ip` command) to create network namespaces"
+    probe = f"p9probe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+class Cluster:
+    """A bridge plus one namespace per machine (``machines`` names) and one for the store."""
+
+    def __init__(self, machines: list[str], net: Optional[int] = None) -> None:
+        self.tag = f"{os.getpid() % 10000}"
+        self.net = net if net is not None else 100 + os.getpid() % 150
+        self.hub = f"p9hub{self.tag}"
+        self.machines = list(machines)
+        self.ns: dict[str, str] = {}
+        self.addr: dict[str, str] = {}
+        self.host_if: dict[str, str] = {}
+
+    def __enter__(self) -> "Cluster":
+        try:
+            _ip("netns", "add", self.hub)
+            _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "br0", "up")
+            for k, name in enumerate(["store", *self.machines]):
+                ns = f"p9{k}n{self.tag}"
+                _ip("netns", "add", ns)
+                hub_if = f"h{k}"
+                _ip("link", "add", f"t{k}x{self.tag}", "type", "veth", "peer", "name", f"t{k}y{self.tag}")
+                _ip("link", "set", f"t{k}x{self.tag}", "netns", ns)
+                _ip("link", "set", f"t{k}y{self.tag}", "netns", self.hub)
+                _ip("-n", ns, "link", "set", f"t{k}x{self.tag}", "name", IFNAME)
+                _ip("-n", self.hub, "link", "set", f"t{k}y{self.tag}", "name", hub_if)
+                addr = f"10.203.{self.net}.{2 if k == 0 else 10 + k}"
+                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", IFNAME)
+                _ip("-n", ns, "link", "set", IFNAME, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", self.hub, "link", "set", hub_if, "master", "br0")
+                _ip("-n", self.hub, "link", "set", hub_if, "up")
+                self.ns[name], self.addr[name], self.host_if[name] = ns, addr, hub_if
+        except Exception:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in [*self.ns.values(), self.hub]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def silence(self, name: str) -> None:
+        """Drop every packet to and from ``name`` (its bridge port goes down): no reset, just silence."""
+        _ip("-n", self.hub, "link", "set", self.host_if[name], "down")
+
+    def popen(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        """Run ``cmd`` inside machine ``name``'s namespace (gloo bound to its bridge interface)."""
+        env = {**env, "GLOO_SOCKET_IFNAME": IFNAME}
+        with open(log, "wb") as f:
+            return subprocess.Popen(["ip", "netns", "exec", self.ns[name], *cmd], env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def host_store(self, token: str, port: int = 29411, log: Optional[Path] = None) -> tuple[str, subprocess.Popen]:
+        """A TCPStore hosted inside the store's namespace; returns its URL and the hosting process."""
+        url = f"tcp://{self.addr['store']}:{port}"
+        code = ("import sys, time\nfrom lightning_parcae.runtime.store import host_store\n"
+                "s = host_store(sys.argv[1], token=sys.argv[2], allow_remote=True)\nprint('ready', flush=True)\n"
+                "time.sleep(1e6)\n")
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns["store"], sys.executable, "-c", code, url, token],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert proc.stdout is not None
+        seen = []
+        while True:  # torch may warn first (no resolvable hostname inside a fresh namespace)
+            line = proc.stdout.readline().decode()
+            seen.append(line)
+            if "ready" in line:
+                return url, proc
+            if not line or len(seen) > 50:
+                proc.kill()
+                raise RuntimeError("the store did not start in its namespace: " + "".join(seen))

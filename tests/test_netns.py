@@ -1,0 +1,151 @@
+"""Silence, not resets: members on separate "machines" (network namespaces on one bridge), one of them cut off.
+
+Problem: on loopback a dead peer answers with a reset at once, so every test of a sudden loss so far exercised the
+easy path. A vanished cloud VM answers with silence: its TCP connections stay open and nothing comes back. Here
+every member and the store live in their own network namespace (``tests/netns.py``), reached only through the
+bridge addresses; setting one member's bridge port down drops its traffic. The survivors must notice it by
+heartbeats and go on within the detection bound, and the job must still equal the uninterrupted run. The same
+namespaces run ``parcae agent`` as three machines with their own addresses.
+
+Skipped, saying why, where namespaces cannot be created (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import netns
+from elastic_harness import JOB, ROOT, ElasticJob, check_replicas_agree, check_samples_once, merged_final, reference
+from lightning_parcae.runtime.store import new_token
+
+_WHY = netns.unavailable()
+pytestmark = [pytest.mark.netns, pytest.mark.multiprocess,
+              pytest.mark.skipif(_WHY is not None, reason=f"network namespaces: {_WHY}")]
+
+
+class NamespacedJob(ElasticJob):
+    """:class:`ElasticJob` whose members run on the cluster's machines ``m0, m1, ...`` and whose store is hosted
+    in the store's namespace (nothing of the job is reachable on loopback)."""
+
+    def __init__(self, out: Path, args: list[str], cluster: netns.Cluster) -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.args, self.cluster = args, cluster
+        self.token = new_token()
+        self.url, self.store_proc = cluster.host_store(self.token)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.next_id = 0
+        self.launches = 0
+
+    def _spawn(self, rank: int, world: int, join: bool, resume: bool = False) -> str:
+        member = f"m{self.next_id}"
+        self.next_id += 1
+        env = self._env(member, rank, world, join, resume)
+        self.procs[member] = self.cluster.popen(member, [sys.executable, JOB, "--out", str(self.out), *self.args],
+                                                env, self.out / f"log_{member}.txt")
+        return member
+
+    def stop(self) -> None:
+        super().stop()
+        self.store_proc.kill()
+        self.store_proc.wait()
+
+
+@pytest.mark.timeout(300)
+def test_survivors_go_on_within_the_detection_bound_if_a_member_goes_silent(tmp_path: Path) -> None:
+    """m2's bridge port goes down mid-training: its process lives on, its packets vanish (no reset). Heartbeats
+    (3 s) must declare it dead, the survivors recover in place within detection + 10 s, and the result equals the
+    uninterrupted run."""
+    args = ["--max-steps", "24", "--pipeline-stages", "1", "--interval-steps", "0", "--delay", "0.2",
+            "--batch-size", "24", "--samples", "480", "--stall-s", "20"]
+    with netns.Cluster(["m0", "m1", "m2"]) as cluster:
+        job = NamespacedJob(tmp_path / "job", args, cluster)
+        try:
+            job.start(3)
+            job.wait_step(5, timeout=180)
+            t_cut = time.time()
+            cluster.silence("m2")
+            for m in ("m0", "m1"):
+                job.procs[m].wait(timeout=180)
+            codes = {m: job.procs[m].returncode for m in ("m0", "m1")}
+        finally:
+            job.stop()
+    assert codes["m0"] == 0 and codes["m1"] in (0, 76), job.tail()
+    rec = [e for e in job.events() if e.get("event") == "recovering"]
+    assert rec and all("m2" in e["dead"] for e in rec), rec
+    first = min(e["time"] for e in rec)
+    assert first - t_cut < 3.0 + 10.0, f"survivors noticed the silent member after {first - t_cut:.1f} s"
+    resumed = [r["t"] for r in job.steps() if r["member"] == "m0" and r["gen"] >= 1]
+    assert resumed and min(resumed) - t_cut < 3.0 + 10.0 + 5.0, "training did not go on within the bound"
+    steps = job.steps()
+    check_samples_once(steps, 24, 24)
+    assert check_replicas_agree(steps) > 0
+    ref = reference(tmp_path / "ref", args)
+    final = merged_final({k: v for k, v in job.finals().items() if k != "m2"})
+    for k in ref:
+        assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+@pytest.mark.timeout(300)
+def test_agents_on_three_namespaced_machines_train_one_job_if_a_machine_is_preempted(tmp_path: Path) -> None:
+    """Three machines with their own addresses, each running ``parcae agent`` with one worker; the store in a
+    fourth namespace. Two start the job, the third joins as a standby; then the first machine is preempted
+    (SIGTERM to its agent). The job finishes with the uninterrupted run's parameters."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--max-steps", "40", "--pipeline-stages", "1", "--interval-steps", "2", "--delay", "0.25",
+            "--batch-size", "24", "--samples", "480"]
+    token = new_token()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PARCAE_JOB_TOKEN=token, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+    with netns.Cluster(["a0", "a1", "a2"]) as cluster:
+        url, store = cluster.host_store(token)
+
+        def start(name: str, *how: str) -> None:
+            cmd = [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name,
+                   "--notices", "none", "--run-dir", str(out), *how, "--", sys.executable, JOB, "--out", str(out),
+                   *args]
+            agents[name] = cluster.popen(name, cmd, {**env, "MASTER_ADDR": cluster.addr["a0"]},
+                                         out / f"agent_{name}.txt")
+
+        try:
+            start("a0", "--nodes", "2", "--node-rank", "0")
+            start("a1", "--nodes", "2", "--node-rank", "1")
+            start("a2", "--join")
+            t_end = time.time() + 150
+            while not (out / "steps_a2.jsonl").exists():
+                assert time.time() < t_end and all(p.poll() is None for p in agents.values()), _logs(out)
+                time.sleep(0.1)
+            agents["a0"].send_signal(signal.SIGTERM)  # a0's machine is being preempted
+            codes = {n: p.wait(timeout=180) for n, p in agents.items()}
+        finally:
+            for p in agents.values():
+                if p.poll() is None:
+                    p.kill()
+            store.kill()
+            store.wait()
+    assert codes == {"a0": 0, "a1": 0, "a2": 0}, _logs(out)
+    steps = [json.loads(line) for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()]
+    assert {r["member"] for r in steps} == {"a0", "a1", "a2"}
+    assert max(r["step"] for r in steps) == 40
+    check_samples_once(steps, 40, 24)
+    assert check_replicas_agree(steps) > 0
+    ref = reference(tmp_path / "ref", args)
+    final = merged_final({f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")})
+    for k in ref:
+        assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+def _logs(out: Path) -> Any:
+    return "\n".join(f.read_text(errors="replace")[-1500:] for f in sorted(out.glob("agent_*.txt")))
