@@ -302,12 +302,17 @@ class MeasuredThroughput(ThroughputModel):
 
     # ------------------------------------------------------------------------------------------ decisions
     def vetoes(self, current: Shape, chosen: Shape, n_next: int) -> bool:
-        """True if moving ``current -> chosen`` must not happen: both are measured, ``chosen`` is measured slower,
-        and ``current`` still fits the ``n_next`` instances (availability does not force the move)."""
+        """True if moving ``current -> chosen`` must not happen while ``current`` still fits the ``n_next``
+        instances (availability does not force the move) and
+
+        * ``chosen`` is measured slower than ``current`` (never move to a shape measured slower), or
+        * ``current`` is not measured yet (a few more steps measure it; moving away on the formula alone is how
+          the job used to leave its best shape).
+        """
         if chosen == current or current[0] * current[1] > n_next or not self.prior.allowed(*current):
             return False
         a, b = self.measured(*current), self.measured(*chosen)
-        return a is not None and b is not None and b < a
+        return a is None or (b is not None and b < a)
 
     def exploration(self, n: int, current: Shape, interval_s: float, move_cost_s: float,
                     max_cost_fraction: float = 0.05) -> Optional[Shape]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import json
 import os
 import shlex
@@ -624,6 +625,13 @@ class Launcher:
         self._incarnations[instance] = c
         return f"i{instance}" if c == 0 else f"i{instance}.{c}"
 
+    @functools.cached_property
+    def shared_units(self) -> int:
+        """Processing units the workers of this one-machine cluster share: GPUs, else CPU cores."""
+        capacity = host_capacity()
+        cores = os.cpu_count() or 1
+        return cores if capacity == 2 * cores else capacity
+
     def _spawn(self, instance: int, *, join: bool, rank: int = 0, world: int = 1, p: int = 1,
                resume: bool = False) -> _Worker:
         """Start one worker process for ``instance``: an initial member of a (re)launch, or a joiner."""
@@ -639,6 +647,8 @@ class Launcher:
             "PARCAE_GENERATION": str(self.launch), "PARCAE_GENERATION_BASE": str(1000 * self.launch),
             "PARCAE_PIPELINE_STAGES": str(p) if p else "auto", "PARCAE_MODE": cfg.mode,
             "PARCAE_INTERVAL_S": f"{cfg.wall_interval_s:g}",
+            # every instance of this one-machine cluster shares its cores (the measured model's contention term)
+            "PARCAE_SHARED_CORES": str(self.shared_units),
         }
         env.setdefault("OMP_NUM_THREADS", "1")
         ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
@@ -1085,7 +1095,9 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     elastic = report.get("mode") == ELASTIC
-    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    prog = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "progress"]
+    has_loss = any("loss" in e for e in prog)
+    fig, axes = plt.subplots(4 if has_loss else 3, 1, figsize=(9, 9.5 if has_loss else 7.5), sharex=True)
     tl = report["timeline"]
     t_end = report["wall_s"]
     tr = report["trace"]
@@ -1128,19 +1140,30 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     axes[0].legend(loc="best", fontsize=7)
     axes[1].set_ylabel("shape in use")
     axes[1].legend(loc="best", fontsize=8)
-    prog = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "progress"]
     for g in sorted({e.get("generation", 0) for e in prog}):  # one line per launch: no line across restarts
         pts = [e for e in prog if e.get("generation", 0) == g]
         axes[2].plot([e["time"] - t0 for e in pts], [e.get("samples_per_s", 0) for e in pts], ".-", color="C0")
+        if has_loss:
+            lp = [e for e in pts if "loss" in e]
+            axes[3].plot([e["time"] - t0 for e in lp], [e["loss"] for e in lp], ".-", color="C1",
+                         label="training loss" if g == min(e.get("generation", 0) for e in prog) else None)
+    if has_loss:
+        val = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "validation"
+               and "val_loss" in e.get("metrics", {})]
+        if val:
+            axes[3].plot([e["time"] - t0 for e in val], [e["metrics"]["val_loss"] for e in val], "s", color="C3",
+                         label="validation loss")
+        axes[3].set_ylabel("loss")
+        axes[3].legend(loc="best", fontsize=8)
     axes[2].set_ylabel("samples/s")
     if elastic:
-        axes[2].set_xlabel("wall time (s); dashed: in-place migrations (colour = kind); red: restart downtime")
+        axes[-1].set_xlabel("wall time (s); dashed: in-place migrations (colour = kind); red: restart downtime")
         lost = report["time_lost_by_kind_s"]
         fig.suptitle(f"parcae run --elastic: {report['num_migrations']} migrations "
                      f"({sum(v for k, v in lost.items() if k != 'restart'):.1f} s), {report['num_restarts']} "
                      f"restarts ({lost.get('restart', 0.0):.1f} s), final step {report['final_step']}")
     else:
-        axes[2].set_xlabel("wall time (s); red: restart downtime (restart fallback)")
+        axes[-1].set_xlabel("wall time (s); red: restart downtime (restart fallback)")
         fig.suptitle(f"parcae run: {report['num_restarts']} restarts, {report['time_lost_s']:.1f} s lost, "
                      f"final step {report['final_step']}")
     fig.tight_layout()

@@ -138,6 +138,18 @@ def test_veto_yields_to_availability(seed):
     assert not model.vetoes(fast, (3, 1), 4)  # (3,1) not measured: the optimizer decides by the fit
 
 
+def test_no_move_away_from_a_shape_before_it_is_measured():
+    """Regression: the first planning interval came after 4 steps, before the starting shape had a measurement,
+    and the job left 2x2 on the formula alone. An unmeasured current shape is kept while it fits."""
+    model = make(min_p=2)
+    model.record(2, 2, 50.0)
+    assert model.vetoes((2, 2), (1, 2), 4)
+    assert not model.vetoes((2, 2), (1, 2), 3)  # 2x2 no longer fits 3 instances: the move is forced
+    for _ in range(3):
+        model.record(2, 2, 50.0)
+    assert not model.vetoes((2, 2), (1, 2), 4)  # measured now; (1,2) is not: the optimizer decides
+
+
 def test_exploration_only_when_unsure_and_interval_is_long():
     rng = np.random.default_rng(0)
     machine = dict(cores=8, overhead=1.0, allreduce_ms_per_mb=1.0, p2p_ms=0.1)
