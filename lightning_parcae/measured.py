@@ -157,10 +157,12 @@ class MeasuredThroughput(ThroughputModel):
         min_samples: Steps before a shape counts as measured.
         window: Steps kept per shape.
         ridge: Strength of the pull toward the prior coefficients.
+        margin: A move to another *measured* shape needs it measured faster by this fraction (see :meth:`vetoes`).
     """
 
     def __init__(self, prior: PipelineThroughput, *, layer_bytes: Optional[Sequence[float]] = None,
-                 cores: Optional[int] = None, min_samples: int = 3, window: int = 64, ridge: float = 0.1) -> None:
+                 cores: Optional[int] = None, min_samples: int = 3, window: int = 64, ridge: float = 0.1,
+                 margin: float = 0.1) -> None:
         self.prior = prior
         self.global_batch = prior.global_batch
         self.limits = prior.limits
@@ -172,6 +174,7 @@ class MeasuredThroughput(ThroughputModel):
         self.min_samples = max(1, int(min_samples))
         self.window = max(self.min_samples, int(window))
         self.ridge = float(ridge)
+        self.margin = float(margin)
         self.samples: Dict[Shape, Deque[float]] = {}
         self.constants: Optional[MigrationConstants] = None
         self.bytes_per_param = 4.0
@@ -305,14 +308,16 @@ class MeasuredThroughput(ThroughputModel):
         """True if moving ``current -> chosen`` must not happen while ``current`` still fits the ``n_next``
         instances (availability does not force the move) and
 
-        * ``chosen`` is measured slower than ``current`` (never move to a shape measured slower), or
+        * ``chosen`` is measured slower than ``current`` (never move to a shape measured slower) -- or not faster
+          by more than :attr:`margin`: measurements of the running shape move with the machine's load while the
+          others' stay as they were, and without a margin the job ping-pongs between two equal shapes; or
         * ``current`` is not measured yet (a few more steps measure it; moving away on the formula alone is how
           the job used to leave its best shape).
         """
         if chosen == current or current[0] * current[1] > n_next or not self.prior.allowed(*current):
             return False
         a, b = self.measured(*current), self.measured(*chosen)
-        return a is None or (b is not None and b < a)
+        return a is None or (b is not None and b < a * (1.0 + self.margin))
 
     def exploration(self, n: int, current: Shape, interval_s: float, move_cost_s: float,
                     max_cost_fraction: float = 0.05) -> Optional[Shape]:

@@ -123,7 +123,19 @@ def test_optimizer_never_picks_a_measured_slower_shape(machine, seed):
     assert plan.next_shape != (4, 1)
     assert model.throughput(*plan.next_shape) >= model.measured(2, 1) * 0.999 or model.measured(*plan.next_shape) is None
     assert model.vetoes((2, 1), (4, 1), 4)
-    assert not model.vetoes((4, 1), (2, 1), 4)
+    # back to the faster shape: allowed once it is measured faster by more than the margin
+    assert model.vetoes((4, 1), (2, 1), 4) == (model.measured(2, 1) < model.measured(4, 1) * (1 + model.margin))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_margin_stops_ping_pong_between_equal_shapes(seed):
+    """Two shapes equally fast up to noise: neither move is allowed, whichever is running."""
+    rng = np.random.default_rng(seed)
+    model = make(min_p=2)
+    for _ in range(20):
+        model.record(1, 2, 100 * (1 + 0.02 * rng.standard_normal()))
+        model.record(1, 3, 100 * (1 + 0.02 * rng.standard_normal()))
+    assert model.vetoes((1, 2), (1, 3), 3) and model.vetoes((1, 3), (1, 2), 3)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -133,6 +145,7 @@ def test_veto_yields_to_availability(seed):
     model = make()
     feed(model, [(2, 2), (1, 2)], rng, 0.0, cores=2, overhead=1.0, allreduce_ms_per_mb=1.0, p2p_ms=0.1)
     fast, slow = sorted([(2, 2), (1, 2)], key=lambda s: -model.measured(*s))
+    assert model.measured(*fast) > 1.1 * model.measured(*slow)
     assert model.vetoes(fast, slow, 4)
     assert not model.vetoes(fast, slow, fast[0] * fast[1] - 1)
     assert not model.vetoes(fast, (3, 1), 4)  # (3,1) not measured: the optimizer decides by the fit
