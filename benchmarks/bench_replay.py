@@ -10,7 +10,7 @@ The job is the GPT example (``examples/gpt``: 8 blocks, byte-level on the stdlib
 memory budget so P >= 2). Per segment:
 
 * ``parcae``   -- ``parcae run --trace SEG`` (look-ahead 12, persistence predictor, measured throughput);
-* ``reactive`` -- the same with look-ahead 1 (``PARCAE_LOOK_AHEAD=1``): each interval takes the best shape for the
+* ``reactive`` -- the same with look-ahead 1 (``look_ahead: 1`` of the strategy): each interval takes the best shape for the
   instances there now, in place, with no forecast;
 * ``restart``  -- ``parcae run --restart-fallback --trace SEG``;
 * ``static``   -- ``parcae run --instances N_min`` with no trace (the minimum count of the segment).
@@ -66,12 +66,12 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def launch(args: list[str], run_dir: Path, seconds: float, env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+def launch(args: list[str], run_dir: Path, seconds: float, train_extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Run ``parcae run ARGS`` for ``seconds`` after its first event (then SIGINT: it stops every worker)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [*PARCAE, *args, "--run-dir", str(run_dir), "--progress-every", "30", "--no-plot", "--", *TRAIN]
+    cmd = [*PARCAE, *args, "--run-dir", str(run_dir), "--progress-every", "30", "--no-plot", "--", *TRAIN, *train_extra]
     with open(run_dir / "launcher.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         t0 = time.time()
         while time.time() - t0 < seconds + 60 and proc.poll() is None:
             ev = read_events(run_dir)
@@ -220,7 +220,7 @@ def main() -> int:
             if pol == "parcae":
                 ev = launch(common, run_dir, seconds)
             elif pol == "reactive":
-                ev = launch(common, run_dir, seconds, env={"PARCAE_LOOK_AHEAD": "1"})
+                ev = launch(common, run_dir, seconds, train_extra=("--trainer.strategy.init_args.look_ahead", "1"))
             elif pol == "restart":
                 ev = launch(["--restart-fallback", *common], run_dir, seconds)
             elif pol == "static":

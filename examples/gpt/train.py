@@ -34,8 +34,6 @@ def _env_defaults(argv: list[str]) -> list[str]:
         extra += ["--trainer.strategy.init_args.pipeline_stages", p]
     if os.environ.get("PARCAE_INTERVAL_S"):
         extra += ["--trainer.strategy.init_args.interval_s", os.environ["PARCAE_INTERVAL_S"]]
-    if os.environ.get("PARCAE_LOOK_AHEAD"):
-        extra += ["--trainer.strategy.init_args.look_ahead", os.environ["PARCAE_LOOK_AHEAD"]]
     # --config must come first so that these and the user's options override it
     if "--config" in argv:
         i = argv.index("--config")
