@@ -161,7 +161,7 @@ class MeasuredThroughput(ThroughputModel):
     """
 
     def __init__(self, prior: PipelineThroughput, *, layer_bytes: Optional[Sequence[float]] = None,
-                 cores: Optional[int] = None, min_samples: int = 3, window: int = 64, ridge: float = 0.1,
+                 cores: Optional[int] = None, min_samples: int = 5, window: int = 64, ridge: float = 0.1,
                  margin: float = 0.1) -> None:
         self.prior = prior
         self.global_batch = prior.global_batch
@@ -394,7 +394,7 @@ class MeasuredThroughput(ThroughputModel):
             prior = PipelineThroughput(raw["layer_ms"], int(raw["global_batch"]), int(raw["micro_batches"]),
                                        max_p=lim.get("max_p"), min_p=int(lim.get("min_p", 1)))
             m = cls(prior, layer_bytes=raw.get("layer_bytes"), cores=raw.get("cores"),
-                    min_samples=int(raw.get("min_samples", 3)))
+                    min_samples=int(raw.get("min_samples", 5)))
             if raw.get("migration_constants"):
                 m.constants = MigrationConstants(**raw["migration_constants"])
             for key, entry in (raw.get("shapes") or {}).items():

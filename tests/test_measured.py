@@ -86,8 +86,8 @@ def test_measured_shapes_are_priced_by_their_median(seed):
 
 def test_fewer_than_min_samples_is_not_a_measurement():
     model = make()
-    model.record(2, 1, 10.0)
-    model.record(2, 1, 11.0)
+    for k in range(model.min_samples - 1):
+        model.record(2, 1, 10.0 + k)
     assert model.measured(2, 1) is None and model.measured_shapes() == []
     model.record(2, 1, 12.0)
     assert model.measured_shapes() == [(2, 1)]
@@ -158,7 +158,7 @@ def test_no_move_away_from_a_shape_before_it_is_measured():
     model.record(2, 2, 50.0)
     assert model.vetoes((2, 2), (1, 2), 4)
     assert not model.vetoes((2, 2), (1, 2), 3)  # 2x2 no longer fits 3 instances: the move is forced
-    for _ in range(3):
+    for _ in range(model.min_samples):
         model.record(2, 2, 50.0)
     assert not model.vetoes((2, 2), (1, 2), 4)  # measured now; (1,2) is not: the optimizer decides
 

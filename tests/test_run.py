@@ -192,7 +192,7 @@ def test_main_trains_to_the_end_if_static_two_instances(tmp_path: Path, capsys: 
 
         profile = json.loads((tmp_path / "profile.json").read_text())
         assert profile["cores"] == (os.cpu_count() or 1)
-        assert len(profile["shapes"]["2,1"]["step_ms"]) >= 10  # 30 steps, minus the first of the shape
+        assert len(profile["shapes"]["2,1"]["step_ms"]) >= 10  # 30 steps, minus the first two of the shape
         thr = load_cost_model("default", profile_path=str(tmp_path / "profile.json")).throughput
         assert isinstance(thr, MeasuredThroughput) and thr.measured(2, 1) == pytest.approx(
             profile["shapes"]["2,1"]["samples_per_s"])

@@ -166,6 +166,7 @@ class ElasticRuntime:
         self.measured: Optional[MeasuredThroughput] = None
         # (generation, step, time, first in its generation) at the last step boundary
         self._step_mark: Optional[tuple[int, int, float, bool]] = None
+        self._warmup = 0
 
     # ============================================================================================ connection
     @classmethod
@@ -427,14 +428,17 @@ class ElasticRuntime:
             self._boundary(trainer, step)
         finally:
             # the next step is timed from here: planning, agreement and migrations are not step time
-            fresh = self._step_mark is None or self._step_mark[0] != self.generation
+            if self._step_mark is None or self._step_mark[0] != self.generation:
+                self._warmup = 2  # a new shape: new process groups and joiners warm up during its first steps
+            fresh = self._warmup > 0
+            self._warmup -= 1
             self._step_mark = (self.generation, int(trainer.global_step), time.monotonic(), fresh)
 
     def _record_step(self, step: int) -> None:
         """Time the step that just ended, if it ran whole in the current shape (not the first after a switch)."""
         mark, now = self._step_mark, time.monotonic()
         if mark is None or self.layout is None or mark[0] != self.generation or step != mark[1] + 1 or mark[3]:
-            return  # the first step of a shape warms up new process groups: not representative
+            return  # the first steps of a shape warm up new process groups and joiners: not representative
         model = self._measured_model()
         if model is not None:
             model.record(self.layout.data_parallel, self.layout.pipeline_stages, 1000.0 * (now - mark[2]))
@@ -781,6 +785,7 @@ class ElasticRuntime:
         for blob in inbox.values():
             received.update(blob.get("layers", {}))
         s.apply_layout(trainer, new, int(rec["generation"]), received, self.group_of)
+        _forget_eval_loaders(trainer)
         self._enter(rec)
         self.live.set_generation(self.generation, self._watch())
         if self.is_leader:
@@ -956,6 +961,18 @@ class ElasticRuntime:
         if self.live is not None:
             activate(None)
             self.live.stop()
+
+
+def _forget_eval_loaders(trainer: "pl.Trainer") -> None:
+    """Make Lightning rebuild the validation loader (and its distributed sampler) at the next validation.
+
+    Regression: the loader was built once, sharded for the D of the first validation; after a change of D the
+    stages of one pipeline read different validation batches and the last stage's output (16 sequences) no longer
+    matched its own targets (8) -- "Expected input batch_size (1024) to match target batch_size (512)".
+    """
+    loop = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None)
+    if loop is not None and hasattr(loop, "_combined_loader"):
+        loop._combined_loader = None
 
 
 _HARD_EXIT: list[bool] = []
