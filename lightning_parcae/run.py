@@ -718,6 +718,23 @@ class Launcher:
             w.sigterm_sent = True
         return "notice"
 
+    def _removal_order(self, ids: list[int]) -> list[int]:
+        """Instances in the order the trace removes them: those not training in the job (standbys, including
+        members released by a shape change and restarted) before members, newest first within each.
+
+        Regression: a member released by a 4 -> 2 shape change restarts as a standby under its *old* instance
+        number, so "newest first" noticed an older training member while the restarted standby (still importing,
+        not yet counted by the leader) stayed -- the job found no shape for 1 instance and fell back to the
+        checkpoint.
+        """
+        busy = ("training", "planning", "migrating", "recovering")
+
+        def member(k: int) -> bool:
+            w = self.instances.get(k)
+            return w is not None and self.phases.get(w.member) in busy
+
+        return sorted(ids, key=lambda k: (member(k), -k))
+
     def _change(self, target: int) -> None:
         """The trace moved to ``target`` instances: notice the newest ones, or start joiners."""
         ids = sorted(self.instances)
@@ -725,7 +742,7 @@ class Launcher:
         running = self.launch >= 0 and not self._need_launch and self._fallback is None
         if target < cur:
             done = []
-            for k in ids[::-1][: cur - target]:  # newest first: standbys and recent joiners before old members
+            for k in self._removal_order(ids)[: cur - target]:
                 w = self.instances.pop(k)
                 action = self._notice(w) if w is not None and w.alive() else "no process"
                 done.append({"instance": k, "member": w.member if w else None, "action": action})
