@@ -428,7 +428,7 @@ def load_measured_profile(path: str) -> Optional[MeasuredThroughput]:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigurationError(f"cannot read profile {path}: {e}") from None
+        raise ConfigurationError(f"cannot read layer profile {path}: {e}") from None
     if not isinstance(raw, dict) or "format" not in raw:
         return None
     return MeasuredThroughput.from_json(raw, source=path)
