@@ -312,12 +312,21 @@ class MeasuredThroughput(ThroughputModel):
           by more than :attr:`margin`: measurements of the running shape move with the machine's load while the
           others' stay as they were, and without a margin the job ping-pongs between two equal shapes; or
         * ``current`` is not measured yet (a few more steps measure it; moving away on the formula alone is how
-          the job used to leave its best shape).
+          the job used to leave its best shape); or
+        * ``chosen`` is not measured and even its fitted throughput less its uncertainty
+          (``fitted x (1 - uncertainty)``) does not beat the current measurement: an unmeasured shape must be
+          clearly better to leave a measured one (trying a merely promising one is :meth:`exploration`'s job,
+          only when the interval is long). With one or two shapes measured the fit cannot tell a fixed per-step
+          cost from communication, and a guess once released half a job's processes.
         """
         if chosen == current or current[0] * current[1] > n_next or not self.prior.allowed(*current):
             return False
         a, b = self.measured(*current), self.measured(*chosen)
-        return a is None or (b is not None and b < a * (1.0 + self.margin))
+        if a is None:
+            return True
+        if b is None:
+            return self.throughput(*chosen) * (1.0 - self.uncertainty(*chosen)) <= a
+        return b < a * (1.0 + self.margin)
 
     def exploration(self, n: int, current: Shape, interval_s: float, move_cost_s: float,
                     max_cost_fraction: float = 0.05) -> Optional[Shape]:

@@ -148,7 +148,24 @@ def test_veto_yields_to_availability(seed):
     assert model.measured(*fast) > 1.1 * model.measured(*slow)
     assert model.vetoes(fast, slow, 4)
     assert not model.vetoes(fast, slow, fast[0] * fast[1] - 1)
-    assert not model.vetoes(fast, (3, 1), 4)  # (3,1) not measured: the optimizer decides by the fit
+    # (3,1) not measured: allowed only if its fit minus its uncertainty beats the measurement
+    fitted = model.throughput(3, 1) * (1 - model.uncertainty(3, 1))
+    assert model.vetoes(fast, (3, 1), 4) == (fitted <= model.measured(*fast))
+
+
+@pytest.mark.parametrize("speedup,allowed", [(1.1, False), (1.3, False), (3.0, True)])
+def test_an_unmeasured_shape_must_be_clearly_better_to_leave_a_measured_one(speedup, allowed):
+    """Regression: with one shape measured (a step dominated by a fixed per-step cost), the fit guessed that
+    1x1 beat 2x1 and released a process; a guess must beat the measurement by more than its uncertainty."""
+    model = make()
+    for _ in range(10):
+        model.record(1, 1, 100.0)
+    # make the fit predict 2x1 at ``speedup`` times the measured 1x1
+    model.coef = np.zeros(len(model.coef))
+    model.coef[0] = 100.0 / speedup
+    model._dirty = False
+    assert model.throughput(2, 1) == pytest.approx(speedup * model.measured(1, 1))
+    assert model.vetoes((1, 1), (2, 1), 2) == (not allowed)
 
 
 def test_no_move_away_from_a_shape_before_it_is_measured():
@@ -160,7 +177,7 @@ def test_no_move_away_from_a_shape_before_it_is_measured():
     assert not model.vetoes((2, 2), (1, 2), 3)  # 2x2 no longer fits 3 instances: the move is forced
     for _ in range(model.min_samples):
         model.record(2, 2, 50.0)
-    assert not model.vetoes((2, 2), (1, 2), 4)  # measured now; (1,2) is not: the optimizer decides
+    assert not model.vetoes((2, 2), (1, 2), 3)
 
 
 def test_exploration_only_when_unsure_and_interval_is_long():

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_parcae.costmodel import MigrationConstants, Shape
+from lightning_parcae.costmodel import DefaultCostModel, MigrationConstants, Shape
 from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.measured import MeasuredThroughput, PipelineThroughput, min_stages_for_memory
 from lightning_parcae.optimizer import PAUSED, LiveputOptimizer
@@ -112,6 +112,8 @@ class ElasticRuntime:
         heartbeat_s: Heartbeat period.
         dead_after_s: Silence after which a member is declared dead.
         max_instances: Upper bound for forecasts.
+        throughput: ``"measured"`` (price shapes by measurement and the fitted model, with the never-slower rules)
+            or ``"profile"`` (the per-layer formula only; measurements are still recorded and saved).
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class ElasticRuntime:
         heartbeat_s: float = 0.2,
         dead_after_s: float = 3.0,
         max_instances: int = 64,
+        throughput: str = "measured",
     ) -> None:
         self.s = strategy
         self.store_url = store_url
@@ -142,6 +145,9 @@ class ElasticRuntime:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.max_instances = max_instances
+        if throughput not in ("measured", "profile"):
+            raise ConfigurationError(f"throughput={throughput!r}: use 'measured' or 'profile'")
+        self.throughput_mode = throughput
         self.store: Any = None
         self.coord: Optional[Coordinator] = None
         self.live: Optional[Liveness] = None
@@ -539,9 +545,12 @@ class ElasticRuntime:
             return None
         measured = self._measured_model()
         assert measured is not None
+        by_measurement = self.throughput_mode == "measured"
         if self._optimizer is None:
-            self._optimizer = LiveputOptimizer(measured.cost_model(RUNTIME_CONSTANTS),
-                                               interval_s=max(self.interval_s, 1.0), look_ahead=self.look_ahead)
+            cm = measured.cost_model(RUNTIME_CONSTANTS)
+            if not by_measurement:
+                cm = DefaultCostModel(measured.prior, cm.layer_params, RUNTIME_CONSTANTS)
+            self._optimizer = LiveputOptimizer(cm, interval_s=max(self.interval_s, 1.0), look_ahead=self.look_ahead)
             self._predictor = make_predictor(self.predictor_name, max_instances=self.max_instances)
             for c in self.coord.history():
                 self._predictor.observe(c)
@@ -551,7 +560,7 @@ class ElasticRuntime:
             if observe:
                 self.coord.append_history(n_next)
         cur = (self.layout.data_parallel, self.layout.pipeline_stages)
-        thr = measured
+        thr = measured if by_measurement else measured.prior
         # prices change as steps are measured: drop the optimizer's per-count cache of candidate throughputs
         self._optimizer._targets_cache.clear()
         try:
@@ -569,20 +578,20 @@ class ElasticRuntime:
             if not cands:
                 return None
             shape = max(cands, key=lambda sh: (thr.throughput(*sh), -abs(sh[1] - cur[1])))
-        if thr.vetoes(cur, shape, n_next):
+        if by_measurement and measured.vetoes(cur, shape, n_next):
             # never move to a shape measured slower than the current one unless availability forces it
-            self.event("veto", current=list(cur), chosen=list(shape), measured_current=thr.measured(*cur),
-                       measured_chosen=thr.measured(*shape))
+            self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
+                       measured_chosen=measured.measured(*shape))
             shape = cur
-        elif shape == cur and observe:
-            explore = thr.exploration(n_next, cur, self.interval_s, self._move_cost_s())
+        elif by_measurement and shape == cur and observe:
+            explore = measured.exploration(n_next, cur, self.interval_s, self._move_cost_s())
             if explore is not None:
                 self.event("explore", current=list(cur), chosen=list(explore),
-                           measured_current=thr.measured(*cur), fitted=thr.throughput(*explore),
-                           uncertainty=thr.uncertainty(*explore))
+                           measured_current=measured.measured(*cur), fitted=measured.throughput(*explore),
+                           uncertainty=measured.uncertainty(*explore))
                 shape = explore
         self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
-                                    "chosen": thr.throughput(*shape), "measured": thr.measured(*shape)}
+                                    "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
         return shape
 
     def _move_cost_s(self) -> float:
