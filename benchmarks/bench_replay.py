@@ -257,7 +257,34 @@ def main() -> int:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     plot(results, out / "replay.png")
+    (out / "results.md").write_text(markdown(results))
     return 0
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as Markdown tables (what docs/evidence.md shows)."""
+    lines = ["Static throughput per shape (samples/s): " + ", ".join(
+        f"{k} {v:.0f}" for k, v in results["static"].items()) + "; best per instance count: " + ", ".join(
+        f"N={n}: {k}" for n, (k, _) in sorted(results["best_by_n"].items(), key=lambda x: int(x[0]))), "",
+        "| segment | policy | samples | vs ideal | forecast | forecast / measured | start-up s | migrations | time lost s by kind |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for seg, r in results["segments"].items():
+        ideal = r.get("ideal_after_startup") or 0
+        for pol, s in r["runs"].items():
+            fc = r.get("forecast", {}).get(pol)
+            ratio = f"{fc / s['samples']:.2f}" if fc and s["samples"] else "-"
+            lost = ", ".join(f"{k} {v:.1f}" for k, v in s["lost_s"].items() if v) or "0"
+            migs = ", ".join(f"{k} {v}" for k, v in s["migrations"].items()) or "-"
+            lines.append(f"| {seg} | {pol} | {s['samples']} | {s['samples'] / ideal if ideal else 0:.0%} | "
+                         f"{fc or 0:.0f} | {ratio} | {s['startup_s']} | {migs}; restarts {s['restarts']} | {lost} |")
+    lines.append("")
+    for seg, r in results["segments"].items():
+        checks = r["runs"].get("parcae", {}).get("shape_check", [])
+        if checks:
+            lines.append(f"- {seg}, parcae: shapes trained in vs the best static shape for the instances available: " +
+                         ", ".join(f"{c['shape']} at N={c['N']} ({c['ratio']:.2f} of {c['best'][0]})" if c["ratio"]
+                                   else f"{c['shape']} at N={c['N']} (not measured)" for c in checks))
+    return "\n".join(lines) + "\n"
 
 
 def print_table(results: dict[str, Any]) -> None:
