@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_parcae.costmodel import MigrationConstants, load_cost_model
+from lightning_parcae.costmodel import MigrationConstants, balanced_partition, load_cost_model
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.measured import (
     MeasuredThroughput,
@@ -28,12 +28,8 @@ def true_step_ms(d: int, p: int, *, cores: int, overhead: float, allreduce_ms_pe
     """A synthetic machine inside the fitted family: a pipeline formula with contention and communication."""
     prior = PipelineThroughput(LAYERS, 64, m)
     f = prior.step_ms(d, p)
-    b = [0] + list(np.cumsum(LAYERS))
-    from lightning_parcae.costmodel import balanced_partition
-
     bounds = balanced_partition(LAYERS, p)
     stage_mb = max(sum(BYTES[bounds[k]: bounds[k + 1]]) for k in range(p)) / 1e6
-    del b
     return (overhead + f * (1 + max(0.0, d * p / cores - 1)) + allreduce_ms_per_mb * 2 * (d - 1) / d * stage_mb
             + (p2p_ms * 2 * (m + p - 2) if p > 1 else 0.0))
 
