@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-PARCAE = [PY, "-m", "lightning_parcae.run"]
+PARCAE = [PY, "-m", "lightning_parcae.launch.run"]
 TRAIN = [PY, str(ROOT / "examples" / "gpt" / "train.py"), "--config", str(ROOT / "examples" / "gpt" / "config.yaml"),
          "--trainer.max_steps", "1000000", "--trainer.limit_val_batches", "0"]
 SEGMENTS = ["hh_55_65", "hl_15_25", "lh_80_90", "ll_10_11"]
@@ -159,9 +159,9 @@ def measure_static(shape: tuple[int, int], out: Path, seconds: float) -> float:
 def forecast(profile_path: Path, schedule: list[int], wall_interval: float, startup_s: float,
              restart_s: Optional[float], n_min: int) -> dict[str, float]:
     """The simulator's forecast of each policy from the Parcae run's fitted profile."""
-    from lightning_parcae.costmodel import load_cost_model  # noqa: PLC0415
-    from lightning_parcae.sim import run_policy  # noqa: PLC0415
-    from lightning_parcae.traces import from_counts  # noqa: PLC0415
+    from lightning_parcae.planning.costmodel import load_cost_model  # noqa: PLC0415
+    from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
+    from lightning_parcae.signals.traces import from_counts  # noqa: PLC0415
 
     cm = load_cost_model("default", profile_path=str(profile_path))
     # the job's start (process start, imports, profiling) is priced as a restart in the simulator's first interval
@@ -190,7 +190,7 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from lightning_parcae.run import _load_schedule  # noqa: PLC0415
+    from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
     results: dict[str, Any] = {"time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "cores": os.cpu_count(), "static": {}, "segments": {}}

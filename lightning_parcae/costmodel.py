@@ -13,7 +13,7 @@ module gives both behind one interface so the simulator and the runtime call the
   groups change), inter-stage (a process takes over another stage: weights + optimizer state), repartition (P
   changes: move only the layers a process lacks), restart from checkpoint. A transition's cost depends on
   *which* instances were preempted; the cost model prices one victim pattern (survivors per stage) and
-  :mod:`lightning_parcae.liveput` takes the expectation over patterns.
+  :mod:`lightning_parcae.planning.liveput` takes the expectation over patterns.
 * :class:`ArtifactCostModel` reproduces ``ARTIFACT_MODEL.md`` exactly (group-rebuild formulas, restart, p2p
   table, the inter-stage "redundant" rule and the repartition quirk), so our policies can be scored on the same
   work as Parcae's own. :class:`DefaultCostModel` is our own, simpler and fittable from measurements
@@ -458,7 +458,7 @@ class MigrationCostModel(abc.ABC):
     A victim pattern is described by ``victims[s]``: how many of stage s's D replicas were preempted (instances
     beyond the D*P grid are spares; losing them changes nothing but the membership). Same-depth transitions are
     priced as ``combine(max_s m_s, sum_s a_s)`` of per-stage terms so that
-    :func:`lightning_parcae.liveput.expected_transition_cost` can take their exact expectation by a dynamic
+    :func:`lightning_parcae.planning.liveput.expected_transition_cost` can take their exact expectation by a dynamic
     program over stages; repartitions are priced on the survivor counts directly.
 
     Attributes:
@@ -913,7 +913,7 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
         kind: ``"artifact"`` (needs ``model``) or ``"default"``.
         model: A bundled table name (:func:`reference_models`).
         profile_path: A per-layer profile JSON (:meth:`LayerProfile.from_json`) or a run's measured profile
-            (``run_dir/profile.json``, :mod:`lightning_parcae.measured`), for ``default`` only.
+            (``run_dir/profile.json``, :mod:`lightning_parcae.planning.measured`), for ``default`` only.
 
     Returns:
         The cost model (its ``throughput`` attribute is the matching throughput model).
@@ -933,7 +933,7 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
             layers = _data("artifact_layer_params.json")[model]["layers"]
         else:
             # a profile a run measured and fitted (run_dir/profile.json): the same model the runtime planned with
-            from lightning_parcae.measured import load_measured_profile  # noqa: PLC0415
+            from lightning_parcae.planning.measured import load_measured_profile  # noqa: PLC0415
 
             measured = load_measured_profile(profile_path)  # type: ignore[arg-type]
             if measured is not None:

@@ -19,12 +19,12 @@ Two ways to handle a membership change:
   only case that restarts the job.
 * ``--restart-fallback``: like a torchrun-style elastic job, every change stops the whole group (gracefully: the
   notice lets every rank agree on a stop step and rank 0 write ``run_dir/ckpt/last.ckpt``, see
-  :class:`~lightning_parcae.callbacks.ParcaeRunCallback`) and relaunches it at the new size, resuming from that
+  :class:`~lightning_parcae.training.callbacks.ParcaeRunCallback`) and relaunches it at the new size, resuming from that
   checkpoint (``PARCAE_RESUME_CKPT``). The time each restart costs is measured and reported.
 
 Usage::
 
-    python -m lightning_parcae.run --instances 4 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
+    python -m lightning_parcae.launch.run --instances 4 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
 
 Outputs in the run directory: ``events.jsonl`` (launcher and worker events), ``logs/*.log`` (one per process),
 ``ckpt/last.ckpt``, ``report.json`` and ``report.png``.
@@ -48,7 +48,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional, Sequence
 
-from lightning_parcae.callbacks import WRONG_TOKEN_EXIT, append_event
+from lightning_parcae.training.callbacks import WRONG_TOKEN_EXIT, append_event
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT
 from lightning_parcae.errors import ConfigurationError, CoordinationError, ParcaeError
 
@@ -244,7 +244,7 @@ def initial_members(n: int, pipeline_stages: str) -> tuple[int, int]:
 
 
 def _load_schedule(name: str, interval_s: float, cap: int) -> tuple[list[int], list[int]]:
-    from lightning_parcae.traces import BUNDLED_TRACES, bundled_trace_path, load_trace  # noqa: PLC0415
+    from lightning_parcae.signals.traces import BUNDLED_TRACES, bundled_trace_path, load_trace  # noqa: PLC0415
 
     if os.path.exists(name):
         path: Any = name

@@ -100,7 +100,7 @@ def check_trainer(trainer: Any) -> None:
         raise ForeignTrainerError(
             f"ParcaeStrategy runs under pytorch_lightning, but got a {type(trainer).__name__} from {module!r}. "
             "Use `from pytorch_lightning import Trainer` (not `lightning.pytorch`/`lightning`) together with "
-            "`from lightning_parcae.strategy import ParcaeStrategy`"
+            "`from lightning_parcae.training.strategy import ParcaeStrategy`"
         )
 
 
@@ -466,7 +466,7 @@ class ParcaeStrategy(ParallelStrategy):
     # ============================================================================================ live reconfiguration
     def _setup_elastic(self, trainer: "pl.Trainer", joining: bool) -> None:
         """Attach the interval callback; initial members agree on generation 0, a joiner starts heartbeating."""
-        from lightning_parcae.callbacks import ParcaeElasticCallback  # noqa: PLC0415
+        from lightning_parcae.training.callbacks import ParcaeElasticCallback  # noqa: PLC0415
 
         er = self.elastic_runtime
         assert er is not None

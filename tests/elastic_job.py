@@ -109,8 +109,8 @@ def main() -> None:
         trainer.fit(model, loader)
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "reference.pt"))
         return
-    from lightning_parcae.callbacks import ParcaeRunCallback, resume_path
-    from lightning_parcae.strategy import ParcaeStrategy
+    from lightning_parcae.training.callbacks import ParcaeRunCallback, resume_path
+    from lightning_parcae.training.strategy import ParcaeStrategy
 
     strategy = ParcaeStrategy(pipeline_stages=args.pipeline_stages, micro_batches=args.micro_batches, elastic=True,
                               interval_s=0, interval_steps=args.interval_steps, heartbeat_s=0.1, dead_after_s=3.0,

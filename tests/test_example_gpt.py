@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 
 from gpt import GPT, StdlibText, stdlib_bytes  # noqa: E402
 
-from lightning_parcae.measured import min_stages_for_memory  # noqa: E402
+from lightning_parcae.planning.measured import min_stages_for_memory  # noqa: E402
 from lightning_parcae.runtime.partition import balance_stages, layer_memory_bytes  # noqa: E402
 
 CONFIG = yaml.safe_load((ROOT / "examples" / "gpt" / "config.yaml").read_text())

@@ -1,4 +1,4 @@
-"""Throughput learned while training (lightning_parcae.measured): the fit, the never-slower rule, exploration,
+"""Throughput learned while training (lightning_parcae.planning.measured): the fit, the never-slower rule, exploration,
 and the saved profile, on synthetic measurements from families of machines, shapes and noise levels."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import math
 import numpy as np
 import pytest
 
-from lightning_parcae.costmodel import MigrationConstants, balanced_partition, load_cost_model
+from lightning_parcae.planning.costmodel import MigrationConstants, balanced_partition, load_cost_model
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.measured import (
+from lightning_parcae.planning.measured import (
     MeasuredThroughput,
     PipelineThroughput,
     load_measured_profile,
     min_stages_for_memory,
 )
-from lightning_parcae.optimizer import LiveputOptimizer
+from lightning_parcae.planning.shape_optimizer import LiveputOptimizer
 
 LAYERS = [1.0] + [4.0] * 8 + [2.0]  # embedding, 8 blocks, head (ms on the global batch)
 BYTES = [4e5] + [8e5] * 8 + [4e5]
@@ -218,7 +218,7 @@ def test_profile_round_trip_into_the_simulator(tmp_path, seed):
     for s in [(1, 2), (2, 2), (1, 4), (3, 3)]:
         assert again.throughput(*s) == pytest.approx(model.throughput(*s), rel=1e-6)
     assert again.throughput(4, 1) == 0.0  # the memory budget (min_p=2) travels with the profile
-    from lightning_parcae.cli import main
+    from lightning_parcae.launch.cli import main
 
     assert main(["simulate", "--trace", "hh_55_65", "--profile", str(path), "--cost-model", "default",
                  "--policy", "ideal,parcae", "--look-ahead", "3"]) == 0

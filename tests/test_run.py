@@ -1,4 +1,4 @@
-"""Tests of ``parcae run`` (lightning_parcae.run) and its worker callback.
+"""Tests of ``parcae run`` (lightning_parcae.launch.run) and its worker callback.
 
 Problem they guard: the launcher is where a user first meets the system. Bad options must fail fast with a message
 that says what to fix and must leave nothing running; a worker that crashes must take the run down with its log
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.run import (
+from lightning_parcae.launch.run import (
     ELASTIC,
     RESTART_FALLBACK,
     Launcher,
@@ -142,7 +142,7 @@ def test_callback_exits_if_token_wrong(tmp_path: Path) -> None:
     store = host_store("tcp://127.0.0.1:0", token=new_token())
     env = {**os.environ, "PARCAE_RUN_DIR": str(tmp_path), "PARCAE_STORE": f"tcp://127.0.0.1:{store.port}",
            "PARCAE_JOB_TOKEN": "not-the-token", "RANK": "0"}
-    code = "from lightning_parcae.callbacks import ParcaeRunCallback; ParcaeRunCallback(); print('started')"
+    code = "from lightning_parcae.training.callbacks import ParcaeRunCallback; ParcaeRunCallback(); print('started')"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 3
     assert "wrong job token" in proc.stderr and "started" not in proc.stdout
@@ -187,8 +187,8 @@ def test_main_trains_to_the_end_if_static_two_instances(tmp_path: Path, capsys: 
     progress = [e for e in report["events"] if e.get("event") == "progress"]
     assert progress and all(isinstance(e.get("loss"), float) for e in progress)  # report.png plots the loss
     if mode == "--elastic":  # the runtime measured its steps and saved the fitted profile with the run
-        from lightning_parcae.costmodel import load_cost_model
-        from lightning_parcae.measured import MeasuredThroughput
+        from lightning_parcae.planning.costmodel import load_cost_model
+        from lightning_parcae.planning.measured import MeasuredThroughput
 
         profile = json.loads((tmp_path / "profile.json").read_text())
         assert profile["cores"] == (os.cpu_count() or 1)

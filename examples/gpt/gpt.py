@@ -4,7 +4,7 @@ needs no download.
 Problem it shows: Parcae matters when a model does not fit one instance -- GPT-1.5B and 6.7B with Adam need a
 pipeline (P >= 2) on 16 GB GPUs. This model reproduces that regime at CPU scale: an embedding, ``n_blocks``
 pre-LayerNorm transformer blocks and a head, as one top-level ``nn.Sequential`` (``self.layers``) that
-:class:`~lightning_parcae.strategy.ParcaeStrategy` cuts into stages. With ``max_stage_memory_bytes`` below the
+:class:`~lightning_parcae.training.strategy.ParcaeStrategy` cuts into stages. With ``max_stage_memory_bytes`` below the
 whole model's training memory (parameters + gradients + Adam state), every shape needs P >= 2.
 
 Data: the ``*.py`` files directly in the standard library directory (``os.path.dirname(os.__file__)``), sorted by

@@ -7,7 +7,7 @@
 Under ``parcae run`` the launcher's environment fills in what the YAML cannot know: ``devices`` (the local world
 size it started this worker with), the first generation's pipeline depth (``PARCAE_PIPELINE_STAGES``) and the
 planning interval (``PARCAE_INTERVAL_S``, the scaled trace interval); a relaunched worker resumes from
-``run_dir/ckpt/last.ckpt`` (:func:`~lightning_parcae.callbacks.resume_path`). Options given on the command line
+``run_dir/ckpt/last.ckpt`` (:func:`~lightning_parcae.training.callbacks.resume_path`). Options given on the command line
 win over these.
 """
 
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_lightning.cli import LightningCLI  # noqa: E402
 
 from gpt import GPT, StdlibText  # noqa: E402
-from lightning_parcae.callbacks import resume_path  # noqa: E402
+from lightning_parcae.training.callbacks import resume_path  # noqa: E402
 
 
 def _env_defaults(argv: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ must (a) decide ahead of time which shape to run next (predictor + liveput optim
 process), (b) get every process to switch at the *same* step, (c) move only the state that has to move between
 processes that keep running, (d) survive a sudden loss without any stage applying an optimizer step that another
 did not, and (e) let a new process join with the exact model, optimizer and loop state of the running job. This
-module is that protocol; :class:`~lightning_parcae.strategy.ParcaeStrategy` calls into it at a few points.
+module is that protocol; :class:`~lightning_parcae.training.strategy.ParcaeStrategy` calls into it at a few points.
 
 Protocol (see ``docs/elastic.md`` for the user-facing version and :mod:`.lifecycle` for the state machine):
 
@@ -50,12 +50,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_parcae.costmodel import DefaultCostModel, MigrationConstants, Shape
+from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape
 from lightning_parcae.errors import ConfigurationError, PeerLostError
-from lightning_parcae.measured import MeasuredThroughput, PipelineThroughput, min_stages_for_memory
-from lightning_parcae.optimizer import PAUSED, LiveputOptimizer
-from lightning_parcae.planner import Layout, MigrationPlan, StageLostError, plan_migration
-from lightning_parcae.predictor import make_predictor
+from lightning_parcae.planning.measured import MeasuredThroughput, PipelineThroughput, min_stages_for_memory
+from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
+from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
+from lightning_parcae.planning.forecast import make_predictor
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
@@ -64,7 +64,7 @@ from lightning_parcae.runtime.migration import exchange, layer_payload
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-    from lightning_parcae.strategy import ParcaeStrategy
+    from lightning_parcae.training.strategy import ParcaeStrategy
 
 __all__ = ["ElasticRuntime", "RuntimeThroughput", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
 
@@ -92,8 +92,8 @@ planning interval made the optimizer reach (4,1) through (2,2) instead of direct
 
 class RuntimeThroughput(PipelineThroughput):
     """The runtime's formula over its per-layer times (kept under this name; it lives in
-    :class:`lightning_parcae.measured.PipelineThroughput` so that the simulator uses the same one). The runtime
-    plans with :class:`~lightning_parcae.measured.MeasuredThroughput`, which re-weights it by measured steps."""
+    :class:`lightning_parcae.planning.measured.PipelineThroughput` so that the simulator uses the same one). The runtime
+    plans with :class:`~lightning_parcae.planning.measured.MeasuredThroughput`, which re-weights it by measured steps."""
 
 
 class ElasticRuntime:
@@ -227,7 +227,7 @@ class ElasticRuntime:
               "event": event_name}
         log.debug("%s", ev)
         if self.run_dir:
-            from lightning_parcae.callbacks import append_event  # noqa: PLC0415
+            from lightning_parcae.training.callbacks import append_event  # noqa: PLC0415
 
             try:
                 append_event(self.run_dir, _json_safe(ev))

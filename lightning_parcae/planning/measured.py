@@ -27,7 +27,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from lightning_parcae.costmodel import (
+from lightning_parcae.planning.costmodel import (
     DefaultCostModel,
     MigrationConstants,
     Shape,
