@@ -184,6 +184,18 @@ def test_main_trains_to_the_end_if_static_two_instances(tmp_path: Path, capsys: 
     assert (tmp_path / "ckpt" / "last.ckpt").exists() and (tmp_path / "report.png").exists()
     starts = [e for e in report["events"] if e.get("event") == "start"]
     assert starts and (starts[0]["D"], starts[0]["P"], starts[0]["N"]) == (2, 1, 2)
+    progress = [e for e in report["events"] if e.get("event") == "progress"]
+    assert progress and all(isinstance(e.get("loss"), float) for e in progress)  # report.png plots the loss
+    if mode == "--elastic":  # the runtime measured its steps and saved the fitted profile with the run
+        from lightning_parcae.planning.costmodel import load_cost_model
+        from lightning_parcae.planning.measured import MeasuredThroughput
+
+        profile = json.loads((tmp_path / "profile.json").read_text())
+        assert profile["cores"] == (os.cpu_count() or 1)
+        assert len(profile["shapes"]["2,1"]["step_ms"]) >= 10  # 30 steps, minus the first two of the shape
+        thr = load_cost_model("default", profile_path=str(tmp_path / "profile.json")).throughput
+        assert isinstance(thr, MeasuredThroughput) and thr.measured(2, 1) == pytest.approx(
+            profile["shapes"]["2,1"]["samples_per_s"])
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import json
 import os
 import shlex
@@ -667,6 +668,13 @@ class Launcher:
         self._incarnations[instance] = c
         return f"i{instance}" if c == 0 else f"i{instance}.{c}"
 
+    @functools.cached_property
+    def shared_units(self) -> int:
+        """Processing units the workers of this one-machine cluster share: GPUs, else CPU cores."""
+        capacity = host_capacity()
+        cores = os.cpu_count() or 1
+        return cores if capacity == 2 * cores else capacity
+
     def _spawn(self, instance: int, *, join: bool, rank: int = 0, world: int = 1, p: int = 1,
                resume: bool = False) -> _Worker:
         """Start one worker process for ``instance``: an initial member of a (re)launch, or a joiner."""
@@ -682,6 +690,8 @@ class Launcher:
             "PARCAE_GENERATION": str(self.launch), "PARCAE_GENERATION_BASE": str(1000 * self.launch),
             "PARCAE_PIPELINE_STAGES": str(p) if p else "auto", "PARCAE_MODE": cfg.mode,
             "PARCAE_INTERVAL_S": f"{cfg.wall_interval_s:g}",
+            # every instance of this one-machine cluster shares its cores (the measured model's contention term)
+            "PARCAE_SHARED_CORES": str(self.shared_units),
         }
         env.setdefault("OMP_NUM_THREADS", "1")
         with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
@@ -754,6 +764,23 @@ class Launcher:
             w.sigterm_sent = True
         return "notice"
 
+    def _removal_order(self, ids: list[int]) -> list[int]:
+        """Instances in the order the trace removes them: those not training in the job (standbys, including
+        members released by a shape change and restarted) before members, newest first within each.
+
+        Regression: a member released by a 4 -> 2 shape change restarts as a standby under its *old* instance
+        number, so "newest first" noticed an older training member while the restarted standby (still importing,
+        not yet counted by the leader) stayed -- the job found no shape for 1 instance and fell back to the
+        checkpoint.
+        """
+        busy = ("training", "planning", "migrating", "recovering")
+
+        def member(k: int) -> bool:
+            w = self.instances.get(k)
+            return w is not None and self.phases.get(w.member) in busy
+
+        return sorted(ids, key=lambda k: (member(k), -k))
+
     def _change(self, target: int) -> None:
         """The trace moved to ``target`` instances: notice the newest ones, or start joiners."""
         ids = sorted(self.instances)
@@ -761,7 +788,7 @@ class Launcher:
         running = self.launch >= 0 and not self._need_launch and self._fallback is None
         if target < cur:
             done = []
-            for k in ids[::-1][: cur - target]:  # newest first: standbys and recent joiners before old members
+            for k in self._removal_order(ids)[: cur - target]:
                 w = self.instances.pop(k)
                 action = self._notice(w) if w is not None and w.alive() else "no process"
                 done.append({"instance": k, "member": w.member if w else None, "action": action})
@@ -1181,7 +1208,9 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     elastic = report.get("mode") == ELASTIC
-    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    prog = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "progress"]
+    has_loss = any("loss" in e for e in prog)
+    fig, axes = plt.subplots(4 if has_loss else 3, 1, figsize=(9, 9.5 if has_loss else 7.5), sharex=True)
     tl = report["timeline"]
     t_end = report["wall_s"]
     tr = report["trace"]
@@ -1224,19 +1253,30 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     axes[0].legend(loc="best", fontsize=7)
     axes[1].set_ylabel("shape in use")
     axes[1].legend(loc="best", fontsize=8)
-    prog = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "progress"]
     for g in sorted({e.get("generation", 0) for e in prog}):  # one line per launch: no line across restarts
         pts = [e for e in prog if e.get("generation", 0) == g]
         axes[2].plot([e["time"] - t0 for e in pts], [e.get("samples_per_s", 0) for e in pts], ".-", color="C0")
+        if has_loss:
+            lp = [e for e in pts if "loss" in e]
+            axes[3].plot([e["time"] - t0 for e in lp], [e["loss"] for e in lp], ".-", color="C1",
+                         label="training loss" if g == min(e.get("generation", 0) for e in prog) else None)
+    if has_loss:
+        val = [e for e in report["events"] if e.get("source") == "worker" and e.get("event") == "validation"
+               and "val_loss" in e.get("metrics", {})]
+        if val:
+            axes[3].plot([e["time"] - t0 for e in val], [e["metrics"]["val_loss"] for e in val], "s", color="C3",
+                         label="validation loss")
+        axes[3].set_ylabel("loss")
+        axes[3].legend(loc="best", fontsize=8)
     axes[2].set_ylabel("samples/s")
     if elastic:
-        axes[2].set_xlabel("wall time (s); dashed: in-place migrations (colour = kind); red: restart downtime")
+        axes[-1].set_xlabel("wall time (s); dashed: in-place migrations (colour = kind); red: restart downtime")
         lost = report["time_lost_by_kind_s"]
         fig.suptitle(f"parcae run --elastic: {report['num_migrations']} migrations "
                      f"({sum(v for k, v in lost.items() if k != 'restart'):.1f} s), {report['num_restarts']} "
                      f"restarts ({lost.get('restart', 0.0):.1f} s), final step {report['final_step']}")
     else:
-        axes[2].set_xlabel("wall time (s); red: restart downtime (restart fallback)")
+        axes[-1].set_xlabel("wall time (s); red: restart downtime (restart fallback)")
         fig.suptitle(f"parcae run: {report['num_restarts']} restarts, {report['time_lost_s']:.1f} s lost, "
                      f"final step {report['final_step']}")
     fig.tight_layout()

@@ -957,7 +957,8 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
     Args:
         kind: ``"artifact"`` (needs ``model``) or ``"default"``.
         model: A bundled table name (:func:`reference_models`).
-        profile_path: A per-layer profile JSON (:meth:`LayerProfile.from_json`), for ``default`` only.
+        profile_path: A per-layer profile JSON (:meth:`LayerProfile.from_json`) or a run's measured profile
+            (``run_dir/profile.json``, :mod:`lightning_parcae.planning.measured`), for ``default`` only.
 
     Returns:
         The cost model (its ``throughput`` attribute is the matching throughput model).
@@ -976,6 +977,12 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
             thr: ThroughputModel = TableThroughput.from_reference(model)
             layers = _data("artifact_layer_params.json")[model]["layers"]
         else:
+            # a profile a run measured and fitted (run_dir/profile.json): the same model the runtime planned with
+            from lightning_parcae.planning.measured import load_measured_profile  # noqa: PLC0415
+
+            measured = load_measured_profile(profile_path)  # type: ignore[arg-type]
+            if measured is not None:
+                return measured.cost_model()
             prof = LayerProfile.from_json(profile_path)  # type: ignore[arg-type]
             thr = ProfileThroughput(prof)
             layers = [b / 4.0 for b in prof.param_bytes]  # fp32 weights: 4 bytes per parameter

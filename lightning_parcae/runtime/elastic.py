@@ -50,9 +50,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape, ShapeLimits, ThroughputModel
+from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape
 from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.events import append_event
+from lightning_parcae.planning.measured import MeasuredThroughput, PipelineThroughput, min_stages_for_memory
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.planning.forecast import make_predictor
@@ -78,6 +79,11 @@ STORE_ENV = "PARCAE_STORE"
 MEMBER_ENV = "PARCAE_MEMBER"
 JOIN_ENV = "PARCAE_JOIN"
 STALL_ENV = "PARCAE_STALL_S"
+SHARED_CORES_ENV = "PARCAE_SHARED_CORES"
+"""Set by ``parcae run`` (all processes on one machine): the cores they share, for the contention term of the
+measured throughput model. Unset on a real cluster (one instance per process)."""
+MEASURED_KEY = "parcae/measured"
+"""Store key of the measured profile (the leader publishes it each interval, so a new leader keeps it)."""
 
 
 RUNTIME_CONSTANTS = MigrationConstants(group_base_ms=30.0, join_ms=150.0, restart_ms=10000.0)
@@ -87,47 +93,10 @@ simulator's default ``join_ms`` of 2.5 s prices a cold process), a full restart 
 planning interval made the optimizer reach (4,1) through (2,2) instead of directly."""
 
 
-class RuntimeThroughput(ThroughputModel):
-    """Throughput of (D, P) for this job, from its measured per-layer times.
-
-    A step of shape (D, P) runs M micro-batches of ``B / (D M)`` samples through P stages balanced by time:
-    ``(M + P - 1) * max_stage / (D M)`` (times measured on the whole global batch B). Shapes whose D does not
-    split the global batch into M micro-batches, or with more stages than layers, are not allowed.
-
-    Args:
-        layer_ms: Forward + backward time of each layer on one global batch.
-        global_batch: B.
-        micro_batches: M.
-        max_p: Largest pipeline depth to consider.
-    """
-
-    def __init__(self, layer_ms: list[float], global_batch: int, micro_batches: int, max_p: Optional[int] = None) -> None:
-        self.layer_ms = [max(float(t), 1e-6) for t in layer_ms]
-        self.global_batch = int(global_batch)
-        self.micro_batches = int(micro_batches)
-        self.limits = ShapeLimits(max_p=min(max_p or len(layer_ms), len(layer_ms)))
-
-    def _stage_max(self, p: int) -> float:
-        from lightning_parcae.planning.costmodel import balanced_partition  # noqa: PLC0415
-
-        b = balanced_partition(self.layer_ms, p)
-        return max(sum(self.layer_ms[b[k] : b[k + 1]]) for k in range(p))
-
-    def throughput(self, d: int, p: int) -> float:
-        if d < 1 or p < 1 or p > self.limits.max_p or not batch_splits(self.global_batch, d, self.micro_batches):
-            return 0.0
-        m = self.micro_batches
-        step_ms = (m + p - 1) * self._stage_max(p) / (d * m)
-        return self.global_batch / (step_ms / 1000.0)
-
-    def candidates(self, n: int, hint_counts: Iterable[int] = ()) -> list[Shape]:
-        out = []
-        for p in range(1, min(n, self.limits.max_p) + 1):
-            for d in range(n // p, 0, -1):
-                if self.throughput(d, p) > 0:
-                    out.append((d, p))
-                    break
-        return sorted(out)
+class RuntimeThroughput(PipelineThroughput):
+    """The runtime's formula over its per-layer times (kept under this name; it lives in
+    :class:`lightning_parcae.planning.measured.PipelineThroughput` so that the simulator uses the same one). The runtime
+    plans with :class:`~lightning_parcae.planning.measured.MeasuredThroughput`, which re-weights it by measured steps."""
 
 
 class ElasticRuntime:
@@ -151,6 +120,8 @@ class ElasticRuntime:
             timeout of every group after start-up; set it above the longest legitimate wait (a step, a
             checkpoint gather, the leader's planning). ``PARCAE_STALL_S`` overrides it.
         max_instances: Upper bound for forecasts.
+        throughput: ``"measured"`` (price shapes by measurement and the fitted model, with the never-slower rules)
+            or ``"profile"`` (the per-layer formula only; measurements are still recorded and saved).
     """
 
     def __init__(
@@ -169,6 +140,7 @@ class ElasticRuntime:
         dead_after_s: float = 3.0,
         stall_after_s: float = 60.0,
         max_instances: int = 64,
+        throughput: str = "measured",
     ) -> None:
         self.s = strategy
         self.store_url = store_url
@@ -185,6 +157,9 @@ class ElasticRuntime:
         if not self.stall_after_s > 0:
             raise ConfigurationError(f"stall_after_s must be > 0 seconds, got {self.stall_after_s}")
         self.max_instances = max_instances
+        if throughput not in ("measured", "profile"):
+            raise ConfigurationError(f"throughput={throughput!r}: use 'measured' or 'profile'")
+        self.throughput_mode = throughput
         self.store: Any = None
         self.coord: Optional[Coordinator] = None
         self.live: Optional[Liveness] = None
@@ -208,6 +183,10 @@ class ElasticRuntime:
         self.admitted = not joining
         """Whether this process is (or was) a training member; a joiner becomes one in :meth:`joined`."""
         self.run_dir = os.environ.get("PARCAE_RUN_DIR")
+        self.measured: Optional[MeasuredThroughput] = None
+        # (generation, step, time, first in its generation) at the last step boundary
+        self._step_mark: Optional[tuple[int, int, float, bool]] = None
+        self._warmup = 0
 
     # ============================================================================================ connection
     @classmethod
@@ -468,6 +447,28 @@ class ElasticRuntime:
         assert self.live is not None and self.coord is not None and self.layout is not None
         step = int(trainer.global_step)
         self.live.step = step
+        self._record_step(step)
+        try:
+            self._boundary(trainer, step)
+        finally:
+            # the next step is timed from here: planning, agreement and migrations are not step time
+            if self._step_mark is None or self._step_mark[0] != self.generation:
+                self._warmup = 2  # a new shape: new process groups and joiners warm up during its first steps
+            fresh = self._warmup > 0
+            self._warmup -= 1
+            self._step_mark = (self.generation, int(trainer.global_step), time.monotonic(), fresh)
+
+    def _record_step(self, step: int) -> None:
+        """Time the step that just ended, if it ran whole in the current shape (not the first after a switch)."""
+        mark, now = self._step_mark, time.monotonic()
+        if mark is None or self.layout is None or mark[0] != self.generation or step != mark[1] + 1 or mark[3]:
+            return  # the first steps of a shape warm up new process groups and joiners: not representative
+        model = self._measured_model()
+        if model is not None:
+            model.record(self.layout.data_parallel, self.layout.pipeline_stages, 1000.0 * (now - mark[2]))
+
+    def _boundary(self, trainer: "pl.Trainer", step: int) -> None:
+        assert self.live is not None and self.coord is not None and self.layout is not None
         if self.live.aborted.is_set():
             self.recover(trainer)
             return
@@ -560,12 +561,14 @@ class ElasticRuntime:
         assert self.layout is not None and self.coord is not None
         if n_next < 1 or s._global_batch is None:
             return None
+        measured = self._measured_model()
+        assert measured is not None
+        by_measurement = self.throughput_mode == "measured"
         if self._optimizer is None:
-            thr = RuntimeThroughput(list(s.layer_times or [1.0] * len(s.layer_names)), s._global_batch,
-                                    s.micro_batches, s.max_pipeline_stages)
-            params = [b / max(1.0, 4.0 * (1.0 + s.optimizer_state_factor)) for b in self._layer_bytes()]
-            self._optimizer = LiveputOptimizer(DefaultCostModel(thr, params, RUNTIME_CONSTANTS),
-                                               interval_s=max(self.interval_s, 1.0), look_ahead=self.look_ahead)
+            cm = measured.cost_model(RUNTIME_CONSTANTS)
+            if not by_measurement:
+                cm = DefaultCostModel(measured.prior, cm.layer_params, RUNTIME_CONSTANTS)
+            self._optimizer = LiveputOptimizer(cm, interval_s=max(self.interval_s, 1.0), look_ahead=self.look_ahead)
             self._predictor = make_predictor(self.predictor_name, max_instances=self.max_instances)
             for c in self.coord.history():
                 self._predictor.observe(c)
@@ -575,7 +578,9 @@ class ElasticRuntime:
             if observe:
                 self.coord.append_history(n_next)
         cur = (self.layout.data_parallel, self.layout.pipeline_stages)
-        thr = self._optimizer.thr
+        thr = measured if by_measurement else measured.prior
+        # prices change as steps are measured: drop the optimizer's per-count cache of candidate throughputs
+        self._optimizer._targets_cache.clear()
         try:
             first = (n_now, max(0, n_next - n_now), max(0, n_now - n_next))
             rest = pred.forecast(max(1, self.look_ahead - 1)).intervals(n_next)
@@ -591,7 +596,87 @@ class ElasticRuntime:
             if not cands:
                 return None
             shape = max(cands, key=lambda sh: (thr.throughput(*sh), -abs(sh[1] - cur[1])))
+        if by_measurement and measured.vetoes(cur, shape, n_next):
+            # never move to a shape measured slower than the current one unless availability forces it
+            self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
+                       measured_chosen=measured.measured(*shape))
+            shape = cur
+        elif by_measurement and shape == cur and observe:
+            explore = measured.exploration(n_next, cur, self.interval_s, self._move_cost_s())
+            if explore is not None:
+                self.event("explore", current=list(cur), chosen=list(explore),
+                           measured_current=measured.measured(*cur), fitted=measured.throughput(*explore),
+                           uncertainty=measured.uncertainty(*explore))
+                shape = explore
+        self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
+                                    "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
         return shape
+
+    def _move_cost_s(self) -> float:
+        """Typical in-place migration time of this job so far (0.5 s before the first one)."""
+        done = [float(m["duration_s"]) for m in self.migrations if m.get("kind") != "fallback"]
+        return float(sum(done) / len(done)) if done else 0.5
+
+    def _stage_memory(self) -> list[float]:
+        """Per-layer resident training memory (as the strategy checks it against ``max_stage_memory_bytes``)."""
+        s = self.s
+        full = getattr(s, "_full_stack", None)
+        if full is not None:
+            from lightning_parcae.runtime.partition import layer_memory_bytes  # noqa: PLC0415
+
+            return [float(layer_memory_bytes(full._modules[n], s.optimizer_state_factor)) for n in s.layer_names]
+        factor = 1.0 + s.optimizer_state_factor
+        return [b * (1.0 + factor) / factor for b in self._layer_bytes()]
+
+    def _measured_model(self) -> Optional[MeasuredThroughput]:
+        """This job's throughput model, learned from its own steps (built once the global batch is known; a new
+        leader starts from the measurements the previous one published)."""
+        if self.measured is not None:
+            return self.measured
+        s = self.s
+        if s._global_batch is None or not s.layer_names:
+            return None
+        factor = 1.0 + s.optimizer_state_factor
+        min_p = min_stages_for_memory(self._stage_memory(), s.max_stage_memory_bytes)
+        prior = PipelineThroughput(list(s.layer_times or [1.0] * len(s.layer_names)), s._global_batch,
+                                   s.micro_batches, s.max_pipeline_stages, min_p=min_p)
+        cores = int(os.environ.get(SHARED_CORES_ENV) or 0) or None
+        model = MeasuredThroughput(prior, layer_bytes=[b / factor for b in self._layer_bytes()], cores=cores)
+        model.constants = RUNTIME_CONSTANTS
+        raw = self.coord.get(MEASURED_KEY) if self.coord is not None else None
+        if raw:
+            try:
+                for key, entry in raw.get("shapes", {}).items():
+                    d, p = (int(x) for x in key.split(","))
+                    for ms in entry["step_ms"]:
+                        model.record(d, p, float(ms))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("ignoring the published measurements: %s", exc)
+        self.measured = model
+        return model
+
+    def save_profile(self) -> None:
+        """Leader: publish the measured profile in the store and write ``run_dir/profile.json`` (with migration
+        constants fitted from this job's own migrations) -- ``parcae simulate --profile`` loads it."""
+        model = self.measured
+        if model is None or not self.is_leader:
+            return
+        try:
+            moves = [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
+                     for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
+            fitted = MigrationConstants.fit(moves, base=RUNTIME_CONSTANTS) if moves else RUNTIME_CONSTANTS
+            model.constants = fitted
+            raw = model.to_json()
+            model.constants = RUNTIME_CONSTANTS
+            if self.coord is not None:
+                self.coord.put(MEASURED_KEY, raw)
+            if self.run_dir:
+                tmp = os.path.join(self.run_dir, f".profile.json.{os.getpid()}")
+                with open(tmp, "w") as f:
+                    json.dump(raw, f, indent=1)
+                os.replace(tmp, os.path.join(self.run_dir, "profile.json"))
+        except Exception as exc:  # noqa: BLE001 -- a profile is a by-product: never stop training for it
+            log.warning("could not save the measured profile: %s", exc)
 
     def _partition_for(self, p: int) -> list[int]:
         s = self.s
@@ -614,6 +699,7 @@ class ElasticRuntime:
         avail = staying + standbys
         cur = (old.data_parallel, old.pipeline_stages)
         shape = self._choose_shape(len(old.members) + len(standbys), len(avail), observe=not leaving)
+        self.save_profile()
         requested = self._requested_shape(len(avail))
         if requested is not None:
             shape, reason = requested, f"{reason}; operator requested D={requested[0]} P={requested[1]}"
@@ -621,7 +707,8 @@ class ElasticRuntime:
             self._last_standbys = list(standbys)
             self.event("decision", reason=reason, N=len(avail), current=list(cur),
                        chosen=list(shape) if shape else None, standbys=standbys, leaving=leaving,
-                       predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"))
+                       predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"),
+                       throughput=self.stats.get("throughput"))
         if shape is None:  # every member is alive here: save a checkpoint before stopping
             return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
                                           checkpoint=True)
@@ -731,6 +818,7 @@ class ElasticRuntime:
             s.apply_layout(trainer, new, int(rec["generation"]), received, self.group_of)
         except RuntimeError as exc:
             self._rendezvous_failed(trainer, rec, exc)
+        _forget_eval_loaders(trainer)
         self._enter(rec)
         self.live.set_generation(self.generation, self._watch())
         if self.is_leader:
@@ -904,6 +992,8 @@ class ElasticRuntime:
 
     def close(self, finished: bool = False) -> None:
         """Stop heartbeats (end of fit); ``finished``: tell waiting standbys that the job is over."""
+        if finished:
+            self.save_profile()
         if finished and self.store is not None and self.is_leader:
             try:
                 self.store.set("parcae/finished", str(self.generation))
@@ -912,6 +1002,18 @@ class ElasticRuntime:
         if self.live is not None:
             activate(None)
             self.live.stop()
+
+
+def _forget_eval_loaders(trainer: "pl.Trainer") -> None:
+    """Make Lightning rebuild the validation loader (and its distributed sampler) at the next validation.
+
+    Regression: the loader was built once, sharded for the D of the first validation; after a change of D the
+    stages of one pipeline read different validation batches and the last stage's output (16 sequences) no longer
+    matched its own targets (8) -- "Expected input batch_size (1024) to match target batch_size (512)".
+    """
+    loop = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None)
+    if loop is not None and hasattr(loop, "_combined_loader"):
+        loop._combined_loader = None
 
 
 _HARD_EXIT: list[bool] = []

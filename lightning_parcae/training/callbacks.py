@@ -206,7 +206,16 @@ class ParcaeRunCallbackMixin:
             self._save(trainer, "periodic")
         if len(self._window) > 1 and now - self._last_progress >= self.progress_every_s:
             self._last_progress = now
-            self._emit(trainer, "progress", samples_per_s=self._rate())
+            self._emit(trainer, "progress", samples_per_s=self._rate(), **_loss_field(outputs))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Report the validation metrics (``val_*`` in ``callback_metrics``) as a ``validation`` event."""
+        if not self.active or trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                   if k.startswith("val") and getattr(v, "numel", lambda: 1)() == 1}
+        if metrics:
+            self._emit(trainer, "validation", metrics=metrics)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Save and report the end of training (a finished run, not a stop for restart)."""
@@ -218,6 +227,15 @@ class ParcaeRunCallbackMixin:
     def _rate(self) -> float:
         (t0, s0), (t1, s1) = self._window[0], self._window[-1]
         return (s1 - s0) * self._samples_per_step / (t1 - t0) if t1 > t0 else 0.0
+
+
+def _loss_field(outputs: Any) -> dict[str, float]:
+    """``{"loss": value}`` from a training step's output (a tensor or a dict with ``loss``), else ``{}``."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    try:
+        return {"loss": float(loss.detach())} if loss is not None and loss.numel() == 1 else {}
+    except (AttributeError, RuntimeError, TypeError):
+        return {}
 
 
 def _batch_len(batch: Any) -> int:

@@ -177,6 +177,9 @@ class ParcaeStrategyMixin:
         stall_after_s: elastic only: progress watchdog -- an operation that makes no progress this long (while
             heartbeats are fine) fails and becomes a recovery (``PARCAE_STALL_S`` overrides it).
         max_pipeline_stages: elastic only: deepest pipeline the optimizer may choose (default: number of layers).
+        throughput: elastic only: how the optimizer prices shapes -- ``"measured"`` (default: shapes the job ran by
+            their measured step times, others by a model fitted to them; see ``docs/elastic.md``) or ``"profile"``
+            (the per-layer formula only, as before; step times are still recorded into ``profile.json``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
     """
@@ -206,6 +209,7 @@ class ParcaeStrategyMixin:
         dead_after_s: float = 3.0,
         stall_after_s: float = 60.0,
         max_pipeline_stages: Optional[int] = None,
+        throughput: Literal["measured", "profile"] = "measured",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -231,6 +235,8 @@ class ParcaeStrategyMixin:
             raise ConfigurationError(f"pipeline_stages must be >= 1, got {pipeline_stages}")
         if micro_batches < 1:
             raise ConfigurationError(f"micro_batches must be >= 1, got {micro_batches}")
+        if throughput not in ("measured", "profile"):
+            raise ConfigurationError(f"throughput must be 'measured' or 'profile', got {throughput!r}")
         if schedule not in ("1f1b", "gpipe"):
             raise ConfigurationError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
         if balance is not None and pipeline_stages is not None and len(balance) != pipeline_stages:
@@ -273,7 +279,7 @@ class ParcaeStrategyMixin:
         self.elastic = bool(elastic)
         self.elastic_options: dict[str, Any] = dict(
             interval_s=interval_s, interval_steps=interval_steps, look_ahead=look_ahead, predictor=predictor,
-            heartbeat_s=heartbeat_s, dead_after_s=dead_after_s, stall_after_s=stall_after_s,
+            heartbeat_s=heartbeat_s, dead_after_s=dead_after_s, stall_after_s=stall_after_s, throughput=throughput,
         )
         self.max_pipeline_stages = max_pipeline_stages
         self.elastic_runtime: Optional[Any] = None

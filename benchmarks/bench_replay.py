@@ -1,0 +1,337 @@
+"""End-to-end evidence: the same job on the same replayed spot traces under four policies, against the simulator.
+
+Problem it measures: does Parcae (prediction + measured liveput + in-place migration) train more samples than a
+reactive elastic policy (in place, no prediction), than the restart fallback (stop and relaunch from a
+checkpoint on every change) and than a static cluster of the minimum count -- on real processes, replaying the
+bundled AWS segments time-compressed -- and does the simulator, fed the run's own fitted profile
+(``run_dir/profile.json``), forecast those numbers?
+
+The job is the GPT example (``examples/gpt``: 8 blocks, byte-level on the stdlib's source, a 4 MB per-instance
+memory budget so P >= 2). Per segment:
+
+* ``parcae``   -- ``parcae run --trace SEG`` (look-ahead 12, persistence predictor, measured throughput);
+* ``reactive`` -- the same with look-ahead 1 (``look_ahead: 1`` of the strategy): each interval takes the best shape for the
+  instances there now, in place, with no forecast;
+* ``restart``  -- ``parcae run --restart-fallback --trace SEG``;
+* ``static``   -- ``parcae run --instances N_min`` with no trace (the minimum count of the segment).
+
+Each run is stopped when the replayed trace ends; "samples" is the training progress at that moment (steps x
+global batch, so work lost to a restart does not count). "ideal" is every interval at the best statically
+measured throughput for its instance count, with no start-up and no migration cost. Before the segments, each
+candidate shape is measured statically (``--restart-fallback`` with no trace, so nothing moves), which gives the
+best shape per instance count for the "chosen shape within 10 % of the best" check.
+
+Forecasts: ``parcae`` and ``reactive`` -- the simulator's ``parcae`` policy with look-ahead 12 / 1; ``restart`` --
+its ``throughput`` policy (best shape after every event, paying a restart); ``static`` -- the profile's best
+measured throughput at N_min; all from the Parcae run's ``profile.json`` with the restart cost fitted from the
+restart run (``restart_done.lost_s``) and the start-up measured in each run.
+
+    nice -n 5 python benchmarks/bench_replay.py --time-scale 60 --out docs/evidence
+    nice -n 5 python benchmarks/bench_replay.py --segments hh_55_65,lh_80_90 --policies parcae,reactive
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+PARCAE = [PY, "-m", "lightning_parcae.launch.run"]
+TRAIN = [PY, str(ROOT / "examples" / "gpt" / "train.py"), "--config", str(ROOT / "examples" / "gpt" / "config.yaml"),
+         "--trainer.max_steps", "1000000", "--trainer.limit_val_batches", "0"]
+SEGMENTS = ["hh_55_65", "hl_15_25", "lh_80_90", "ll_10_11"]
+POLICIES = ["parcae", "reactive", "restart", "static"]
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def launch(args: list[str], run_dir: Path, seconds: float, train_extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Run ``parcae run ARGS`` for ``seconds`` after its first event (then SIGINT: it stops every worker)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [*PARCAE, *args, "--run-dir", str(run_dir), "--progress-every", "30", "--no-plot", "--", *TRAIN, *train_extra]
+    with open(run_dir / "launcher.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        t0 = time.time()
+        while time.time() - t0 < seconds + 60 and proc.poll() is None:
+            ev = read_events(run_dir)
+            start = next((e["time"] for e in ev if e.get("event") == "run_start"), None)
+            if start is not None and time.time() - start >= seconds:
+                break
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return read_events(run_dir)
+
+
+def summarize(ev: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """Samples at ``run_start + seconds``, start-up, shapes, time lost by kind."""
+    start = next(e["time"] for e in ev if e.get("event") == "run_start")
+    end = start + seconds
+    prog = [e for e in ev if e.get("source") == "worker" and e.get("event") in ("progress", "start", "end")
+            and e["time"] <= end]
+    samples = prog[-1]["samples"] if prog else 0
+    first = next((e["time"] for e in ev if e.get("source") == "worker" and e.get("event") == "progress"), end)
+    lost: dict[str, float] = {}
+    seen: dict[int, dict[str, Any]] = {}
+    for e in ev:
+        if e.get("source") == "elastic" and e.get("event") == "migration" and e["time"] <= end:
+            g = int(e["generation"])
+            if g not in seen or e["duration_s"] > seen[g]["duration_s"]:
+                seen[g] = e
+    for m in seen.values():
+        lost[m["kind"]] = lost.get(m["kind"], 0.0) + float(m["duration_s"])
+    restarts = [e for e in ev if e.get("event") == "restart_done" and e["time"] <= end]
+    lost["restart"] = sum(float(e.get("lost_s", 0.0)) for e in restarts)
+    shapes = [(int(e["D"]), int(e["P"]), int(e["N"])) for e in sorted(seen.values(), key=lambda m: m["time"])]
+    return {"samples": int(samples), "startup_s": round(first - start, 2), "lost_s": {k: round(v, 3) for k, v in lost.items()},
+            "migrations": {k: sum(1 for m in seen.values() if m["kind"] == k) for k in {m["kind"] for m in seen.values()}},
+            "restarts": len(restarts), "shapes": shapes,
+            "restart_lost_s": [float(e.get("lost_s", 0.0)) for e in restarts]}
+
+
+def shape_timeline(ev: list[dict[str, Any]], seconds: float) -> list[tuple[float, int, int, int]]:
+    """(time since start, D, P, N) of each shape the run trained in (in-place migrations and launches)."""
+    start = next(e["time"] for e in ev if e.get("event") == "run_start")
+    out = []
+    for e in ev:
+        if e["time"] > start + seconds:
+            break
+        if e.get("source") == "worker" and e.get("event") == "start":
+            out.append((e["time"] - start, int(e["D"]), int(e["P"]), int(e["N"])))
+        if e.get("source") == "elastic" and e.get("event") == "migration" and e.get("member") and e.get("D"):
+            if not out or out[-1][1:3] != (int(e["D"]), int(e["P"])):
+                out.append((e["time"] - start, int(e["D"]), int(e["P"]), int(e["N"])))
+    return out
+
+
+def shape_check(timeline: list[tuple[float, int, int, int]], schedule: list[int], wall_interval: float,
+                static: dict[str, float], best_by_n: dict[int, tuple[str, float]]) -> list[dict[str, Any]]:
+    """Each shape the run trained in against the best statically measured shape for the instances available."""
+    out = []
+    for t, d, p, _ in timeline:
+        n = schedule[min(int(t / wall_interval), len(schedule) - 1)]
+        mine = static.get(f"{d}x{p}")
+        best = best_by_n.get(n)
+        out.append({"t": round(t, 1), "shape": f"{d}x{p}", "N": n, "static": mine, "best": best,
+                    "ratio": (mine / best[1]) if mine and best and best[1] else None})
+    return out
+
+
+def measure_static(shape: tuple[int, int], out: Path, seconds: float) -> float:
+    """Samples/s of one shape with nothing moving (median progress rate after the first 5 s of training)."""
+    d, p = shape
+    ev = launch(["--restart-fallback", "--instances", str(d * p), "--pipeline-stages", str(p)],
+                out / f"static_{d}x{p}", seconds)
+    prog = [e for e in ev if e.get("source") == "worker" and e.get("event") == "progress"]
+    if not prog:
+        return 0.0
+    t1 = prog[0]["time"] + 5.0
+    rates = [e["samples_per_s"] for e in prog if e["time"] >= t1 and e.get("samples_per_s")]
+    return float(statistics.median(rates)) if rates else 0.0
+
+
+def forecast(profile_path: Path, schedule: list[int], wall_interval: float, startup_s: float,
+             restart_s: Optional[float], n_min: int) -> dict[str, float]:
+    """The simulator's forecast of each policy from the Parcae run's fitted profile."""
+    from lightning_parcae.planning.costmodel import load_cost_model  # noqa: PLC0415
+    from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
+    from lightning_parcae.signals.traces import from_counts  # noqa: PLC0415
+
+    cm = load_cost_model("default", profile_path=str(profile_path))
+    # the job's start (process start, imports, profiling) is priced as a restart in the simulator's first interval
+    cm.c = replace(cm.c, restart_ms=1000.0 * startup_s, checkpoint_ms=0.0)
+    trace = from_counts(schedule, interval_s=wall_interval, start_n=0)
+    iv = [(x.prev_n, x.n_in, x.n_out) for x in trace]
+    out = {"parcae": run_policy("parcae", cm, iv, wall_interval, look_ahead=12).samples,
+           "reactive": run_policy("parcae", cm, iv, wall_interval, look_ahead=1).samples}
+    cm_r = load_cost_model("default", profile_path=str(profile_path))
+    cm_r.c = replace(cm_r.c, restart_ms=1000.0 * (restart_s if restart_s is not None else startup_s), checkpoint_ms=0.0)
+    out["restart"] = run_policy("throughput", cm_r, iv, wall_interval).samples
+    thr = cm.throughput
+    best = thr.best(n_min)
+    out["static"] = (thr.throughput(*best) if best else 0.0) * max(0.0, len(schedule) * wall_interval - startup_s)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--segments", default=",".join(SEGMENTS))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--time-scale", type=float, default=60.0, help="trace compression (60: a 1-hour segment in 60 s)")
+    ap.add_argument("--static-seconds", type=float, default=35.0, help="seconds per static shape measurement")
+    ap.add_argument("--shapes", default="1x2,2x2,1x3,1x4", help="shapes measured statically (DxP)")
+    ap.add_argument("--out", default="bench_replay_out", help="output folder (runs, results.json, replay.png)")
+    a = ap.parse_args()
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
+
+    results: dict[str, Any] = {"time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                               "cores": os.cpu_count(), "static": {}, "segments": {}}
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
+    for sh in shapes:
+        thr = measure_static(sh, out, a.static_seconds)  # type: ignore[arg-type]
+        results["static"][f"{sh[0]}x{sh[1]}"] = thr
+        print(f"static {sh[0]}x{sh[1]}: {thr:.1f} samples/s", flush=True)
+    best_by_n: dict[int, tuple[str, float]] = {}
+    for n in range(1, 5):
+        fits = {k: v for k, v in results["static"].items() if int(k.split("x")[0]) * int(k.split("x")[1]) <= n}
+        if fits:
+            k = max(fits, key=fits.get)  # type: ignore[arg-type]
+            best_by_n[n] = (k, fits[k])
+    results["best_by_n"] = best_by_n
+    wall_interval = 60.0 / a.time_scale
+    static_runs: dict[int, dict[str, Any]] = {}
+    for seg in [s for s in a.segments.split(",") if s]:
+        _, schedule = _load_schedule(seg, 60.0, 4)
+        seconds = len(schedule) * wall_interval
+        n_min = min(schedule)
+        r: dict[str, Any] = {"schedule": schedule, "seconds": seconds, "n_min": n_min, "runs": {}}
+        common = ["--trace", seg, "--time-scale", str(a.time_scale), "--instances", str(max(schedule)),
+                  "--pipeline-stages", "2"]
+        for pol in [p for p in a.policies.split(",") if p]:
+            run_dir = out / seg / pol
+            if pol == "parcae":
+                ev = launch(common, run_dir, seconds)
+            elif pol == "reactive":
+                ev = launch(common, run_dir, seconds, train_extra=("--trainer.strategy.init_args.look_ahead", "1"))
+            elif pol == "restart":
+                ev = launch(["--restart-fallback", *common], run_dir, seconds)
+            elif pol == "static":
+                if n_min in static_runs:  # the same static cluster already ran for another segment of this length
+                    r["runs"][pol] = static_runs[n_min]
+                    continue
+                ev = launch(["--instances", str(n_min), "--pipeline-stages", "2", "--restart-fallback"], run_dir,
+                            seconds)
+            else:
+                raise SystemExit(f"unknown policy {pol!r}: use {', '.join(POLICIES)}")
+            s = summarize(ev, seconds)
+            s["timeline"] = shape_timeline(ev, seconds)
+            s["shape_check"] = shape_check(s["timeline"], schedule, wall_interval, results["static"], best_by_n)
+            r["runs"][pol] = s
+            if pol == "static":
+                static_runs[n_min] = s
+            print(f"{seg} {pol}: {s['samples']} samples, start-up {s['startup_s']} s, lost {s['lost_s']}, "
+                  f"shapes {s['shapes']}", flush=True)
+        # ideal: each interval at the best static throughput for its count, from when training started
+        startup = r["runs"].get("parcae", {}).get("startup_s", 0.0)
+        ideal = 0.0
+        for k, n in enumerate(schedule):
+            t_a, t_b = k * wall_interval, (k + 1) * wall_interval
+            ideal += best_by_n.get(n, ("", 0.0))[1] * max(0.0, t_b - max(t_a, startup))
+        r["ideal_after_startup"] = ideal
+        prof = out / seg / "parcae" / "profile.json"
+        if prof.exists():
+            restart_lost = r["runs"].get("restart", {}).get("restart_lost_s") or []
+            r["forecast"] = forecast(prof, schedule, wall_interval, startup,
+                                     statistics.mean(restart_lost) if restart_lost else None, n_min)
+            with open(prof) as f:
+                r["profile_shapes"] = {k: v["samples_per_s"] for k, v in json.load(f)["shapes"].items()}
+        results["segments"][seg] = r
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    print_table(results)
+    plot(results, out / "replay.png")
+    (out / "results.md").write_text(markdown(results))
+    return 0
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as Markdown tables (what docs/evidence.md shows)."""
+    lines = ["Static throughput per shape (samples/s): " + ", ".join(
+        f"{k} {v:.0f}" for k, v in results["static"].items()) + "; best per instance count: " + ", ".join(
+        f"N={n}: {k}" for n, (k, _) in sorted(results["best_by_n"].items(), key=lambda x: int(x[0]))), "",
+        "| segment | policy | samples | vs ideal | forecast | forecast / measured | start-up s | migrations | time lost s by kind |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for seg, r in results["segments"].items():
+        ideal = r.get("ideal_after_startup") or 0
+        for pol, s in r["runs"].items():
+            fc = r.get("forecast", {}).get(pol)
+            ratio = f"{fc / s['samples']:.2f}" if fc and s["samples"] else "-"
+            lost = ", ".join(f"{k} {v:.1f}" for k, v in s["lost_s"].items() if v) or "0"
+            migs = ", ".join(f"{k} {v}" for k, v in s["migrations"].items()) or "-"
+            lines.append(f"| {seg} | {pol} | {s['samples']} | {s['samples'] / ideal if ideal else 0:.0%} | "
+                         f"{fc or 0:.0f} | {ratio} | {s['startup_s']} | {migs}; restarts {s['restarts']} | {lost} |")
+    lines.append("")
+    for seg, r in results["segments"].items():
+        checks = r["runs"].get("parcae", {}).get("shape_check", [])
+        if checks:
+            lines.append(f"- {seg}, parcae: shapes trained in vs the best static shape for the instances available: " +
+                         ", ".join(f"{c['shape']} at N={c['N']} ({c['ratio']:.2f} of {c['best'][0]})" if c["ratio"]
+                                   else f"{c['shape']} at N={c['N']} (not measured)" for c in checks))
+    return "\n".join(lines) + "\n"
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print("\nsegment   policy    samples  vs ideal  forecast  fc/meas  start-up  lost (s) by kind")
+    for seg, r in results["segments"].items():
+        for pol, s in r["runs"].items():
+            fc = r.get("forecast", {}).get(pol)
+            ideal = r.get("ideal_after_startup") or 0
+            print(f"{seg:9} {pol:9} {s['samples']:8d}  {s['samples'] / ideal if ideal else 0:7.1%}  "
+                  f"{fc or 0:8.0f}  {fc / s['samples'] if fc and s['samples'] else 0:6.2f}  {s['startup_s']:7.1f}  "
+                  f"{s['lost_s']}")
+        checks = r["runs"].get("parcae", {}).get("shape_check", [])
+        if checks:
+            print(f"{seg:9} parcae shapes vs best static for N: " + ", ".join(
+                f"{c['shape']}@N={c['N']} {c['ratio']:.2f}" if c["ratio"] else f"{c['shape']}@N={c['N']} ?"
+                for c in checks))
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    segs = list(results["segments"])
+    if not segs:
+        return
+    fig, axes = plt.subplots(1, len(segs), figsize=(4.2 * len(segs), 3.8), squeeze=False)
+    for ax, seg in zip(axes[0], segs):
+        r = results["segments"][seg]
+        pols = list(r["runs"])
+        xs = range(len(pols))
+        ax.bar([x - 0.2 for x in xs], [r["runs"][p]["samples"] for p in pols], width=0.4, label="measured")
+        fc = r.get("forecast", {})
+        ax.bar([x + 0.2 for x in xs], [fc.get(p, 0) for p in pols], width=0.4, label="simulator forecast", alpha=0.6)
+        if r.get("ideal_after_startup"):
+            ax.axhline(r["ideal_after_startup"], color="k", ls="--", lw=0.8, label="ideal (after start-up)")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(pols, fontsize=8)
+        ax.set_title(f"{seg} (N {min(r['schedule'])}..{max(r['schedule'])})", fontsize=9)
+        ax.set_ylabel("samples trained")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"bench_replay: GPT example, bundled segments at {results['time_scale']:g}x", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Train the GPT example with LightningCLI, directly or under ``parcae run`` (live reconfiguration).
+
+    python examples/gpt/train.py --config examples/gpt/config.yaml --trainer.devices 2
+    parcae run --instances 4 --trace hh_55_65 --time-scale 30 --pipeline-stages 2 --run-dir out -- \\
+        python examples/gpt/train.py --config examples/gpt/config.yaml
+
+Under ``parcae run`` the launcher's environment fills in what the YAML cannot know: ``devices`` (the local world
+size it started this worker with), the first generation's pipeline depth (``PARCAE_PIPELINE_STAGES``) and the
+planning interval (``PARCAE_INTERVAL_S``, the scaled trace interval); a relaunched worker resumes from
+``run_dir/ckpt/last.ckpt`` (:func:`~lightning_parcae.training.callbacks.resume_path`). Options given on the command line
+win over these.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from pytorch_lightning.cli import LightningCLI  # noqa: E402
+
+from gpt import GPT, StdlibText  # noqa: E402
+from lightning_parcae.training.callbacks import resume_path  # noqa: E402
+
+
+def _env_defaults(argv: list[str]) -> list[str]:
+    """Options from the launcher's environment, placed before the user's so that the user's win."""
+    extra: list[str] = []
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        extra += ["--trainer.devices", os.environ["LOCAL_WORLD_SIZE"]]
+    p = os.environ.get("PARCAE_PIPELINE_STAGES")
+    if p and p != "auto":
+        extra += ["--trainer.strategy.init_args.pipeline_stages", p]
+    if os.environ.get("PARCAE_INTERVAL_S"):
+        extra += ["--trainer.strategy.init_args.interval_s", os.environ["PARCAE_INTERVAL_S"]]
+    # --config must come first so that these and the user's options override it
+    if "--config" in argv:
+        i = argv.index("--config")
+        return argv[: i + 2] + extra + argv[i + 2:]
+    return extra + argv
+
+
+def main() -> None:
+    args = _env_defaults(sys.argv[1:])
+    sys.argv = sys.argv[:1]  # the options are passed as ``args`` (LightningCLI warns if both are given)
+    cli = LightningCLI(GPT, StdlibText, run=False, save_config_callback=None, args=args)
+    trainer = cli.trainer
+    trainer.fit(cli.model, cli.datamodule, ckpt_path=resume_path())
+    if trainer.is_global_zero:
+        s = trainer.strategy
+        print(f"finished at step {trainer.global_step}: D={getattr(s, 'data_parallel', 1)} "
+              f"P={getattr(s, 'pipeline_stages', 1)} val_loss={trainer.callback_metrics.get('val_loss')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,443 @@
+"""Throughput learned while training: measured step times per shape and a cost model fitted to them.
+
+Problem: a throughput formula over per-layer times profiled on one process (``throughput doubles when D
+doubles``) cannot see communication or CPU/GPU contention. On a 2-core machine it told the runtime that 4x1 was
+twice as fast as 2x1; the job moved and fell from ~1,450 to ~1,000 samples/s. Parcae plans from throughput
+*profiled per shape*. This module gives the runtime and the simulator one throughput model that
+
+* prices a shape the job has run by what was **measured** (median step time of the last steps in that shape);
+* prices a shape it has not run by a **fitted** cost model -- the pipeline formula with its terms re-weighted by
+  least squares on the measurements (compute, CPU oversubscription, gradient all-reduce over D and bytes,
+  stage-to-stage transfers, a fixed per-step overhead) -- with an **uncertainty**;
+* enforces **never move to a shape measured slower** than the current one unless availability forces it
+  (:meth:`MeasuredThroughput.vetoes`), and proposes a cheap **exploration** step when the model is unsure and the
+  interval is long (:meth:`MeasuredThroughput.exploration`);
+* saves itself as ``run_dir/profile.json`` (:meth:`MeasuredThroughput.to_json`), which
+  ``parcae simulate --profile`` loads back (:func:`load_measured_profile`).
+
+Plain Python + numpy/scipy: no torch, used by :mod:`lightning_parcae.runtime.elastic` and by the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from lightning_parcae.planning.costmodel import (
+    DefaultCostModel,
+    MigrationConstants,
+    Shape,
+    ShapeLimits,
+    ThroughputModel,
+    balanced_partition,
+)
+from lightning_parcae.errors import ConfigurationError
+
+__all__ = ["PipelineThroughput", "MeasuredThroughput", "load_measured_profile", "PROFILE_FORMAT", "min_stages_for_memory"]
+
+PROFILE_FORMAT = "parcae-measured-profile/1"
+"""The ``format`` key of a saved measured profile (``run_dir/profile.json``)."""
+
+FEATURES = ("overhead", "compute", "oversubscription", "allreduce", "p2p")
+"""Terms of the fitted step time (ms): ``sum(coef[k] * feature[k](d, p))``. See :meth:`MeasuredThroughput.features`."""
+
+_PRIOR = np.array([0.0, 1.0, 1.0, 1.0, 0.2])
+"""Coefficients before any measurement: the formula as profiled; one core per process beyond ``cores`` shares
+the CPU (step time scales with the oversubscription); all-reduce at ~1 GB/s (1 ms per MB x 2(D-1)/D);
+0.2 ms per stage-to-stage message."""
+
+
+def min_stages_for_memory(layer_bytes: Sequence[float], limit: Optional[float]) -> int:
+    """Smallest pipeline depth whose stages each fit ``limit`` bytes (contiguous layers, greedy packing).
+
+    Args:
+        layer_bytes: Memory of each layer (parameters + gradients + optimizer state).
+        limit: Per-stage memory budget, or None (no limit: 1).
+
+    Returns:
+        The smallest P, or ``len(layer_bytes) + 1`` if one layer alone exceeds the budget.
+    """
+    if limit is None:
+        return 1
+    if any(b > limit for b in layer_bytes):
+        return len(layer_bytes) + 1
+    stages, cur = 1, 0.0
+    for b in layer_bytes:
+        if cur + b > limit:
+            stages, cur = stages + 1, 0.0
+        cur += b
+    return stages
+
+
+class PipelineThroughput(ThroughputModel):
+    """The runtime's pipeline formula over per-layer times (the prior the measured model re-weights).
+
+    A step of shape (D, P) runs M micro-batches of ``B / (D M)`` samples through P stages balanced by time:
+    ``(M + P - 1) * max_stage / (D M)`` (times measured on the whole global batch B). Shapes whose D does not
+    split the global batch into M micro-batches, with more stages than layers, or outside ``limits`` are not
+    allowed.
+
+    Args:
+        layer_ms: Forward + backward time of each layer on one global batch.
+        global_batch: B.
+        micro_batches: M.
+        max_p: Largest pipeline depth to consider.
+        min_p: Smallest pipeline depth (e.g. from a per-stage memory budget, :func:`min_stages_for_memory`).
+    """
+
+    def __init__(self, layer_ms: Sequence[float], global_batch: int, micro_batches: int,
+                 max_p: Optional[int] = None, min_p: int = 1) -> None:
+        if not layer_ms:
+            raise ConfigurationError("layer_ms is empty: give the forward + backward time of each layer")
+        if global_batch < 1 or micro_batches < 1:
+            raise ConfigurationError(f"global_batch={global_batch}, micro_batches={micro_batches}: both must be >= 1")
+        self.layer_ms = [max(float(t), 1e-6) for t in layer_ms]
+        self.global_batch = int(global_batch)
+        self.micro_batches = int(micro_batches)
+        self.limits = ShapeLimits(min_p=max(1, int(min_p)), max_p=min(max_p or len(layer_ms), len(layer_ms)))
+        self._stage_cache: Dict[int, float] = {}
+
+    def stage_max_ms(self, p: int) -> float:
+        """Largest stage time (global batch) when the layers are split into ``p`` stages balanced by time."""
+        if p not in self._stage_cache:
+            b = balanced_partition(self.layer_ms, p)
+            self._stage_cache[p] = max(sum(self.layer_ms[b[k]: b[k + 1]]) for k in range(p))
+        return self._stage_cache[p]
+
+    def allowed(self, d: int, p: int) -> bool:
+        """Whether (d, p) can run this job at all."""
+        return (d >= 1 and self.limits.allows(d, p) and p <= len(self.layer_ms)
+                and self.global_batch % (d * self.micro_batches) == 0)
+
+    def step_ms(self, d: int, p: int) -> float:
+        """Formula step time of (d, p) in ms (``inf`` if not allowed)."""
+        if not self.allowed(d, p):
+            return math.inf
+        m = self.micro_batches
+        return (m + p - 1) * self.stage_max_ms(p) / (d * m)
+
+    def throughput(self, d: int, p: int) -> float:
+        ms = self.step_ms(d, p)
+        return 0.0 if not math.isfinite(ms) else self.global_batch / (ms / 1000.0)
+
+    def candidates(self, n: int, hint_counts: Iterable[int] = ()) -> List[Shape]:
+        out = []
+        for p in range(self.limits.min_p, min(n, self.limits.max_p) + 1):
+            for d in range(n // p, 0, -1):
+                if self.allowed(d, p):
+                    out.append((d, p))
+                    break
+        return sorted(out)
+
+
+class MeasuredThroughput(ThroughputModel):
+    """Throughput by measurement where measured, by a fitted cost model elsewhere (with its uncertainty).
+
+    Fitted model (ms per step)::
+
+        step(d, p) = c0                                   # per-step overhead (optimizer, agreement, Python)
+                   + c1 * formula(d, p)                   # compute, balanced pipeline (PipelineThroughput)
+                   + c2 * formula(d, p) * max(0, d p / cores - 1)   # CPU/GPU oversubscription (contention)
+                   + c3 * 2 (d - 1) / d * stage_MB(p)      # gradient all-reduce of the largest stage
+                   + c4 * 2 (M + p - 2) [p > 1]            # stage-to-stage messages on the critical path
+
+    The coefficients are a non-negative least-squares fit of the *relative* error of every measured shape, with a
+    ridge pull toward the prior (the formula as profiled) so that one or two measured shapes re-scale the model
+    instead of over-fitting it. A shape with at least ``min_samples`` steps is priced by the median of its last
+    ``window`` step times.
+
+    Args:
+        prior: The formula (:class:`PipelineThroughput`); its ``limits`` and ``global_batch`` are this model's.
+        layer_bytes: Parameter bytes of each layer (for the all-reduce volume); None: the all-reduce term is off.
+        cores: Processing units the processes share (one machine: ``os.cpu_count()``); None: no contention term.
+        min_samples: Steps before a shape counts as measured.
+        window: Steps kept per shape.
+        ridge: Strength of the pull toward the prior coefficients.
+        margin: A move to another *measured* shape needs it measured faster by this fraction (see :meth:`vetoes`).
+    """
+
+    def __init__(self, prior: PipelineThroughput, *, layer_bytes: Optional[Sequence[float]] = None,
+                 cores: Optional[int] = None, min_samples: int = 5, window: int = 64, ridge: float = 0.1,
+                 margin: float = 0.1) -> None:
+        self.prior = prior
+        self.global_batch = prior.global_batch
+        self.limits = prior.limits
+        self.layer_bytes = [float(b) for b in layer_bytes] if layer_bytes is not None else None
+        if self.layer_bytes is not None and len(self.layer_bytes) != len(prior.layer_ms):
+            raise ConfigurationError(
+                f"layer_bytes has {len(self.layer_bytes)} entries but the profile has {len(prior.layer_ms)} layers")
+        self.cores = int(cores) if cores else None
+        self.min_samples = max(1, int(min_samples))
+        self.window = max(self.min_samples, int(window))
+        self.ridge = float(ridge)
+        self.margin = float(margin)
+        self.samples: Dict[Shape, Deque[float]] = {}
+        self.constants: Optional[MigrationConstants] = None
+        self.bytes_per_param = 4.0
+        self.coef = _PRIOR.copy()
+        self.rel_rmse = 0.0
+        self._dirty = False
+
+    # ------------------------------------------------------------------------------------------ measurements
+    def record(self, d: int, p: int, step_ms: float) -> None:
+        """Add one measured step time (ms) of shape (d, p); non-finite or non-positive values are ignored."""
+        if not (math.isfinite(step_ms) and step_ms > 0) or not self.prior.allowed(d, p):
+            return
+        self.samples.setdefault((int(d), int(p)), deque(maxlen=self.window)).append(float(step_ms))
+        self._dirty = True
+
+    def measured_ms(self, d: int, p: int) -> Optional[float]:
+        """Median measured step time of (d, p), or None if it has fewer than ``min_samples`` steps."""
+        q = self.samples.get((d, p))
+        if q is None or len(q) < self.min_samples:
+            return None
+        return float(np.median(q))
+
+    def measured(self, d: int, p: int) -> Optional[float]:
+        """Measured samples/s of (d, p), or None if not measured."""
+        ms = self.measured_ms(d, p)
+        return None if ms is None else self.global_batch / (ms / 1000.0)
+
+    def measured_shapes(self) -> List[Shape]:
+        """Shapes with a measurement (at least ``min_samples`` steps)."""
+        return sorted(s for s in self.samples if self.measured_ms(*s) is not None)
+
+    # ------------------------------------------------------------------------------------------ the fit
+    def _stage_mb(self, p: int) -> float:
+        if self.layer_bytes is None:
+            return 0.0
+        b = balanced_partition(self.prior.layer_ms, p)
+        return max(sum(self.layer_bytes[b[k]: b[k + 1]]) for k in range(p)) / 1e6
+
+    def features(self, d: int, p: int) -> np.ndarray:
+        """The fitted model's terms for (d, p) (see the class docstring), in the order of :data:`FEATURES`."""
+        f = self.prior.step_ms(d, p)
+        over = max(0.0, d * p / self.cores - 1.0) if self.cores else 0.0
+        m = self.prior.micro_batches
+        return np.array([1.0, f, f * over, 2.0 * (d - 1) / d * self._stage_mb(p),
+                         2.0 * (m + p - 2) if p > 1 else 0.0])
+
+    def fit(self) -> np.ndarray:
+        """Re-fit the coefficients from the measured shapes (called lazily); returns them."""
+        from scipy.optimize import nnls  # noqa: PLC0415
+
+        self._dirty = False
+        shapes = self.measured_shapes() or sorted(self.samples)
+        if not shapes:
+            self.coef, self.rel_rmse = _PRIOR.copy(), 0.0
+            return self.coef
+        y = np.array([float(np.median(self.samples[s])) for s in shapes])
+        x = np.stack([self.features(*s) for s in shapes])
+        rel = x / y[:, None]  # rows: relative contribution of each term to the measured step time
+        scale = np.where(rel.mean(axis=0) > 1e-9, rel.mean(axis=0), 1.0)
+        a = np.vstack([rel, self.ridge * np.diag(scale)])
+        b = np.concatenate([np.ones(len(shapes)), self.ridge * scale * _PRIOR])
+        coef, _ = nnls(a, b)
+        self.coef = coef
+        pred = x @ coef
+        self.rel_rmse = float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
+        return coef
+
+    def _coef(self) -> np.ndarray:
+        if self._dirty:
+            self.fit()
+        return self.coef
+
+    def fitted_ms(self, d: int, p: int) -> float:
+        """The fitted model's step time of (d, p) in ms (``inf`` if not allowed)."""
+        if not self.prior.allowed(d, p):
+            return math.inf
+        return max(float(self.features(d, p) @ self._coef()), 1e-6)
+
+    def uncertainty(self, d: int, p: int) -> float:
+        """Relative uncertainty (1 sigma) of the throughput of (d, p).
+
+        A measured shape: the spread of its steps (MAD / median). Otherwise the fit's relative error on the
+        measured shapes plus an extrapolation term: 0.15 if a measured shape has the same P and process count,
+        0.3 if one has the same P or the same process count, 0.5 if none does (or nothing is measured).
+        """
+        ms = self.measured_ms(d, p)
+        if ms is not None:
+            q = np.asarray(self.samples[(d, p)])
+            return float(1.4826 * np.median(np.abs(q - ms)) / ms / math.sqrt(len(q)))
+        self._coef()
+        meas = self.measured_shapes()
+        if any(s[1] == p and s[0] * s[1] == d * p for s in meas):
+            extra = 0.15
+        elif any(s[1] == p or s[0] * s[1] == d * p for s in meas):
+            extra = 0.3
+        else:
+            extra = 0.5
+        return self.rel_rmse + extra
+
+    # ------------------------------------------------------------------------------------------ ThroughputModel
+    def step_ms(self, d: int, p: int) -> float:
+        """Step time of (d, p): measured if measured, else fitted (ms; ``inf`` if not allowed)."""
+        ms = self.measured_ms(d, p)
+        return ms if ms is not None and self.prior.allowed(d, p) else self.fitted_ms(d, p)
+
+    def throughput(self, d: int, p: int) -> float:
+        ms = self.step_ms(d, p)
+        return 0.0 if not math.isfinite(ms) else self.global_batch / (ms / 1000.0)
+
+    def candidates(self, n: int, hint_counts: Iterable[int] = ()) -> List[Shape]:
+        """Every allowed shape on ``n`` instances that is not slower than a shape using fewer processes with the
+        same P (a narrower D can beat a wider one once contention and all-reduce are counted)."""
+        out = []
+        for p in range(self.limits.min_p, min(n, self.limits.max_p) + 1):
+            best = 0.0
+            for d in range(1, n // p + 1):
+                if self.prior.allowed(d, p):
+                    thr = self.throughput(d, p)
+                    if thr > best:
+                        out.append((d, p))
+                        best = thr
+        return sorted(out)
+
+    def best_measured(self, n: int) -> Optional[Shape]:
+        """The fastest measured shape that fits ``n`` instances, or None."""
+        cands = [s for s in self.measured_shapes() if s[0] * s[1] <= n and self.limits.allows(*s)]
+        return max(cands, key=lambda s: self.throughput(*s)) if cands else None
+
+    # ------------------------------------------------------------------------------------------ decisions
+    def vetoes(self, current: Shape, chosen: Shape, n_next: int) -> bool:
+        """True if moving ``current -> chosen`` must not happen while ``current`` still fits the ``n_next``
+        instances (availability does not force the move) and
+
+        * ``chosen`` is measured slower than ``current`` (never move to a shape measured slower) -- or not faster
+          by more than :attr:`margin`: measurements of the running shape move with the machine's load while the
+          others' stay as they were, and without a margin the job ping-pongs between two equal shapes; or
+        * ``current`` is not measured yet (a few more steps measure it; moving away on the formula alone is how
+          the job used to leave its best shape); or
+        * ``chosen`` is not measured and even its fitted throughput less its uncertainty
+          (``fitted x (1 - uncertainty)``) does not beat the current measurement: an unmeasured shape must be
+          clearly better to leave a measured one (trying a merely promising one is :meth:`exploration`'s job,
+          only when the interval is long). With one or two shapes measured the fit cannot tell a fixed per-step
+          cost from communication, and a guess once released half a job's processes.
+        """
+        if chosen == current or current[0] * current[1] > n_next or not self.prior.allowed(*current):
+            return False
+        a, b = self.measured(*current), self.measured(*chosen)
+        if a is None:
+            return True
+        if b is None:
+            return self.throughput(*chosen) * (1.0 - self.uncertainty(*chosen)) <= a
+        return b < a * (1.0 + self.margin)
+
+    def exploration(self, n: int, current: Shape, interval_s: float, move_cost_s: float,
+                    max_cost_fraction: float = 0.05) -> Optional[Shape]:
+        """An unmeasured shape worth one interval's try, or None.
+
+        Explore only when the current shape is measured, the interval is long compared with two migrations
+        (there and possibly back: ``2 * move_cost_s <= max_cost_fraction * interval_s``), and an unmeasured shape
+        on ``n`` instances could be faster: its fitted throughput times ``1 + uncertainty`` beats the current
+        measurement. The most promising such shape (largest optimistic throughput) is returned.
+        """
+        cur = self.measured(*current)
+        if cur is None or interval_s <= 0 or 2.0 * move_cost_s > max_cost_fraction * interval_s:
+            return None
+        best, best_hi = None, cur
+        for s in self.candidates(n):
+            if self.measured(*s) is not None:
+                continue
+            hi = self.throughput(*s) * (1.0 + self.uncertainty(*s))
+            if hi > best_hi:
+                best, best_hi = s, hi
+        return best
+
+    def cost_model(self, constants: Optional[MigrationConstants] = None) -> DefaultCostModel:
+        """The migration cost model over this throughput model (the one the runtime plans with).
+
+        Args:
+            constants: Migration constants; default: the ones saved with the profile (:attr:`constants`), else
+                :class:`MigrationConstants` defaults.
+        """
+        if self.layer_bytes is None:
+            params = [1.0] * len(self.prior.layer_ms)
+        else:
+            params = [max(b / self.bytes_per_param, 1.0) for b in self.layer_bytes]
+        return DefaultCostModel(self, params, constants or self.constants or MigrationConstants())
+
+    # ------------------------------------------------------------------------------------------ persistence
+    def to_json(self) -> Dict[str, Any]:
+        """The profile as a JSON object (``run_dir/profile.json``; load with :func:`load_measured_profile`)."""
+        coef = self._coef()
+        return {
+            "format": PROFILE_FORMAT,
+            "layer_ms": self.prior.layer_ms,
+            "global_batch": self.global_batch,
+            "micro_batches": self.prior.micro_batches,
+            "limits": {"min_p": self.limits.min_p, "max_p": self.limits.max_p},
+            "layer_bytes": self.layer_bytes,
+            "cores": self.cores,
+            "min_samples": self.min_samples,
+            "coefficients": dict(zip(FEATURES, (float(c) for c in coef))),
+            "migration_constants": None if self.constants is None else dict(vars(self.constants)),
+            "fit_relative_rmse": self.rel_rmse,
+            "shapes": {f"{d},{p}": {"step_ms": list(self.samples[(d, p)]),
+                                   "median_ms": float(np.median(self.samples[(d, p)])),
+                                   "samples_per_s": self.global_batch / (float(np.median(self.samples[(d, p)])) / 1000.0)}
+                       for d, p in sorted(self.samples)},
+        }
+
+    def save(self, path: str) -> None:
+        """Write :meth:`to_json` to ``path`` (atomically: a reader never sees half a file)."""
+        import os  # noqa: PLC0415
+
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, raw: Dict[str, Any], source: str = "profile") -> "MeasuredThroughput":
+        """Rebuild a saved profile (measurements and all); the fit is recomputed from the measurements."""
+        if raw.get("format") != PROFILE_FORMAT:
+            raise ConfigurationError(f"{source}: format {raw.get('format')!r} is not {PROFILE_FORMAT!r}")
+        try:
+            lim = raw.get("limits") or {}
+            prior = PipelineThroughput(raw["layer_ms"], int(raw["global_batch"]), int(raw["micro_batches"]),
+                                       max_p=lim.get("max_p"), min_p=int(lim.get("min_p", 1)))
+            m = cls(prior, layer_bytes=raw.get("layer_bytes"), cores=raw.get("cores"),
+                    min_samples=int(raw.get("min_samples", 5)))
+            if raw.get("migration_constants"):
+                m.constants = MigrationConstants(**raw["migration_constants"])
+            for key, entry in (raw.get("shapes") or {}).items():
+                d, p = (int(x) for x in key.split(","))
+                for ms in entry["step_ms"]:
+                    m.record(d, p, float(ms))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigurationError(
+                f"{source}: not a valid measured profile ({type(e).__name__}: {e}); expected keys format, layer_ms, "
+                "global_batch, micro_batches, shapes{'D,P': {step_ms: [...]}} as written by the runtime") from None
+        m.fit()
+        return m
+
+    def describe(self) -> str:
+        """One line per measured shape, and the fitted coefficients (for logs and reports)."""
+        coef = self._coef()
+        lines = [f"{d}x{p}: measured {self.measured(d, p) or 0:.1f} samples/s (fit {self.global_batch / self.fitted_ms(d, p) * 1000:.1f})"
+                 for d, p in self.measured_shapes()]
+        lines.append("fit: " + ", ".join(f"{k}={c:.3g}" for k, c in zip(FEATURES, coef))
+                     + f" (relative rmse {self.rel_rmse:.3f})")
+        return "\n".join(lines)
+
+
+def load_measured_profile(path: str) -> Optional[MeasuredThroughput]:
+    """The measured profile at ``path``, or None if the JSON there is another kind of profile.
+
+    Raises:
+        ConfigurationError: The file cannot be read or is a broken measured profile.
+    """
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigurationError(f"cannot read layer profile {path}: {e}") from None
+    if not isinstance(raw, dict) or "format" not in raw:
+        return None
+    return MeasuredThroughput.from_json(raw, source=path)
