@@ -234,6 +234,18 @@ def test_launcher_boot_path_registers_parcae_without_an_import(tmp_path: Path) -
     assert out.stdout.split() == ["True", "False"], out.stderr
 
 
+def test_workers_import_the_launchers_own_lightning_parcae(tmp_path: Path) -> None:
+    """Regression: with the package installed (editable) from one checkout and a launcher run from another, the
+    workers imported the installed copy, whose missing registration hook made strategy="parcae" unknown to them
+    ("You selected an invalid strategy name"). The boot path now carries the launcher's own checkout."""
+    import lightning_parcae
+
+    env = launcher_env.with_boot_path(_env())
+    out = subprocess.run([sys.executable, "-c", "import lightning_parcae; print(lightning_parcae.__file__)"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.stdout.strip() == lightning_parcae.__file__, out.stderr
+
+
 # --------------------------------------------------------------------------------------------- LightningCLI
 @pytest.mark.parametrize("ns,spec", [
     ("pytorch_lightning", ["--trainer.strategy", "parcae"]),

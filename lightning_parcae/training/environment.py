@@ -243,7 +243,16 @@ BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
 
 
 def with_boot_path(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with :data:`BOOT_DIR` first on ``PYTHONPATH`` (a worker script need not import lightning_parcae)."""
-    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR]
-    env["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *rest])
+    """``env`` with :data:`BOOT_DIR` first on ``PYTHONPATH`` (a worker script need not import lightning_parcae).
+
+    When this package runs from a source checkout (not from ``site-packages``), the checkout follows it, so that
+    the workers import the same ``lightning_parcae`` as the launcher -- not another copy installed in their Python
+    (a registration hook missing from that copy made ``strategy="parcae"`` unknown to the workers).
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(BOOT_DIR)))
+    front = [BOOT_DIR]
+    if os.path.basename(root) not in ("site-packages", "dist-packages"):
+        front.append(root)
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in front]
+    env["PYTHONPATH"] = os.pathsep.join([*front, *rest])
     return env
