@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Sequence, Tuple
+from typing import Sequence
 
-import numpy as np
 import pytest
 
 from lightning_parcae.planning.costmodel import ArtifactCostModel, MigrationCostModel, ShapeLimits, TableThroughput

@@ -390,8 +390,8 @@ def test_restart_fallback_chooses_only_d_that_splits_the_reported_batch() -> Non
     """Regression (issue 9, repro 4): ``parcae run --restart-fallback`` (docs/run.md) died at the first change
     with ``BatchSplitError: global batch size 64 cannot be split evenly over D=3 pipelines``: the relaunch took
     D = N // P. It now takes the largest D that splits the batch the workers reported (the rule of the elastic
-    path, ``runtime.data.batch_splits``), and a power of two before any report."""
-    from lightning_parcae.runtime.data import batch_splits
+    path, ``planning.costmodel.batch_splits``), and a power of two before any report."""
+    from lightning_parcae.planning.costmodel import batch_splits
 
     cfg = _config(["--instances", "4", "--restart-fallback", "--", "python", "x.py"])
     launcher = Launcher(cfg, out=open(os.devnull, "w"))

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import SequentialSampler
 
 from lightning_parcae.runtime.data import GlobalBatchSampler
-from lightning_parcae.runtime.elastic import RuntimeThroughput
+from lightning_parcae.planning.measured import PipelineThroughput
 
 
 def _sampler(replicas: int, replica: int) -> GlobalBatchSampler:
@@ -27,7 +27,7 @@ def test_sampler_records_each_batch_with_the_shape_it_was_cut_for_if_resharded_m
 
 
 def test_runtime_throughput_forbids_shapes_if_d_does_not_split_the_global_batch() -> None:
-    thr = RuntimeThroughput([1.0] * 4, global_batch=16, micro_batches=2)
+    thr = PipelineThroughput([1.0] * 4, global_batch=16, micro_batches=2)
     assert thr.throughput(3, 1) == 0.0  # 16 samples cannot be split over 3 pipelines x 2 micro-batches
     assert thr.throughput(2, 1) > thr.throughput(1, 2) > 0.0
     assert thr.throughput(1, 5) == 0.0  # more stages than layers
@@ -78,7 +78,7 @@ def test_commit_discards_the_step_for_everyone_if_a_member_never_counted_in() ->
 
     store = dist.HashStore()
     a, b = _runtime(store, "a", ("a", "b", "c")), _runtime(store, "b", ("a", "b", "c"))
-    a.live.abort("c died")  # noqa: the heartbeat thread would do this
+    a.live.abort("c died")  # what the heartbeat thread would do
     with pytest.raises(PeerLostError):
         a.commit(3)  # counted in, then the generation was aborted while waiting for c
     assert a.decide_commit(3) is False  # 2 of 3 counted in: discard

@@ -9,7 +9,6 @@ the next one is "run it" (``parcae run``). Each sub-command validates its option
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional, Sequence
 

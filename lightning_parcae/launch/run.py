@@ -442,7 +442,7 @@ class Launcher:
         """(workers, D, P) for ``n`` instances; with a fixed P, instances beyond D*P stay idle.
 
         D must split the job's global batch, by the rule the elastic path uses
-        (:func:`~lightning_parcae.runtime.data.batch_splits`): once a worker has reported its global batch B and
+        (:func:`~lightning_parcae.planning.costmodel.batch_splits`): once a worker has reported its global batch B and
         micro-batches M, D is the largest ``<= n // P`` that splits B into D x M; before that (the first launch)
         it is a power of two, as :func:`initial_members` chooses for ``--elastic``.
         """
@@ -453,7 +453,7 @@ class Launcher:
             members, _ = initial_members(n, str(p))
             d = members // p
         else:
-            from lightning_parcae.runtime.data import batch_splits  # noqa: PLC0415
+            from lightning_parcae.planning.costmodel import batch_splits  # noqa: PLC0415
 
             b, m = self._batch
             d = next((k for k in range(n // p, 0, -1) if batch_splits(b, k, m)), 1)

@@ -30,7 +30,7 @@ import enum
 import functools
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -40,6 +40,7 @@ from lightning_parcae.errors import ConfigurationError
 
 __all__ = [
     "Shape",
+    "batch_splits",
     "MigrationKind",
     "ThroughputModel",
     "TableThroughput",
@@ -55,6 +56,16 @@ __all__ = [
 
 Shape = Tuple[int, int]
 """A training shape ``(D, P)``: D data-parallel pipelines of P stages each (D*P processes)."""
+
+
+def batch_splits(global_batch: int, data_parallel: int, micro_batches: int = 1) -> bool:
+    """Whether a global batch splits over ``data_parallel`` pipelines of ``micro_batches`` micro-batches each.
+
+    The one rule every choice of D uses: the runtime's data path (:mod:`lightning_parcae.runtime.data`), the
+    throughput model's candidate shapes (:class:`~lightning_parcae.planning.measured.PipelineThroughput`) and
+    ``parcae run --restart-fallback``.
+    """
+    return data_parallel >= 1 and micro_batches >= 1 and global_batch % (data_parallel * micro_batches) == 0
 
 _NO_TERM = 0.0
 

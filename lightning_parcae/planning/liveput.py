@@ -26,7 +26,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 from scipy.special import gammaln

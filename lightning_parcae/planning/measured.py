@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from lightning_parcae.planning.costmodel import (
     ShapeLimits,
     ThroughputModel,
     balanced_partition,
+    batch_splits,
 )
 from lightning_parcae.errors import ConfigurationError
 
@@ -111,7 +112,7 @@ class PipelineThroughput(ThroughputModel):
     def allowed(self, d: int, p: int) -> bool:
         """Whether (d, p) can run this job at all."""
         return (d >= 1 and self.limits.allows(d, p) and p <= len(self.layer_ms)
-                and self.global_batch % (d * self.micro_batches) == 0)
+                and batch_splits(self.global_batch, d, self.micro_batches))
 
     def step_ms(self, d: int, p: int) -> float:
         """Formula step time of (d, p) in ms (``inf`` if not allowed)."""

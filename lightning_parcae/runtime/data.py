@@ -27,17 +27,10 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_parcae.errors import BatchSplitError, ConfigurationError
+from lightning_parcae.planning.costmodel import batch_splits
 
-__all__ = ["GlobalBatchSampler", "batch_splits", "global_batch_size", "reshard_dataloader"]
+__all__ = ["GlobalBatchSampler", "global_batch_size", "reshard_dataloader"]
 
-
-def batch_splits(global_batch: int, data_parallel: int, micro_batches: int = 1) -> bool:
-    """Whether a global batch splits over ``data_parallel`` pipelines of ``micro_batches`` micro-batches each.
-
-    The one rule every choice of D uses: the data path here, the liveput optimizer's candidate shapes
-    (:class:`~lightning_parcae.runtime.elastic.RuntimeThroughput`) and ``parcae run --restart-fallback``.
-    """
-    return data_parallel >= 1 and micro_batches >= 1 and global_batch % (data_parallel * micro_batches) == 0
 
 
 class GlobalBatchSampler(Sampler[list[int]]):

@@ -58,7 +58,6 @@ from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.planning.forecast import make_predictor
 from lightning_parcae.runtime.coordinator import Coordinator
-from lightning_parcae.runtime.data import batch_splits
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
 from lightning_parcae.runtime.migration import exchange, layer_payload
@@ -68,7 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lightning_parcae.training.strategy import ParcaeStrategy
 
-__all__ = ["ElasticRuntime", "RuntimeThroughput", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
+__all__ = ["ElasticRuntime", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +91,6 @@ is tens of ms, a *warm* standby joins in ~0.1-0.2 s (its imports and model were 
 simulator's default ``join_ms`` of 2.5 s prices a cold process), a full restart ~10 s. With the cold value a short
 planning interval made the optimizer reach (4,1) through (2,2) instead of directly."""
 
-
-class RuntimeThroughput(PipelineThroughput):
-    """The runtime's formula over its per-layer times (kept under this name; it lives in
-    :class:`lightning_parcae.planning.measured.PipelineThroughput` so that the simulator uses the same one). The runtime
-    plans with :class:`~lightning_parcae.planning.measured.MeasuredThroughput`, which re-weights it by measured steps."""
 
 
 class ElasticRuntime:

@@ -27,11 +27,10 @@ How a training step runs (see ``docs/strategy.md`` for the user-facing version):
 from __future__ import annotations
 
 import logging
-import math
 import os
 import warnings
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 

@@ -10,7 +10,6 @@ import json
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 

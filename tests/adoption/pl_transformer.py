@@ -5,7 +5,6 @@ forward, trained on synthetic tokens. Nothing here was written for Parcae except
 """
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F

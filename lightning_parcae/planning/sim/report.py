@@ -11,7 +11,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from lightning_parcae.planning.costmodel import MigrationCostModel
 from lightning_parcae.errors import ConfigurationError

@@ -1,0 +1,158 @@
+"""On one CUDA GPU: ParcaeStrategy against Lightning's own single-device strategy, and a resume from a checkpoint.
+
+Problem: the project is developed and tested on CPU (gloo); "code runs on CPU and uses CUDA when present" is a
+claim until it runs on a GPU. This script is the short, prepared check for a machine that has one: it trains the
+small transformer LM of ``bench_strategy.py`` (larger here: d=512, 8 blocks) on ``cuda:0`` three ways, each in its
+own process, with deterministic kernels:
+
+* ``lightning``: ``Trainer(accelerator="gpu", devices=1)`` -- Lightning's ``SingleDeviceStrategy``, the baseline;
+* ``parcae``: the same with ``strategy=ParcaeStrategy(pipeline_stages=1)``;
+* ``parcae-resume``: ParcaeStrategy saving a checkpoint mid-training (after half the steps, from a callback, as
+  ``ParcaeRunCallback`` does), then a fresh process that resumes from it (``fit(ckpt_path=...)``, loaded with ``weights_only=True``) and finishes.
+
+It prints, side by side, samples/s of each (after warm-up) and the largest relative parameter difference of
+``parcae`` and ``parcae-resume`` against ``lightning`` (goal: 0 up to floating-point reassociation, <= 1e-5), and
+the ratio parcae / lightning samples/s (goal >= 0.95)::
+
+    python benchmarks/gpu_check.py --out gpu_check.json     # ~1 minute on one H200
+
+Without a GPU it says so and exits 2. Multi-GPU (NCCL between devices) is not covered: one GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _save_at_class() -> Any:
+    import pytorch_lightning as pl
+
+    class SaveAt(pl.Callback):
+        """Save a checkpoint mid-training (as ParcaeRunCallback does), after optimizer step ``step``."""
+
+        def __init__(self, step: int, path: str) -> None:
+            self.step, self.path = step, path
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == self.step:
+                trainer.save_checkpoint(self.path)
+
+    return SaveAt
+
+
+def _SaveAt(step: int, path: str) -> Any:  # noqa: N802 -- a class built on first use (imports Lightning late)
+    return _save_at_class()(step, path)
+
+
+def _worker(cfg: dict[str, Any]) -> None:
+    sys.path.insert(0, HERE)
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bench_strategy import TinyLM, _Timer
+
+    pl.seed_everything(0, verbose=False)
+    torch.use_deterministic_algorithms(True)
+    total = cfg["steps"] + cfg["warmup"]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (cfg["batch"] * total, cfg["seq"] + 1), generator=g)
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    if cfg["kind"] == "lightning":
+        strategy: Any = "auto"
+    else:
+        from lightning_parcae.training.strategy import ParcaeStrategy
+
+        strategy = ParcaeStrategy(pipeline_stages=1)
+    timer = _Timer(cfg["warmup"])
+    callbacks: list[Any] = [timer]
+    if cfg.get("save"):
+        callbacks.append(_SaveAt(cfg["save_at"], cfg["save"]))
+    trainer = pl.Trainer(accelerator=cfg["accelerator"], devices=1, strategy=strategy, max_steps=cfg["stop"], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=callbacks, deterministic=True)
+    model = TinyLM(dim=cfg["dim"], blocks=cfg["blocks"], heads=8)
+    trainer.fit(model, DataLoader(data, batch_size=cfg["batch"]), ckpt_path=cfg.get("resume"))
+    params = {k: v.detach().float().cpu() for k, v in trainer.lightning_module.state_dict().items()}
+    torch.save(params, cfg["params"])
+    rate = cfg["batch"] * (cfg["stop"] - cfg["warmup"]) / max(timer.t1 - timer.t0, 1e-9) if timer.t0 else None
+    with open(cfg["out"], "w") as f:
+        json.dump({"samples_per_s": rate, "device": str(next(trainer.lightning_module.parameters()).device),
+                   "strategy": type(trainer.strategy).__name__}, f)
+
+
+def _run(cfg: dict[str, Any], tmp: str, name: str) -> dict[str, Any]:
+    cfg = {**cfg, "out": os.path.join(tmp, f"{name}.json"), "params": os.path.join(tmp, f"{name}.pt")}
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    with open(cfg["out"]) as f:
+        res = json.load(f)
+    res["params"] = cfg["params"]
+    return res
+
+
+def _max_rel_diff(a_path: str, b_path: str) -> float:
+    a = torch.load(a_path, weights_only=True)
+    b = torch.load(b_path, weights_only=True)
+    return max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)) for k in a)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=60, help="timed optimizer steps")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--accelerator", default="gpu", help="'cpu' only to try the script itself without a GPU")
+    a = ap.parse_args()
+    if a.worker:
+        _worker(json.loads(a.worker))
+        return
+    if a.accelerator == "gpu" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine")
+        sys.exit(2)
+    total = a.steps + a.warmup
+    base = {"steps": a.steps, "warmup": a.warmup, "batch": a.batch, "seq": a.seq, "dim": a.dim, "blocks": a.blocks,
+            "stop": total, "accelerator": a.accelerator}
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if a.accelerator == "gpu" else "cpu",
+                               "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.time()
+        light = _run({**base, "kind": "lightning"}, tmp, "lightning")
+        parcae = _run({**base, "kind": "parcae"}, tmp, "parcae")
+        ckpt = os.path.join(tmp, "half.ckpt")
+        _run({**base, "kind": "parcae", "save": ckpt, "save_at": total // 2}, tmp, "parcae-saving")
+        resumed = _run({**base, "kind": "parcae", "resume": ckpt}, tmp, "parcae-resume")
+        results.update({
+            "lightning": {k: light[k] for k in ("samples_per_s", "device", "strategy")},
+            "parcae": {k: parcae[k] for k in ("samples_per_s", "device", "strategy")},
+            "parcae_vs_lightning_max_rel_param_diff": _max_rel_diff(light["params"], parcae["params"]),
+            "resume_vs_lightning_max_rel_param_diff": _max_rel_diff(light["params"], resumed["params"]),
+            "parcae_over_lightning_samples_per_s": parcae["samples_per_s"] / light["samples_per_s"],
+            "wall_s": time.time() - t,
+        })
+    print(json.dumps(results, indent=2))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
