@@ -32,7 +32,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from lightning_parcae.errors import ConfigurationError
 __all__ = [
     "Shape",
     "batch_splits",
+    "min_max_partition",
     "MigrationKind",
     "ThroughputModel",
     "TableThroughput",
@@ -322,29 +323,44 @@ class LayerProfile:
         return cls(fwd, bwd, params, acts, micro_batch, global_batch, **kw)  # type: ignore[arg-type]
 
 
-def balanced_partition(weights: Sequence[float], parts: int) -> List[int]:
-    """Contiguous partition of ``weights`` into ``parts`` groups minimizing the largest group sum.
+def min_max_partition(
+    weights: Sequence[float], parts: int, fits: Optional[Callable[[int, int], bool]] = None
+) -> Optional[List[int]]:
+    """Contiguous split of ``weights`` into ``parts`` non-empty groups minimizing the largest group sum.
+
+    The one partitioner of the project: the planner's stage times (:class:`ProfileThroughput`,
+    :class:`~lightning_parcae.planning.measured.PipelineThroughput`) and the runtime's stage layout
+    (:func:`lightning_parcae.runtime.partition.balance_stages`, with a memory limit as ``fits``) both cut here, so
+    the layout the simulator prices is the layout the runtime builds. Binary search on the largest sum; for each
+    bound, groups are filled greedily as far as the bound (and ``fits``) allow -- optimal for any ``fits`` that
+    holds for every sub-range of a range it holds for (a per-stage memory limit does). Among equally good splits
+    the earlier groups take more items.
 
     Args:
         weights: Per-item cost (e.g. layer time).
         parts: Number of groups; 1 <= parts <= len(weights).
+        fits: ``fits(i, j)``: whether items ``i..j-1`` may form one group (default: always).
 
     Returns:
-        Boundaries ``[0, b1, ..., len(weights)]`` (group k holds items ``b[k]:b[k+1]``).
+        Boundaries ``[0, b1, ..., len(weights)]`` (group k holds items ``b[k]:b[k+1]``), or ``None`` if no split
+        satisfies ``fits``.
+
+    Raises:
+        ConfigurationError: if ``parts`` is not in ``1..len(weights)``.
     """
     n = len(weights)
     if not 1 <= parts <= n:
         raise ConfigurationError(f"cannot split {n} layers into {parts} stages: need 1 <= stages <= layers")
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=float))])
 
-    def fits(cap: float) -> Optional[List[int]]:
+    def greedy(cap: float) -> Optional[List[int]]:
         bounds, start = [0], 0
         for k in range(parts):
-            remaining = parts - k - 1
-            # furthest end such that sum <= cap and enough items left for the remaining groups
-            hi = n - remaining
+            # furthest end such that sum <= cap, fits, and enough items left for the remaining groups
             end = int(np.searchsorted(prefix, prefix[start] + cap * (1 + 1e-12), side="right")) - 1
-            end = min(end, hi)
+            end = min(end, n - (parts - k - 1))
+            while fits is not None and end > start and not fits(start, end):
+                end -= 1
             if end <= start:
                 return None
             bounds.append(end)
@@ -352,14 +368,22 @@ def balanced_partition(weights: Sequence[float], parts: int) -> List[int]:
         return bounds if start == n else None
 
     lo, hi = float(max(weights)), float(prefix[-1])
-    best = fits(hi)
+    best = greedy(hi)
+    if best is None:
+        return None
     for _ in range(60):
         mid = (lo + hi) / 2
-        b = fits(mid)
+        b = greedy(mid)
         if b is None:
             lo = mid
         else:
             hi, best = mid, b
+    return best
+
+
+def balanced_partition(weights: Sequence[float], parts: int) -> List[int]:
+    """:func:`min_max_partition` without a constraint (always succeeds): boundaries ``[0, b1, ..., len]``."""
+    best = min_max_partition(weights, parts)
     assert best is not None
     return best
 

@@ -4,9 +4,10 @@ Problem: pipeline throughput is set by the slowest stage, so the L layers of the
 cut into P contiguous groups whose *measured* compute times are as equal as possible; parameter counts are a poor
 proxy (an attention block and an embedding of the same size differ by orders of magnitude in time). At the same
 time, each stage must fit the per-process memory limit: parameters + gradients + optimizer state. This module
-measures per-layer forward+backward time on a sample input, estimates per-layer training memory, and solves the
-min-max partition exactly by dynamic programming (L and P are small). It also picks P when the user does not give
-one, from the same profile.
+measures per-layer forward+backward time on a sample input, estimates per-layer training memory, and cuts with the
+planner's min-max partitioner (:func:`~lightning_parcae.planning.costmodel.min_max_partition`, a per-stage memory
+limit as its constraint), so the layout built here is the one the simulator and the liveput optimizer price. It
+also picks P when the user does not give one, from the same profile.
 
 Everything here is local and deterministic given its inputs; the strategy profiles on one rank and shares the
 numbers so that all ranks compute the same partition.
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from lightning_parcae.errors import InfeasibleShapeError, ModelLayoutError, StageMemoryError
+from lightning_parcae.planning.costmodel import min_max_partition
 
 __all__ = [
     "profile_layer_times",
@@ -101,37 +103,10 @@ def stage_bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-def _min_max_split(costs: Sequence[float], stages: int, fits: "callable") -> Optional[list[int]]:
-    """Contiguous split of ``costs`` into ``stages`` non-empty parts minimizing the largest part's cost.
-
-    ``fits(i, j)`` says whether layers ``[i, j)`` may form one stage. Returns stage sizes, or ``None`` if no split
-    satisfies ``fits``.
-    """
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[k][j]: minimal max-cost of splitting the first j layers into k stages; arg for reconstruction.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    arg = [[-1] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for j in range(k, n - (stages - k) + 1):
-            for i in range(k - 1, j):
-                if best[k - 1][i] == inf or not fits(i, j):
-                    continue
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
-                if value < best[k][j] - 1e-15:
-                    best[k][j], arg[k][j] = value, i
-    if best[stages][n] == inf:
-        return None
-    sizes, j = [], n
-    for k in range(stages, 0, -1):
-        i = arg[k][j]
-        sizes.append(j - i)
-        j = i
-    return sizes[::-1]
+def _split(costs: Sequence[float], stages: int, fits: Optional[Callable[[int, int], bool]] = None) -> Optional[list[int]]:
+    """Layers per stage of the planner's min-max split (:func:`~lightning_parcae.planning.costmodel.min_max_partition`)."""
+    bounds = min_max_partition(costs, stages, fits)
+    return None if bounds is None else [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def balance_stages(
@@ -165,7 +140,7 @@ def balance_stages(
             f"use pipeline_stages <= {n} or give the layer stack more children"
         )
     if max_stage_memory_bytes is None or memory is None:
-        return _min_max_split(times, pipeline_stages, lambda i, j: True)  # type: ignore[return-value]
+        return _split(times, pipeline_stages)  # type: ignore[return-value]
     mem_prefix = [0]
     for m in memory:
         mem_prefix.append(mem_prefix[-1] + int(m))
@@ -173,11 +148,11 @@ def balance_stages(
     def fits(i: int, j: int) -> bool:
         return mem_prefix[j] - mem_prefix[i] <= max_stage_memory_bytes
 
-    sizes = _min_max_split(times, pipeline_stages, fits)
+    sizes = _split(times, pipeline_stages, fits)
     if sizes is not None:
         return sizes
     # Infeasible: report the worst stage of the partition that minimizes the largest stage memory.
-    by_memory = _min_max_split(memory, pipeline_stages, lambda i, j: True)
+    by_memory = _split(memory, pipeline_stages)
     assert by_memory is not None
     worst, worst_bytes = 0, -1
     for s, (a, b) in enumerate(stage_bounds(by_memory)):
