@@ -159,7 +159,7 @@ def measure_static(shape: tuple[int, int], out: Path, seconds: float) -> float:
 def forecast(profile_path: Path, schedule: list[int], wall_interval: float, startup_s: float,
              restart_s: Optional[float], n_min: int) -> dict[str, float]:
     """The simulator's forecast of each policy from the Parcae run's fitted profile."""
-    from lightning_parcae.planning.costmodel import load_cost_model  # noqa: PLC0415
+    from lightning_parcae.planning.measured import load_cost_model  # noqa: PLC0415
     from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
     from lightning_parcae.signals.traces import from_counts  # noqa: PLC0415
 

@@ -25,9 +25,9 @@ from lightning_parcae.planning.costmodel import (
     TableThroughput,
     artifact_partition,
     balanced_partition,
-    load_cost_model,
     reference_models,
 )
+from lightning_parcae.planning.measured import load_cost_model
 from lightning_parcae.errors import ConfigurationError
 
 DATA = Path(__file__).resolve().parent.parent / "lightning_parcae" / "data"

@@ -9,9 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from lightning_parcae.planning.costmodel import MigrationConstants, balanced_partition, load_cost_model
+from lightning_parcae.planning.costmodel import MigrationConstants, balanced_partition
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import (
+    load_cost_model,
     MeasuredThroughput,
     PipelineThroughput,
     load_measured_profile,

@@ -187,7 +187,7 @@ def test_main_trains_to_the_end_if_static_two_instances(tmp_path: Path, capsys: 
     progress = [e for e in report["events"] if e.get("event") == "progress"]
     assert progress and all(isinstance(e.get("loss"), float) for e in progress)  # report.png plots the loss
     if mode == "--elastic":  # the runtime measured its steps and saved the fitted profile with the run
-        from lightning_parcae.planning.costmodel import load_cost_model
+        from lightning_parcae.planning.measured import load_cost_model
         from lightning_parcae.planning.measured import MeasuredThroughput
 
         profile = json.loads((tmp_path / "profile.json").read_text())

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(a: argparse.Namespace) -> int:
-    from lightning_parcae.planning.costmodel import load_cost_model
+    from lightning_parcae.planning.measured import load_cost_model
     from lightning_parcae.errors import ConfigurationError
     from lightning_parcae.planning.sim import simulate
 

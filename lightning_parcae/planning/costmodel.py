@@ -52,7 +52,6 @@ __all__ = [
     "MigrationConstants",
     "DefaultCostModel",
     "reference_models",
-    "load_cost_model",
 ]
 
 Shape = Tuple[int, int]
@@ -984,42 +983,3 @@ class DefaultCostModel(MigrationCostModel):
             return self._fallback_ms(d2, p2)
         joins = d2 * p2 > d * p - n_out
         return self._groups(d2, p2) + (self.c.join_ms if joins else 0.0)
-
-
-def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Optional[str] = None) -> MigrationCostModel:
-    """Build a cost model from CLI-style options.
-
-    Args:
-        kind: ``"artifact"`` (needs ``model``) or ``"default"``.
-        model: A bundled table name (:func:`reference_models`).
-        profile_path: A per-layer profile JSON (:meth:`LayerProfile.from_json`) or a run's measured profile
-            (``run_dir/profile.json``, :mod:`lightning_parcae.planning.measured`), for ``default`` only.
-
-    Returns:
-        The cost model (its ``throughput`` attribute is the matching throughput model).
-    """
-    if (model is None) == (profile_path is None):
-        raise ConfigurationError("give exactly one of a model table (--model-table NAME) or a profile (--profile FILE)")
-    if kind == "artifact":
-        if model is None:
-            raise ConfigurationError(
-                "--cost-model artifact needs --model-table NAME: the artifact's accounting only exists for its "
-                f"own tables ({', '.join(reference_models())})"
-            )
-        return ArtifactCostModel(model)
-    if kind == "default":
-        if model is not None:
-            thr: ThroughputModel = TableThroughput.from_reference(model)
-            layers = _data("artifact_layer_params.json")[model]["layers"]
-        else:
-            # a profile a run measured and fitted (run_dir/profile.json): the same model the runtime planned with
-            from lightning_parcae.planning.measured import load_measured_profile  # noqa: PLC0415
-
-            measured = load_measured_profile(profile_path)  # type: ignore[arg-type]
-            if measured is not None:
-                return measured.cost_model()
-            prof = LayerProfile.from_json(profile_path)  # type: ignore[arg-type]
-            thr = ProfileThroughput(prof)
-            layers = [b / 4.0 for b in prof.param_bytes]  # fp32 weights: 4 bytes per parameter
-        return DefaultCostModel(thr, layers)
-    raise ConfigurationError(f"unknown cost model {kind!r}: use 'artifact' or 'default'")

@@ -27,7 +27,14 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
+from lightning_parcae.planning import costmodel as _costmodel
 from lightning_parcae.planning.costmodel import (
+    ArtifactCostModel,
+    LayerProfile,
+    MigrationCostModel,
+    ProfileThroughput,
+    TableThroughput,
+    reference_models,
     DefaultCostModel,
     MigrationConstants,
     Shape,
@@ -38,7 +45,7 @@ from lightning_parcae.planning.costmodel import (
 )
 from lightning_parcae.errors import ConfigurationError
 
-__all__ = ["PipelineThroughput", "MeasuredThroughput", "load_measured_profile", "PROFILE_FORMAT", "min_stages_for_memory"]
+__all__ = ["PipelineThroughput", "MeasuredThroughput", "load_measured_profile", "load_cost_model", "PROFILE_FORMAT", "min_stages_for_memory"]
 
 PROFILE_FORMAT = "parcae-measured-profile/1"
 """The ``format`` key of a saved measured profile (``run_dir/profile.json``)."""
@@ -442,3 +449,40 @@ def load_measured_profile(path: str) -> Optional[MeasuredThroughput]:
     if not isinstance(raw, dict) or "format" not in raw:
         return None
     return MeasuredThroughput.from_json(raw, source=path)
+
+
+def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Optional[str] = None) -> MigrationCostModel:
+    """Build a cost model from CLI-style options.
+
+    Args:
+        kind: ``"artifact"`` (needs ``model``) or ``"default"``.
+        model: A bundled table name (:func:`reference_models`).
+        profile_path: A per-layer profile JSON (:meth:`LayerProfile.from_json`) or a run's measured profile
+            (``run_dir/profile.json``, :mod:`lightning_parcae.planning.measured`), for ``default`` only.
+
+    Returns:
+        The cost model (its ``throughput`` attribute is the matching throughput model).
+    """
+    if (model is None) == (profile_path is None):
+        raise ConfigurationError("give exactly one of a model table (--model-table NAME) or a profile (--profile FILE)")
+    if kind == "artifact":
+        if model is None:
+            raise ConfigurationError(
+                "--cost-model artifact needs --model-table NAME: the artifact's accounting only exists for its "
+                f"own tables ({', '.join(reference_models())})"
+            )
+        return ArtifactCostModel(model)
+    if kind == "default":
+        if model is not None:
+            thr: ThroughputModel = TableThroughput.from_reference(model)
+            layers = _costmodel._data("artifact_layer_params.json")[model]["layers"]
+        else:
+            # a profile a run measured and fitted (run_dir/profile.json): the same model the runtime planned with
+            measured = load_measured_profile(profile_path)  # type: ignore[arg-type]
+            if measured is not None:
+                return measured.cost_model()
+            prof = LayerProfile.from_json(profile_path)  # type: ignore[arg-type]
+            thr = ProfileThroughput(prof)
+            layers = [b / 4.0 for b in prof.param_bytes]  # fp32 weights: 4 bytes per parameter
+        return DefaultCostModel(thr, layers)
+    raise ConfigurationError(f"unknown cost model {kind!r}: use 'artifact' or 'default'")

@@ -60,12 +60,12 @@ from lightning_parcae.planning.forecast import make_predictor
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
+from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.migration import exchange, layer_payload
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-    from lightning_parcae.training.strategy import ParcaeStrategy
 
 __all__ = ["ElasticRuntime", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
 
@@ -120,7 +120,7 @@ class ElasticRuntime:
 
     def __init__(
         self,
-        strategy: "ParcaeStrategy",
+        strategy: TrainingHost,
         *,
         store_url: str,
         token: Optional[str],
@@ -184,7 +184,7 @@ class ElasticRuntime:
 
     # ============================================================================================ connection
     @classmethod
-    def from_env(cls, strategy: "ParcaeStrategy", **options: Any) -> "ElasticRuntime":
+    def from_env(cls, strategy: TrainingHost, **options: Any) -> "ElasticRuntime":
         """Build from ``PARCAE_STORE`` / ``PARCAE_JOB_TOKEN`` / ``PARCAE_MEMBER`` / ``PARCAE_JOIN``.
 
         Raises:
@@ -313,7 +313,7 @@ class ElasticRuntime:
         rec_bytes = self.record.get("layer_bytes") if self.record else None
         if rec_bytes and len(rec_bytes) == len(self.s.layer_names):
             return [int(b) for b in rec_bytes]
-        full = self.s._full_stack
+        full = self.s.full_stack
         assert full is not None
         factor = 1.0 + self.s.optimizer_state_factor
         return [int(factor * sum(p.numel() * p.element_size() for p in full._modules[n].parameters()))
@@ -553,7 +553,7 @@ class ElasticRuntime:
         """
         s = self.s
         assert self.layout is not None and self.coord is not None
-        if n_next < 1 or s._global_batch is None:
+        if n_next < 1 or s.global_batch is None:
             return None
         measured = self._measured_model()
         assert measured is not None
@@ -628,11 +628,11 @@ class ElasticRuntime:
         if self.measured is not None:
             return self.measured
         s = self.s
-        if s._global_batch is None or not s.layer_names:
+        if s.global_batch is None or not s.layer_names:
             return None
         factor = 1.0 + s.optimizer_state_factor
         min_p = min_stages_for_memory(self._stage_memory(), s.max_stage_memory_bytes)
-        prior = PipelineThroughput(list(s.layer_times or [1.0] * len(s.layer_names)), s._global_batch,
+        prior = PipelineThroughput(list(s.layer_times or [1.0] * len(s.layer_names)), s.global_batch,
                                    s.micro_batches, s.max_pipeline_stages, min_p=min_p)
         cores = int(os.environ.get(SHARED_CORES_ENV) or 0) or None
         model = MeasuredThroughput(prior, layer_bytes=[b / factor for b in self._layer_bytes()], cores=cores)
@@ -844,12 +844,9 @@ class ElasticRuntime:
         from lightning_parcae.runtime.checkpoint import plain_containers  # noqa: PLC0415
 
         s = self.s
-        s._local_dump = True
-        try:
+        with s.local_state_dump():
             ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        finally:
-            s._local_dump = False
-        stage_keys = s._stage_key_set()
+        stage_keys = s.stage_key_set()
         ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in ckpt["state_dict"].items()
                               if k not in stage_keys}
         for opt in ckpt.get("optimizer_states", []):

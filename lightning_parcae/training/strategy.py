@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
@@ -774,6 +774,25 @@ class ParcaeStrategyMixin:
         """The state-dict prefix of layer ``name`` (``"<stack_path>.<name>"``)."""
         return f"{self.stack_path}.{name}" if self.stack_path else name
 
+    @property
+    def global_batch(self) -> Optional[int]:
+        """B, the global batch size, once the training loader is known."""
+        return self._global_batch
+
+    @property
+    def full_stack(self) -> Optional[nn.Sequential]:
+        """The whole layer stack (all layers, also those other stages hold), once built."""
+        return self._full_stack
+
+    @contextmanager
+    def local_state_dump(self) -> Iterator[None]:
+        """Within it, ``lightning_module_state_dict`` returns this process's own state (no gather)."""
+        self._local_dump = True
+        try:
+            yield
+        finally:
+            self._local_dump = False
+
     def is_stage_key(self, key: str) -> bool:
         """Whether a state-dict / optimizer-state key belongs to a layer of the stack (not a replicated part)."""
         if self.stack_path:
@@ -959,7 +978,7 @@ class ParcaeStrategyMixin:
         assert g is not None and self.lightning_module is not None
         if g.world == 1:
             return
-        stage_keys = self._stage_key_set()
+        stage_keys = self.stage_key_set()
         with torch.no_grad():
             for name, t in self.lightning_module.state_dict(keep_vars=True).items():
                 tensor = t.data if isinstance(t, nn.Parameter) else t
@@ -971,7 +990,7 @@ class ParcaeStrategyMixin:
                 else:
                     dist.broadcast(tensor, 0)
 
-    def _stage_key_set(self) -> set[str]:
+    def stage_key_set(self) -> set[str]:
         assert self.stack_path is not None and self._stage is not None
         return {self.layer_key(k) for k in self._stage.state_dict().keys()}
 
