@@ -1,6 +1,6 @@
 """The folder layout is the data flow: no module imports one above it, and no import cycle.
 
-Layers, bottom to top: ``errors``/``events`` -> ``signals`` -> ``planning`` -> ``runtime`` -> ``training`` ->
+Layers, bottom to top: ``errors``/``events``/``contract`` -> ``signals`` -> ``planning`` -> ``runtime`` -> ``training`` ->
 ``launch``. ``testing`` may use anything below ``training``. The runtime reaches the strategy above it only through
 the :class:`~lightning_parcae.runtime.host.TrainingHost` protocol, which the strategy must satisfy. Every import counts -- module level, inside a
 function, or under ``TYPE_CHECKING`` -- because each one is a dependency a reader has to follow.
@@ -20,7 +20,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_parcae"
 
-LAYERS = {"errors": 0, "events": 0, "signals": 1, "planning": 2, "runtime": 3, "training": 4, "testing": 4,
+LAYERS = {"errors": 0, "events": 0, "contract": 0, "signals": 1, "planning": 2, "runtime": 3, "training": 4, "testing": 4,
           "launch": 5, "lightning": 5}
 """``lightning`` is the public facade for ``lightning.pytorch`` users (``from lightning_parcae.lightning import
 ParcaeStrategy``): it only re-exports the training layer."""

@@ -29,8 +29,20 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from lightning_parcae.contract import (
+    ENV_PREFIX,
+    RUN_DIR_ENV,
+    RESUME_ENV,
+    STORE_ENV,
+    JOB_TOKEN_ENV,
+    MEMBER_ENV,
+    JOIN_ENV,
+    ELASTIC_ENV,
+    FALLBACK_EXIT,
+    RELEASED_EXIT,
+    FENCED_EXIT,
+)
 from lightning_parcae.errors import ConfigurationError, ParcaeError
-from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT
 
 __all__ = ["main", "build_parser", "worker_env"]
 
@@ -77,17 +89,17 @@ def worker_env(base: dict[str, str], *, store: str, token: Optional[str], member
         world: Initial world size (ignored when joining).
         run_dir: Run directory, if any.
     """
-    env = {k: v for k, v in base.items() if not k.startswith("PARCAE_") or k == "PARCAE_RESUME_CKPT"}
+    env = {k: v for k, v in base.items() if not k.startswith(ENV_PREFIX) or k == RESUME_ENV}
     env.update({
-        "PARCAE_ELASTIC": "1", "PARCAE_STORE": store, "PARCAE_MEMBER": member, "PARCAE_JOIN": "1" if join else "0",
+        ELASTIC_ENV: "1", STORE_ENV: store, MEMBER_ENV: member, JOIN_ENV: "1" if join else "0",
         "RANK": str(0 if join else rank), "WORLD_SIZE": str(1 if join else world), "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "1", "NODE_RANK": str(0 if join else rank), "GROUP_RANK": str(0 if join else rank),
         "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": env.get("MASTER_PORT", "29500"),
     })
     if token:
-        env["PARCAE_JOB_TOKEN"] = token
+        env[JOB_TOKEN_ENV] = token
     if run_dir:
-        env["PARCAE_RUN_DIR"] = run_dir
+        env[RUN_DIR_ENV] = run_dir
     from lightning_parcae.training.environment import with_boot_path  # noqa: PLC0415
 
     return with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
@@ -176,7 +188,6 @@ def _token(args: argparse.Namespace) -> Optional[str]:
                 return f.read().strip() or None
         except OSError as exc:
             raise ConfigurationError(f"cannot read --token-file {args.token_file!r}: {exc}") from None
-    from lightning_parcae.runtime.store import JOB_TOKEN_ENV  # noqa: PLC0415
 
     return os.environ.get(JOB_TOKEN_ENV) or None
 

@@ -48,10 +48,29 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional, Sequence
 
+from lightning_parcae.contract import (
+    ENV_PREFIX,
+    RUN_DIR_ENV,
+    RESUME_ENV,
+    STORE_ENV,
+    JOB_TOKEN_ENV,
+    MEMBER_ENV,
+    JOIN_ENV,
+    GENERATION_ENV,
+    GENERATION_BASE_ENV,
+    PIPELINE_ENV,
+    INTERVAL_ENV,
+    MODE_ENV,
+    ELASTIC_ENV,
+    STALL_ENV,
+    SHARED_CORES_ENV,
+    WRONG_TOKEN_EXIT,
+    FALLBACK_EXIT,
+    RELEASED_EXIT,
+    FENCED_EXIT,
+)
 from lightning_parcae.training.environment import with_boot_path
 from lightning_parcae.events import append_event
-from lightning_parcae.training.callbacks import WRONG_TOKEN_EXIT
-from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT
 from lightning_parcae.errors import ConfigurationError, CoordinationError, ParcaeError
 
 __all__ = ["build_parser", "main", "RunConfig", "Launcher", "host_capacity", "scale_counts", "initial_members",
@@ -469,7 +488,7 @@ class Launcher:
         port = _free_port()
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        base = {k: v for k, v in os.environ.items() if k not in ("PARCAE_RESUME_CKPT", "PARCAE_ELASTIC", "PARCAE_JOIN")}
+        base = {k: v for k, v in os.environ.items() if k not in (RESUME_ENV, ELASTIC_ENV, JOIN_ENV)}
         self.workers = []
         for rank in range(workers):
             env = {
@@ -477,16 +496,16 @@ class Launcher:
                 "RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(workers), "GROUP_RANK": "0", "NODE_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "PARCAE_STORE": self.store_url, "PARCAE_JOB_TOKEN": self.token, "PARCAE_RUN_DIR": str(cfg.run_dir),
-                "PARCAE_GENERATION": str(self.generation), "PARCAE_GENERATION_BASE": str(1000 * self.generation),
-                "PARCAE_PIPELINE_STAGES": cfg.pipeline_stages, "PARCAE_MODE": cfg.mode, "PARCAE_ELASTIC": "0",
+                STORE_ENV: self.store_url, JOB_TOKEN_ENV: self.token, RUN_DIR_ENV: str(cfg.run_dir),
+                GENERATION_ENV: str(self.generation), GENERATION_BASE_ENV: str(1000 * self.generation),
+                PIPELINE_ENV: cfg.pipeline_stages, MODE_ENV: cfg.mode, ELASTIC_ENV: "0",
             }
             env.setdefault("OMP_NUM_THREADS", "1")
             with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
             if cfg.stall_timeout_s:
-                env["PARCAE_STALL_S"] = f"{cfg.stall_timeout_s:g}"
+                env[STALL_ENV] = f"{cfg.stall_timeout_s:g}"
             if ckpt.exists():
-                env["PARCAE_RESUME_CKPT"] = str(ckpt)
+                env[RESUME_ENV] = str(ckpt)
             log_path = logs / f"gen{self.generation}_rank{rank}.log"
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(cfg.command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -680,26 +699,26 @@ class Launcher:
         """Start one worker process for ``instance``: an initial member of a (re)launch, or a joiner."""
         cfg = self.cfg
         member = self._member_name(instance)
-        base = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         env = {
             **base,
             "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
             "GROUP_RANK": "0", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "PARCAE_ELASTIC": "1", "PARCAE_STORE": self.store_url, "PARCAE_JOB_TOKEN": self.token,
-            "PARCAE_MEMBER": member, "PARCAE_JOIN": "1" if join else "0", "PARCAE_RUN_DIR": str(cfg.run_dir),
-            "PARCAE_GENERATION": str(self.launch), "PARCAE_GENERATION_BASE": str(1000 * self.launch),
-            "PARCAE_PIPELINE_STAGES": str(p) if p else "auto", "PARCAE_MODE": cfg.mode,
-            "PARCAE_INTERVAL_S": f"{cfg.wall_interval_s:g}",
+            ELASTIC_ENV: "1", STORE_ENV: self.store_url, JOB_TOKEN_ENV: self.token,
+            MEMBER_ENV: member, JOIN_ENV: "1" if join else "0", RUN_DIR_ENV: str(cfg.run_dir),
+            GENERATION_ENV: str(self.launch), GENERATION_BASE_ENV: str(1000 * self.launch),
+            PIPELINE_ENV: str(p) if p else "auto", MODE_ENV: cfg.mode,
+            INTERVAL_ENV: f"{cfg.wall_interval_s:g}",
             # every instance of this one-machine cluster shares its cores (the measured model's contention term)
-            "PARCAE_SHARED_CORES": str(self.shared_units),
+            SHARED_CORES_ENV: str(self.shared_units),
         }
         env.setdefault("OMP_NUM_THREADS", "1")
         with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
         if cfg.stall_timeout_s:
-            env["PARCAE_STALL_S"] = f"{cfg.stall_timeout_s:g}"
+            env[STALL_ENV] = f"{cfg.stall_timeout_s:g}"
         ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
         if resume and ckpt.exists():
-            env["PARCAE_RESUME_CKPT"] = str(ckpt)
+            env[RESUME_ENV] = str(ckpt)
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{member}.log"

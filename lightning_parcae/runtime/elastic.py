@@ -50,6 +50,18 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_parcae.contract import (
+    RUN_DIR_ENV,
+    STORE_ENV,
+    JOB_TOKEN_ENV,
+    MEMBER_ENV,
+    JOIN_ENV,
+    STALL_ENV,
+    SHARED_CORES_ENV,
+    FALLBACK_EXIT,
+    RELEASED_EXIT,
+    FENCED_EXIT,
+)
 from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape
 from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.events import append_event
@@ -58,7 +70,7 @@ from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.planning.forecast import make_predictor
 from lightning_parcae.runtime.coordinator import Coordinator
-from lightning_parcae.runtime.lifecycle import FALLBACK_EXIT, FENCED_EXIT, RELEASED_EXIT, Lifecycle, Phase
+from lightning_parcae.runtime.lifecycle import Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.migration import exchange, layer_payload
@@ -74,13 +86,6 @@ log = logging.getLogger(__name__)
 LIVE_CHECKPOINT = "parcae-live://peers"
 """The checkpoint path a joiner 'resumes' from: the state it received from live peers, not a file."""
 
-STORE_ENV = "PARCAE_STORE"
-MEMBER_ENV = "PARCAE_MEMBER"
-JOIN_ENV = "PARCAE_JOIN"
-STALL_ENV = "PARCAE_STALL_S"
-SHARED_CORES_ENV = "PARCAE_SHARED_CORES"
-"""Set by ``parcae run`` (all processes on one machine): the cores they share, for the contention term of the
-measured throughput model. Unset on a real cluster (one instance per process)."""
 MEASURED_KEY = "parcae/measured"
 """Store key of the measured profile (the leader publishes it each interval, so a new leader keeps it)."""
 
@@ -176,7 +181,7 @@ class ElasticRuntime:
         self._recovering_since: Optional[float] = None
         self.admitted = not joining
         """Whether this process is (or was) a training member; a joiner becomes one in :meth:`joined`."""
-        self.run_dir = os.environ.get("PARCAE_RUN_DIR")
+        self.run_dir = os.environ.get(RUN_DIR_ENV)
         self.measured: Optional[MeasuredThroughput] = None
         # (generation, step, time, first in its generation) at the last step boundary
         self._step_mark: Optional[tuple[int, int, float, bool]] = None
@@ -190,7 +195,6 @@ class ElasticRuntime:
         Raises:
             ConfigurationError: ``PARCAE_STORE`` is not set.
         """
-        from lightning_parcae.runtime.store import JOB_TOKEN_ENV  # noqa: PLC0415
 
         url = os.environ.get(STORE_ENV)
         if not url:

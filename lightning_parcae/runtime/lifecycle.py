@@ -28,17 +28,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from lightning_parcae.contract import FALLBACK_EXIT, RELEASED_EXIT, FENCED_EXIT
+
 __all__ = ["Phase", "Lifecycle", "IllegalTransitionError", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
 log = logging.getLogger("lightning_parcae.lifecycle")
 
-# How a process that leaves the lifecycle ends: its exit status tells the launcher / agent what to do next.
-FALLBACK_EXIT = 75
-"""FALLBACK: some stage lost every replica (or no instance is left); restart the job from the last checkpoint."""
-RELEASED_EXIT = 76
-"""FENCED after a plan that does not use this healthy member: restart it as a standby (``PARCAE_JOIN=1``)."""
-FENCED_EXIT = 77
-"""FENCED after being declared dead while silent: it must not touch the job again; restart it as a standby."""
+# How a process that leaves the lifecycle ends: its exit status (lightning_parcae.contract) tells the launcher /
+# agent what to do next.
 
 
 class Phase(str, enum.Enum):

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_parcae.contract import JOB_TOKEN_ENV
 from lightning_parcae.errors import ConfigurationError, CoordinationError
 
 __all__ = [
@@ -66,8 +67,6 @@ __all__ = [
     "JOB_TOKEN_ENV",
 ]
 
-JOB_TOKEN_ENV = "PARCAE_JOB_TOKEN"
-"""Environment variable through which the launcher hands the job token to agents and workers."""
 
 AUTH_KEY = "parcae/auth/v1"
 MAX_RECORD_BYTES = 16 * 1024 * 1024

@@ -40,6 +40,14 @@ from types import FrameType
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_parcae.contract import (
+    RUN_DIR_ENV,
+    RESUME_ENV,
+    STORE_ENV,
+    JOB_TOKEN_ENV,
+    GENERATION_ENV,
+    WRONG_TOKEN_EXIT,
+)
 from lightning_parcae.events import append_event
 
 if TYPE_CHECKING:
@@ -47,14 +55,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "callback_class"]
 
-RUN_DIR_ENV = "PARCAE_RUN_DIR"
-"""Set by ``parcae run``: the run directory (checkpoints, events, logs)."""
-RESUME_ENV = "PARCAE_RESUME_CKPT"
-"""Set by ``parcae run`` on a relaunch: the checkpoint to resume from."""
-STORE_ENV = "PARCAE_STORE"
-GENERATION_ENV = "PARCAE_GENERATION"
-WRONG_TOKEN_EXIT = 3
-"""Exit status of a worker whose job token the store rejects (the launcher reports it as such)."""
 
 
 def resume_path() -> Optional[str]:
@@ -116,7 +116,7 @@ class ParcaeRunCallbackMixin:
         if not url:
             return
         from lightning_parcae.errors import CoordinationError  # noqa: PLC0415
-        from lightning_parcae.runtime.store import JOB_TOKEN_ENV, connect_store  # noqa: PLC0415
+        from lightning_parcae.runtime.store import connect_store  # noqa: PLC0415
 
         try:
             connect_store(url, token=os.environ.get(JOB_TOKEN_ENV), timeout_s=10.0, op_timeout_s=10.0)

@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_parcae.contract import RUN_DIR_ENV, RESUME_ENV, STORE_ENV, PIPELINE_ENV, INTERVAL_ENV
 from lightning_parcae.errors import ConfigurationError
 
 __all__ = [
@@ -40,11 +41,6 @@ __all__ = [
     "ParcaeEnvironmentMixin",
 ]
 
-RUN_DIR_ENV = "PARCAE_RUN_DIR"
-RESUME_ENV = "PARCAE_RESUME_CKPT"
-STORE_ENV = "PARCAE_STORE"
-INTERVAL_ENV = "PARCAE_INTERVAL_S"
-PIPELINE_ENV = "PARCAE_PIPELINE_STAGES"
 
 
 def under_launcher() -> bool:

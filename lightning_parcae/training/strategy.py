@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
+from lightning_parcae.contract import RUN_DIR_ENV, GENERATION_BASE_ENV, ELASTIC_ENV
 from lightning_parcae.errors import ConfigurationError, ForeignTrainerError, ModelLayoutError
 from lightning_parcae.runtime.checkpoint import (
     atomic_save,
@@ -274,7 +275,7 @@ class ParcaeStrategyMixin:
         self._resume_data: Optional[dict[str, Any]] = None
         # live reconfiguration
         if elastic is None:
-            elastic = os.environ.get("PARCAE_ELASTIC", "0") not in ("", "0", "false")
+            elastic = os.environ.get(ELASTIC_ENV, "0") not in ("", "0", "false")
         self.elastic = bool(elastic)
         self.elastic_options: dict[str, Any] = dict(
             interval_s=interval_s, interval_steps=interval_steps, look_ahead=look_ahead, predictor=predictor,
@@ -453,7 +454,7 @@ class ParcaeStrategyMixin:
             self._post_fit_stages += 1
             generation = self._fit_generation + self._post_fit_stages
         else:
-            generation = int(os.environ.get("PARCAE_GENERATION_BASE", "0")) + _next_generation()
+            generation = int(os.environ.get(GENERATION_BASE_ENV, "0")) + _next_generation()
         self.groups = ProcessGroups(generation, self.global_rank, world, world // p, p, self._store, backend,
                                     self._timeout).build()
         if er is not None and not after_fit:
@@ -480,7 +481,6 @@ class ParcaeStrategyMixin:
         """Under ``parcae run``: periodic checkpoints, the agreed stop of the restart fallback and progress/end
         events (:class:`~lightning_parcae.training.callbacks.ParcaeRunCallback`), unless the script added its own."""
         from lightning_parcae.training.callbacks import ParcaeRunCallbackMixin, callback_class  # noqa: PLC0415
-        from lightning_parcae.training.environment import RUN_DIR_ENV  # noqa: PLC0415
 
         if not os.environ.get(RUN_DIR_ENV) or any(isinstance(cb, ParcaeRunCallbackMixin) for cb in trainer.callbacks):
             return
