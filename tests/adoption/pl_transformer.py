@@ -78,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--out", default="final.ckpt")
+    parser.add_argument("--accelerator", default="cpu", help="'gpu' for the GPU check (benchmarks/gpu_check.sh)")
     args = parser.parse_args()
     pl.seed_everything(0)
     train = DataLoader(tokens(4096, 16, 64, 0), batch_size=32, shuffle=True,
@@ -85,7 +86,7 @@ def main() -> None:
     val = DataLoader(tokens(256, 16, 64, 1), batch_size=64)
     trainer = pl.Trainer(
         strategy="parcae",
-        accelerator="cpu",
+        accelerator=args.accelerator,
         max_steps=args.max_steps,
         val_check_interval=100,
         logger=CSVLogger("logs"),

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The prepared check for a lent GPU machine (one CUDA device), run from the repository root:
+#   bash benchmarks/gpu_check.sh OUT_DIR
+# 1. benchmarks/gpu_check.py: ParcaeStrategy vs Lightning's single-device strategy on cuda:0 (parameters, samples/s)
+#    and a mid-training checkpoint resumed in a fresh process.
+# 2. `parcae run --instances 1` of an unmodified Lightning script (strategy="parcae") with accelerator="gpu".
+# 3. `parcae run --instances 2` on one GPU: must stop at once with the error that names the fix.
+set -u
+out=${1:-/tmp/gpu_check}
+mkdir -p "$out"
+repo=$(pwd)
+export PYTHONPATH=$repo PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c "import torch, pytorch_lightning as pl; print('torch', torch.__version__, 'pl', pl.__version__, 'cuda', torch.cuda.is_available())"
+echo "== 1. gpu_check.py"
+timeout 300 python3 benchmarks/gpu_check.py --out "$out/gpu_check.json" 2>&1 | tail -25
+for n in 1 2; do
+  echo "== $((n + 1)). parcae run --instances $n, accelerator=gpu"
+  d=/tmp/gpu_run$n; rm -rf $d; mkdir -p $d; cd $d
+  timeout 240 python3 -m lightning_parcae.launch.run --instances $n --run-dir $d/run --progress-every 20 -- \
+    python3 "$repo/tests/adoption/pl_transformer.py" --max-steps 60 --accelerator gpu > $d/launcher.log 2>&1
+  echo "rc=$?"; tail -6 $d/launcher.log
+  for f in $d/run/logs/*.log; do echo "--- $f"; grep -v "^\s*$" "$f" | tail -8; done
+  cp $d/launcher.log "$out/launcher_$n.log"
+  cd "$repo"
+done
