@@ -87,7 +87,7 @@ def _worker(cfg: dict[str, Any]) -> None:
     torch.save(params, cfg["params"])
     rate = cfg["batch"] * (cfg["stop"] - cfg["warmup"]) / max(timer.t1 - timer.t0, 1e-9) if timer.t0 else None
     with open(cfg["out"], "w") as f:
-        json.dump({"samples_per_s": rate, "device": str(next(trainer.lightning_module.parameters()).device),
+        json.dump({"samples_per_s": rate, "device": str(trainer.strategy.root_device),
                    "strategy": type(trainer.strategy).__name__}, f)
 
 

@@ -120,3 +120,13 @@ def test_groups_fail_a_stalled_collective_and_rendezvous_within_the_watchdog_bou
     assert r["raised"], r
     assert 1.5 <= r["waited_s"] < 15.0, r
     assert r["init_raised"] and r["init_waited_s"] < 15.0, r
+
+
+def test_groups_on_cuda_give_cpu_tensors_gloo_and_cuda_tensors_nccl() -> None:
+    """Regression (first run on a GPU, H200): groups built with plain "nccl" refused the runtime's CPU tensors, so
+    every step's agreement failed with "No backend type associated with device type cpu" and became a recovery
+    (60 in-place "migrations" in 60 steps). On CUDA each device type now gets its own backend."""
+    from lightning_parcae.runtime.groups import device_backends
+
+    assert device_backends("nccl") == "cpu:gloo,cuda:nccl"
+    assert device_backends("gloo") == "gloo"

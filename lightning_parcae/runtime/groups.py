@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_parcae.errors import ConfigurationError
 
-__all__ = ["Coords", "ProcessGroups", "coords_of", "rank_of"]
+__all__ = ["Coords", "ProcessGroups", "coords_of", "device_backends", "rank_of"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,17 @@ def coords_of(rank: int, pipeline_stages: int) -> Coords:
 def rank_of(replica: int, stage: int, pipeline_stages: int) -> int:
     """Map (replica, stage) to a global rank (inverse of :func:`coords_of`)."""
     return replica * pipeline_stages + stage
+
+
+def device_backends(backend: str) -> str:
+    """The backend string a generation's groups are built with: ``"nccl"`` becomes ``"cpu:gloo,cuda:nccl"``.
+
+    The runtime's own traffic -- the step agreement, commit votes, layer payloads in a migration -- is small CPU
+    tensors; the training traffic (gradients, activations) is on the GPU. A pure NCCL group refuses CPU tensors
+    ("No backend type associated with device type cpu"): on the first GPU run every step's agreement failed and
+    became a recovery. Each device type gets its backend instead.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 class ProcessGroups:
@@ -154,7 +165,7 @@ class ProcessGroups:
             )
         prefixed = dist.PrefixStore(f"gen/{self.generation}/", self.store)
         dist.init_process_group(
-            backend=self.backend, store=prefixed, rank=self.rank, world_size=self.world, timeout=self.timeout
+            backend=device_backends(self.backend), store=prefixed, rank=self.rank, world_size=self.world, timeout=self.timeout
         )
         # new_group is collective over the world: every rank creates every group in the same order.
         self._pipeline_groups = [dist.new_group(self.pipeline_ranks(r), timeout=self.timeout)
@@ -174,7 +185,7 @@ class ProcessGroups:
         """
         from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
 
-        if not self._built or self.backend != "gloo":
+        if not self._built or "gloo" not in device_backends(self.backend):
             return
         self.timeout = timeout
         for group in (None, self.pipeline_group, self.data_group):
