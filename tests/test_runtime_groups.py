@@ -101,8 +101,12 @@ def _stall_worker(rank: int, port: int, out: str) -> None:
         result["init_waited_s"] = time.monotonic() - t0
         torch.save(result, f"{out}/stall.pt")
         store.set("done", "1")
+        # rank 0 hosts the store: exiting before rank 1 has read "done" closed its connection mid-wait
+        # ("Failed to recv, got 0 bytes") -- a flake of this test under load, not of the watchdog
+        store.wait(["ack"], timedelta(seconds=60))
     else:
         store.wait(["done"], timedelta(seconds=60))
+        store.set("ack", "1")
     os._exit(0)  # the abandoned groups' threads are stuck on purpose
 
 

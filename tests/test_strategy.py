@@ -126,7 +126,7 @@ def test_strategy_trains_whole_model_at_p1_if_module_has_no_layer_stack() -> Non
     s = ParcaeStrategy(pipeline_stages=1)
     _partition_only(s, NoStack())
     assert s.whole_model and s.layer_names == ["a", "b"] and s.max_pipeline_stages == 1
-    assert s._stage_key_set() == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    assert s.stage_key_set() == {"a.weight", "a.bias", "b.weight", "b.bias"}
     assert s.is_stage_key("a.weight") and not s.is_stage_key("act.x")
 
 
