@@ -17,7 +17,7 @@ Protocol (see ``docs/elastic.md`` for the user-facing version and :mod:`.lifecyc
   all-reduce: the leader's proposed next generation (0 if none) and one notice flag per rank. Every rank gets the
   same answer, so all switch at the same step -- decisions never depend on when a rank happened to read the store.
 * **Interval decisions.** The leader (rank 0 of the generation; after a failure, the first survivor) runs the
-  predictor and the liveput optimizer every ``interval_s`` seconds (or ``interval_steps`` steps), and at once when
+  predictor and the liveput optimizer -- the simulator's own decision, :func:`~lightning_parcae.planning.policy.decide_with_forecast` -- every ``interval_s`` seconds (or ``interval_steps`` steps), and at once when
   a notice is agreed. It publishes the next generation when the plan changes the shape, uses new standbys, or
   drops a member under notice.
 * **Two-phase step.** A step's update is applied only after all members counted themselves in under
@@ -69,6 +69,7 @@ from lightning_parcae.planning.measured import MeasuredThroughput, PipelineThrou
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
 from lightning_parcae.planning.forecast import make_predictor
+from lightning_parcae.planning.policy import decide_with_forecast
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import Lifecycle, Phase
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
@@ -580,12 +581,19 @@ class ElasticRuntime:
         # prices change as steps are measured: drop the optimizer's per-count cache of candidate throughputs
         self._optimizer._targets_cache.clear()
         try:
-            first = (n_now, max(0, n_next - n_now), max(0, n_now - n_next))
-            rest = pred.forecast(max(1, self.look_ahead - 1)).intervals(n_next)
-            plan = self._optimizer.plan(n_now, cur, [first, *rest][: self.look_ahead])
-            shape = plan.next_shape
-            self.stats["predicted_N"] = [int(c) for c in plan.counts[:2]]
-            self.stats["liveput"] = float(plan.expected_samples)
+            # the simulator's parcae policy, literally: the interval about to run is known (notices are in, losses
+            # seen, standbys counted); only the intervals after it are forecast, as quantile scenarios
+            now = (n_now, max(0, n_next - n_now), max(0, n_now - n_next))
+            decision, scenarios, weights = decide_with_forecast(self._optimizer, pred, cur, now)
+            shape = decision.next_shape
+            median = scenarios[len(scenarios) // 2] if scenarios else []
+            self.stats["predicted_N"] = [int(n_next)] + [int(iv[0] + iv[1] - iv[2]) for iv in median[:1]]
+            self.stats["decision"] = {"reactive": list(decision.reactive), "departs": decision.departs,
+                                      "expected_gain": float(decision.expected_gain),
+                                      "gain_std": float(decision.gain_std), "scenarios": len(scenarios)}
+            if shape != PAUSED:
+                plan = self._optimizer.plan(n_now, cur, [now, *median][: self.look_ahead], first=shape)
+                self.stats["liveput"] = float(plan.expected_samples)
         except Exception as exc:  # noqa: BLE001 -- planning must never stop training: keep a fitting shape
             log.warning("liveput planning failed (%s); taking the fastest shape that fits", exc)
             shape = PAUSED
