@@ -21,6 +21,7 @@ from lightning_parcae.planning.migration_plan import MigrationPlan
 from lightning_parcae.runtime.lifecycle import Phase, exit_now
 from lightning_parcae.runtime.liveness import activate
 from lightning_parcae.runtime.migration import exchange
+from lightning_parcae.runtime.switching import forget_eval_loaders
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
@@ -109,6 +110,11 @@ class Admission:
                    transfer_s=round(float(self.rt.stats.get("join_transfer_s", 0.0)), 4))
         self.rt._last_interval_t = time.monotonic()
         self.rt._last_interval_step = int(trainer.global_step)
+        # Regression (held-out chaos seeds 1001, 1004, 1005: every failing trial validated, no passing one did):
+        # the members rebuild their validation loader after a switch (Lightning's loader request ends in a
+        # barrier), while a joiner kept the one it built alone at start-up and went straight to the metric
+        # reductions -- mismatched collectives, a 15 s stall until the watchdog. A joiner now rebuilds too.
+        forget_eval_loaders(trainer)
 
     def joiner_checkpoint(self) -> dict[str, Any]:
         """The checkpoint dict a joiner restores from: loop state from the leader + its received layers."""

@@ -25,13 +25,13 @@ from lightning_parcae.runtime.migration import exchange, layer_payload
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-__all__ = ["Switch"]
+__all__ = ["Switch", "forget_eval_loaders"]
 
 _exit = exit_now
 _exit_without_destructors_at_shutdown = exit_without_destructors_at_shutdown
 
 
-def _forget_eval_loaders(trainer: "pl.Trainer") -> None:
+def forget_eval_loaders(trainer: "pl.Trainer") -> None:
     """Make Lightning rebuild the validation loader (and its distributed sampler) at the next validation.
 
     Regression: the loader was built once, sharded for the D of the first validation; after a change of D the
@@ -121,7 +121,7 @@ class Switch:
             s.apply_layout(trainer, new, int(rec["generation"]), received, self.rt.group_of)
         except RuntimeError as exc:
             self._rendezvous_failed(trainer, rec, exc)
-        _forget_eval_loaders(trainer)
+        forget_eval_loaders(trainer)
         self.rt._enter(rec)
         self.rt.live.set_generation(self.rt.generation, self.rt._watch())
         if self.rt.is_leader:
