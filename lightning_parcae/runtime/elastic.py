@@ -369,7 +369,10 @@ class ElasticRuntime:
             self.recover(trainer)
             return
         proposal = 0
-        if self.is_leader and self._interval_due(step):
+        # a joiner restored from this step's state would skip the validation the members run right after it
+        # (Lightning fast-forwards a validation pending at a train-batch-end checkpoint): admit no one here
+        admit = not self.validation_follows(trainer)
+        if self.is_leader and admit and self._interval_due(step):
             self.life.to(Phase.PLANNING, reason="interval")
             rec = self.chooser.decide(trainer, reason="interval", leaving=())
             proposal = int(rec["generation"]) if rec else 0
@@ -390,7 +393,8 @@ class ElasticRuntime:
             if self.life.phase == Phase.TRAINING:
                 self.life.to(Phase.PLANNING, reason="notice", noticed=noticed)
             if self.is_leader:
-                rec = self.chooser.decide(trainer, reason=f"preemption notice for {', '.join(noticed)}", leaving=noticed)
+                rec = self.chooser.decide(trainer, reason=f"preemption notice for {', '.join(noticed)}", leaving=noticed,
+                                          admit=admit)
                 if rec is None:
                     raise ConfigurationError("internal: a notice produced no new generation")
             gen = self.generation + 1
@@ -406,6 +410,24 @@ class ElasticRuntime:
         rec = self.coord.generation(gen)
         assert rec is not None
         self.switching.switch(trainer, rec)
+
+    @staticmethod
+    def validation_follows(trainer: "pl.Trainer") -> bool:
+        """Whether Lightning runs a validation right after the step that just ended.
+
+        Regression (held-out chaos seed 1102): a standby admitted at step 21, a validation step, restored the loop
+        state of the end of that step -- where Lightning treats the pending validation as done -- and went on
+        training while the members validated: mismatched collectives, a 15 s stall until the watchdog. Planned
+        admissions wait one step when this is true.
+        """
+        loop = getattr(trainer.fit_loop, "epoch_loop", None)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if loop is None:
+            return False
+        try:
+            return bool(loop._should_check_val_fx(fetcher))
+        except Exception:  # noqa: BLE001 -- Lightning internals: when in doubt, do not hold admissions back
+            return False
 
     def _interval_due(self, step: int) -> bool:
         now = time.monotonic()

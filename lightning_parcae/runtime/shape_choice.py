@@ -282,12 +282,17 @@ class ShapeChooser:
         memory = self.rt._layer_bytes()
         return balance_stages(times, p, memory, s.max_stage_memory_bytes)
 
-    def decide(self, trainer: "pl.Trainer", reason: str, leaving: Iterable[str]) -> Optional[dict[str, Any]]:
-        """Leader: choose the next generation and publish it (None: keep the current one)."""
+    def decide(self, trainer: "pl.Trainer", reason: str, leaving: Iterable[str],
+               admit: bool = True) -> Optional[dict[str, Any]]:
+        """Leader: choose the next generation and publish it (None: keep the current one).
+
+        ``admit=False`` leaves standbys out (a validation runs right after this step: see
+        :meth:`~lightning_parcae.runtime.elastic.ElasticRuntime.validation_follows`).
+        """
         assert self.rt.layout is not None and self.rt.coord is not None
         leaving = list(leaving)
         old = self.rt.layout
-        standbys = self._fresh_standbys()
+        standbys = self._fresh_standbys() if admit else []
         staying = [m for m in old.members if m not in leaving]
         avail = staying + standbys
         cur = (old.data_parallel, old.pipeline_stages)
