@@ -248,6 +248,9 @@ class Liveness:
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
                 log.warning("heartbeat of %s: %s", self.member, exc)
 
+
+
+class _Box:
     def __init__(self, work: Any) -> None:
         self.work = work
         self.done = threading.Event()
