@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
-from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.contract import RELEASED_EXIT
+from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.planning.migration_plan import MigrationPlan
 from lightning_parcae.runtime.lifecycle import Phase, exit_now
 from lightning_parcae.runtime.liveness import activate
@@ -88,10 +89,21 @@ class Admission:
         assert self.rt.live is not None
         self.rt.live.set_generation(int(rec["generation"]), [m for m in transition if m != self.rt.member])
         activate(self.rt.live)
-        self.rt.switching.init_transition(rec)
         srcs = {transition.index(t.src) for t in plan.receives(self.rt.member)}
         srcs.add(transition.index(rec["loop_from"]))
-        self.rt.join_inbox = exchange({}, sorted(srcs), "joining state transfer")
+        try:
+            self.rt.switching.init_transition(rec)
+            self.rt.join_inbox = exchange({}, sorted(srcs), "joining state transfer")
+        except (RuntimeError, PeerLostError) as exc:
+            # Regression (chaos seeds 18, 24): members were lost while a planned generation that admitted this
+            # standby was being entered; its transition world never formed, the members fell back to the
+            # checkpoint -- and this standby died with the rendezvous error (exit 1), which failed the whole job.
+            # A standby has nothing to hand over: it leaves as "released" and the launcher starts a fresh one.
+            reason = f"could not join generation {rec['generation']}: {str(exc).splitlines()[0][:160]}"
+            log.warning("%s: %s", self.rt.member, reason)
+            self.rt.event("join_failed", reason=reason)
+            self.rt.life.to(Phase.FENCED, reason="join failed")
+            _exit(RELEASED_EXIT)
         dist.destroy_process_group()
         self.rt._enter(rec)
         pg = self.rt.coord.get("parcae/pgroups", timeout_s=None) if self.rt.coord else None
