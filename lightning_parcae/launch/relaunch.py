@@ -124,7 +124,7 @@ class Relaunch:
             self.rt._signal(self.rt.workers[rank], signal.SIGTERM)
         self.rt.event("notice", generation=self.rt.generation, old_N=old_n, new_N=target, preempted=removed,
                    grace_s=self.rt.cfg.wall_grace_s,
-                   note="restart fallback: the whole group stops and relaunches (in-place migration is issue 4)")
+                   note="restart fallback: the whole group stops and relaunches; --elastic changes it in place")
         for w in self.rt.workers:
             if w.rank not in removed:
                 self.rt._signal(w, signal.SIGTERM)
