@@ -34,13 +34,18 @@ from train_tiny import TinyClassifier, synthetic  # noqa: E402
 
 
 class _Delay(pl.Callback):
-    """Sleeps after every step, so that a demo on a fast machine lasts long enough to see the trace replay."""
+    """Sleeps after every step, so that a demo on a fast machine lasts long enough to see the trace replay.
+
+    The sleep stands in for compute, so it shrinks as the global batch is spread over more pipelines: ``seconds / D``.
+    (A fixed sleep made every shape equally fast; the runtime, which prices shapes by their measured step times,
+    then rightly saw no reason to admit a new instance, and the demo never grew.)
+    """
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def on_train_batch_end(self, *args: object) -> None:
-        time.sleep(self.seconds)
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        time.sleep(self.seconds / max(1, int(getattr(trainer.strategy, "data_parallel", 1) or 1)))
 
 
 def main() -> None:
@@ -52,7 +57,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--ckpt-every", type=int, default=50, help="periodic checkpoint every N steps")
-    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (slows the demo down)")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step at D = 1, divided by D (stands in for compute; slows the demo down)")
     parser.add_argument("--interval-s", type=float, default=float(os.environ.get("PARCAE_INTERVAL_S", "60")),
                         help="live reconfiguration: planning interval in seconds (default $PARCAE_INTERVAL_S, or 60)")
     parser.add_argument("--crash", action="store_true", help="fail at start (used by the tests)")
