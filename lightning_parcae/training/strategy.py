@@ -44,15 +44,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_parcae.contract import RUN_DIR_ENV, GENERATION_BASE_ENV, ELASTIC_ENV
 from lightning_parcae.errors import ConfigurationError, ForeignTrainerError, ModelLayoutError
-from lightning_parcae.runtime.checkpoint import (
-    atomic_save,
-    gather_objects,
-    layer_state,
-    load_named_optimizer_state,
-    merge_named_optimizer_states,
-    named_optimizer_state,
-    plain_containers,
-)
 from lightning_parcae.runtime.data import GlobalBatchSampler, global_batch_size, reshard_dataloader
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.runtime.liveness import guarded
@@ -77,6 +68,7 @@ from lightning_parcae.runtime.pipeline import (
 )
 from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule, swapped
 from lightning_parcae.training import environment as launcher_env
+from lightning_parcae.training.checkpointing import StrategyCheckpoints
 from lightning_parcae.training.namespaces import IMPORT_HINT, namespace, namespace_of
 
 if TYPE_CHECKING:
@@ -87,9 +79,6 @@ __all__ = ["ParcaeStrategy", "ParcaeStrategyMixin", "strategy_class", "check_tra
 _FIT, _TRAINING, _PREDICTING = "fit", "train", "predict"  # TrainerFn / RunningStage values (both namespaces)
 
 log = logging.getLogger(__name__)
-
-_CKPT_KEY = "parcae"
-_CKPT_VERSION = 1
 
 
 def check_trainer(trainer: Any, ns_name: str = "pytorch_lightning") -> None:
@@ -284,12 +273,11 @@ class ParcaeStrategyMixin:
         self.max_pipeline_stages = max_pipeline_stages
         self.elastic_runtime: Optional[Any] = None
         self._full_stack: Optional[nn.Sequential] = None
-        self._local_dump = False
         self._step_batch: Optional[tuple[int, int, list[int]]] = None  # (D, replica, global batch) of this step
         self._rerun_step = False
         self.last_step_indices: list[int] = []
         self._train_loader: Optional[Any] = None
-        self._bg_writer: Optional[Any] = None
+        self.checkpoints = StrategyCheckpoints(self)
         self._no_cut_reason: Optional[str] = None
         self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
         self._post_fit_stages = 0
@@ -787,11 +775,11 @@ class ParcaeStrategyMixin:
     @contextmanager
     def local_state_dump(self) -> Iterator[None]:
         """Within it, ``lightning_module_state_dict`` returns this process's own state (no gather)."""
-        self._local_dump = True
+        self.checkpoints.local_dump = True
         try:
             yield
         finally:
-            self._local_dump = False
+            self.checkpoints.local_dump = False
 
     def is_stage_key(self, key: str) -> bool:
         """Whether a state-dict / optimizer-state key belongs to a layer of the stack (not a replicated part)."""
@@ -1342,150 +1330,38 @@ class ParcaeStrategyMixin:
         return box[0]
 
     # ============================================================================================ checkpoints
-    def _replica0_gather(self, obj: Any) -> Optional[list[Any]]:
-        """Gather ``obj`` from the stages of replica 0 to global rank 0 (other replicas skip)."""
-        g = self.groups
-        assert g is not None
-        if g.coords.replica != 0:
-            return None
-        return gather_objects(obj, 0, g.pipeline_group_of(0))
-
+    # Lightning calls these on the strategy; the work is in :class:`~lightning_parcae.training.checkpointing.StrategyCheckpoints`.
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full state dict with global keys (complete on rank 0)."""
-        module = self.lightning_module
-        assert module is not None
-        local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        if self._local_dump:
-            return local
-        parts = self._replica0_gather(local)
-        if parts is None or self.global_rank != 0:
-            return local
-        full: dict[str, Any] = {}
-        for part in parts:
-            full.update(part)
-        return full
+        return self.checkpoints.module_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name, merged over the stages (complete on rank 0)."""
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        assert self.lightning_module is not None
-        local = named_optimizer_state(inner, self.lightning_module)
-        if self._local_dump:
-            return local
-        parts = self._replica0_gather(local)
-        if parts is None or self.global_rank != 0:
-            return local
-        return merge_named_optimizer_states(parts)
+        return self.checkpoints.optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write the gathered checkpoint from rank 0, atomically (temp file + ``os.replace``)."""
-        checkpoint[_CKPT_KEY] = {
-            "version": _CKPT_VERSION,
-            "data": self.data_state(),
-            "layout": {
-                "data_parallel": self.data_parallel,
-                "pipeline_stages": self.pipeline_stages,
-                "partition": list(self.partition),
-                "layer_names": list(self.layer_names),
-                "stack_path": self.stack_path or "",
-                "micro_batches": self.micro_batches,
-            },
-        }
-        if self.is_global_zero:
-            checkpoint = plain_containers(checkpoint)
-            if storage_options is not None or "://" in str(filepath):
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            elif self.elastic_runtime is not None:
-                self._save_in_background(checkpoint, str(filepath))
-            else:
-                atomic_save(checkpoint, filepath)
-
-    def _save_in_background(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Write a (gathered, copied) checkpoint from a thread so training does not wait for the disk.
-
-        One write at a time: a new save first waits for the previous one, so ``last.ckpt`` is never older than the
-        newest finished write and never torn (the write itself is atomic).
-        """
-        import threading  # noqa: PLC0415
-
-        from lightning_parcae.runtime.checkpoint import _to_cpu  # noqa: PLC0415
-
-        snapshot = _to_cpu(checkpoint)  # copies: the optimizer keeps updating the live tensors
-        if self._bg_writer is not None:
-            self._bg_writer.join()
-        self._bg_writer = threading.Thread(target=atomic_save, args=(snapshot, path), name="parcae-ckpt",
-                                           daemon=False)
-        self._bg_writer.start()
+        self.checkpoints.save(checkpoint, filepath, storage_options)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background checkpoint write has finished."""
-        if self._bg_writer is not None:
-            self._bg_writer.join()
-            self._bg_writer = None
+        self.checkpoints.wait()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read a checkpoint (always ``weights_only=True``) and remember its sample cursor.
-
-        A joiner's checkpoint is not a file: it is the state it received from live peers.
-        """
-        from lightning_parcae.runtime.elastic import LIVE_CHECKPOINT  # noqa: PLC0415
-
-        if checkpoint_path == LIVE_CHECKPOINT and self.elastic_runtime is not None:
-            checkpoint = self.elastic_runtime.joiner_checkpoint()
-        else:
-            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-        parcae = checkpoint.get(_CKPT_KEY)
-        if isinstance(parcae, Mapping) and "data" in parcae:
-            self._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"]),
-                                 "rng": parcae["data"].get("rng"), "rng_now": parcae["data"].get("rng_now")}
-            saved_b = int(parcae["data"].get("global_batch", 0))
-            if saved_b and self._global_batch and saved_b != self._global_batch:
-                warnings.warn(f"checkpoint global batch {saved_b} differs from {self._global_batch}", stacklevel=2)
-        return checkpoint
+        """Read a checkpoint (always ``weights_only=True``) and remember its sample cursor."""
+        return self.checkpoints.load(checkpoint_path)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the keys this process holds from a full (any-layout) state dict."""
-        module = self.lightning_module
-        assert module is not None
-        own = set(module.state_dict().keys())
-        full = checkpoint["state_dict"]
-        missing = sorted(own - set(full.keys()))
-        if strict and missing:
-            raise ConfigurationError(f"checkpoint lacks {len(missing)} keys of this model, e.g. {missing[:3]}")
-        module.load_state_dict({k: v for k, v in full.items() if k in own}, strict=False)
+        self.checkpoints.load_model_state_dict(checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load name-keyed optimizer state (positional state only when it came from the same single stage)."""
-        module = self.lightning_module
-        assert module is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            inner = getattr(optimizer, "_optimizer", optimizer)
-            keys = list(state.get("state", {}).keys())
-            if keys and not isinstance(keys[0], str):
-                if self.pipeline_stages != 1:
-                    raise ConfigurationError(
-                        "this checkpoint's optimizer state is keyed by position (not written by ParcaeStrategy); it "
-                        "can only be resumed with pipeline_stages=1"
-                    )
-                inner.load_state_dict(state)
-            else:
-                load_named_optimizer_state(inner, module, state)
-            from lightning_fabric.utilities.optimizer import _optimizer_to_device  # noqa: PLC0415
-
-            _optimizer_to_device(inner, self.root_device)
+        self.checkpoints.load_optimizer_state_dict(checkpoint)
 
     def layer_state(self, index: int) -> dict[str, Tensor]:
-        """All tensors of global layer ``index`` held here: parameters, buffers and optimizer state, by name.
-
-        Raises:
-            ConfigurationError: if this process does not hold that layer.
-        """
-        assert self.groups is not None and self.lightning_module is not None
-        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
-        if not a <= index < b:
-            raise ConfigurationError(f"layer {index} is not on this process (it holds layers {a}..{b - 1})")
-        opts = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return layer_state(self.lightning_module, self.layer_key(self.layer_names[index]), opts)
+        """All tensors of global layer ``index`` held here (see :meth:`StrategyCheckpoints.layer_state`)."""
+        return self.checkpoints.layer_state(index)
 
     # ============================================================================================ teardown
     def teardown(self) -> None:
