@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -44,20 +43,18 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_parcae.contract import RUN_DIR_ENV, GENERATION_BASE_ENV, ELASTIC_ENV
 from lightning_parcae.errors import ConfigurationError, ForeignTrainerError, ModelLayoutError
-from lightning_parcae.runtime.data import GlobalBatchSampler, global_batch_size, reshard_dataloader
+from lightning_parcae.runtime.data import GlobalBatchSampler, reshard_dataloader
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.runtime.liveness import guarded
 from lightning_parcae.runtime.partition import (
     balance_stages,
     choose_pipeline_stages,
     layer_memory_bytes,
-    profile_layer_times,
     stage_bounds,
 )
 from lightning_parcae.runtime.pipeline import (
     P2P,
     BlockListProxy,
-    hidden_of,
     StageBoundary,
     StageProxy,
     chunk_batch,
@@ -69,6 +66,8 @@ from lightning_parcae.runtime.pipeline import (
 from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule, swapped
 from lightning_parcae.training import environment as launcher_env
 from lightning_parcae.training.checkpointing import StrategyCheckpoints
+from lightning_parcae.training.log_replay import LogRecorder
+from lightning_parcae.training.profiling import LayerProfiler
 from lightning_parcae.training.namespaces import IMPORT_HINT, namespace, namespace_of
 
 if TYPE_CHECKING:
@@ -94,46 +93,6 @@ def check_trainer(trainer: Any, ns_name: str = "pytorch_lightning") -> None:
             f"this ParcaeStrategy was built for {ns_name}, but got a {type(trainer).__name__} from "
             f"{type(trainer).__module__!r}. With that Trainer use {hint}"
         )
-
-
-class _LogRecorder:
-    """Collects ``self.log`` calls of the M micro-steps and replays one merged call per name."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.calls: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
-
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise ConfigurationError("pass self.log options by keyword under ParcaeStrategy")
-        self.calls.setdefault(name, []).append((value, kwargs))
-
-    @contextmanager
-    def active(self) -> Generator[None, None, None]:
-        self.module.log = self  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del self.module.log
-
-    def replay(self) -> None:
-        for name, calls in self.calls.items():
-            value, kwargs = calls[-1]
-            if isinstance(value, (Tensor, int, float)) and not isinstance(value, bool):
-                values = torch.stack([torch.as_tensor(v, dtype=torch.float32).detach().float().reshape(())
-                                      if not isinstance(v, Tensor) else v.detach().float().reshape(())
-                                      for v, _ in calls])
-                fx = kwargs.get("reduce_fx", "mean")
-                fx_name = fx if isinstance(fx, str) else getattr(fx, "__name__", "mean")
-                merged = {"sum": values.sum, "max": values.max, "min": values.min}.get(fx_name, values.mean)()
-                if isinstance(value, Tensor):
-                    merged = merged.to(value.device)
-                value = merged
-                sizes = [kw.get("batch_size") for _, kw in calls]
-                if all(s is not None for s in sizes):
-                    kwargs = {**kwargs, "batch_size": int(sum(sizes))}  # type: ignore[arg-type]
-            type(self.module).log(self.module, name, value, **kwargs)
-        self.calls.clear()
 
 
 class ParcaeStrategyMixin:
@@ -278,6 +237,7 @@ class ParcaeStrategyMixin:
         self.last_step_indices: list[int] = []
         self._train_loader: Optional[Any] = None
         self.checkpoints = StrategyCheckpoints(self)
+        self.profiler = LayerProfiler(self)
         self._no_cut_reason: Optional[str] = None
         self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
         self._post_fit_stages = 0
@@ -690,7 +650,7 @@ class ParcaeStrategyMixin:
             return
         stack = self._stack()
         if is_block_list(stack):
-            verdict = self._check_block_list(trainer)
+            verdict = self.profiler.check_block_list(trainer)
             if verdict is not None:
                 if self.layers_attr is not None or (self.pipeline_stages_option or 1) > 1 or self.balance is not None:
                     raise ModelLayoutError(f"cannot cut '{self.stack_path}' into pipeline stages: {verdict}")
@@ -720,7 +680,7 @@ class ParcaeStrategyMixin:
             if self.max_stage_memory_bytes is not None:
                 _check_sizes_memory(sizes, memory, self.max_stage_memory_bytes)
         else:
-            times = self._profile(trainer, stack)
+            times = self.profiler.profile(trainer, stack)
             if p_opt is None:
                 p_opt = choose_pipeline_stages(times, world, self.micro_batches, memory, self.max_stage_memory_bytes)
                 log.info("ParcaeStrategy chose pipeline_stages=%d from the profile %s", p_opt, times)
@@ -801,164 +761,6 @@ class ParcaeStrategyMixin:
         replace_submodule(self.lightning_module, self.stack_path, self._stage)
         self._proxy = BlockListProxy(self._stage) if is_block_list(self._stage) else StageProxy(self._stage)
         self._p2p = P2P(self.root_device, self.groups.pipeline_group)
-
-    _BLOCK_VERDICTS = {
-        1: "no sample input to check how forward uses the blocks (give the module an example_input_array or "
-           "training data)",
-        2: "forward did not loop over the block list exactly once, in order (`for block in self.blocks: x = "
-           "block(x, ...)`); indexing it or calling blocks out of order cannot be cut",
-        3: "a block's first argument is not the previous block's output (or its first element): code between the "
-           "blocks (e.g. `x = x + block(x)`) cannot be cut; move it into the block",
-        4: "running the step with the block list under inspection failed",
-    }
-
-    def _check_block_list(self, trainer: Any) -> Optional[str]:
-        """Check on rank 0, with one sample, that ``forward`` loops the block list as a chain (block ``i + 1`` gets
-        block ``i``'s hidden state first), and keep the first block's input for profiling; every rank gets the
-        verdict (None: the list can be cut)."""
-        code = 0
-        if self.global_rank == 0:
-            code, self._block_sample = self._probe_blocks(trainer)
-        if self.groups is not None and self.groups.world > 1:
-            t = torch.tensor([code], dtype=torch.int64)
-            dist.broadcast(t, src=0)
-            code = int(t.item())
-        return self._BLOCK_VERDICTS.get(code) if code else None
-
-    def _probe_blocks(self, trainer: Any) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
-        module = self.lightning_module
-        assert module is not None and self.stack_path is not None
-        stack = self._stack()
-        blocks = list(stack._modules.values())
-        calls: list[tuple[int, Any, Any, tuple, dict]] = []
-
-        class _Trace(nn.Module):
-            def __init__(self, i: int, block: nn.Module) -> None:
-                super().__init__()
-                object.__setattr__(self, "_i", i)
-                object.__setattr__(self, "_b", block)
-
-            def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-                out = self._b(x, *args, **kwargs)  # type: ignore[operator]
-                calls.append((self._i, x, hidden_of(out), args, kwargs))  # type: ignore[attr-defined]
-                return out
-
-        class _TraceList(nn.Module):
-            def __iter__(self) -> Any:
-                return iter([_Trace(i, b) for i, b in enumerate(blocks)])
-
-            def __len__(self) -> int:
-                return len(blocks)
-
-            def __getitem__(self, idx: Any) -> Any:
-                raise IndexError("indexed")
-
-        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.stack_path, _TraceList()), \
-                _LogRecorder(module).active():
-            try:
-                example = getattr(module, "example_input_array", None)
-                if example is not None:
-                    example = self.batch_to_device(example)
-                    if isinstance(example, (tuple, list)):
-                        module(*example)
-                    elif isinstance(example, dict):
-                        module(**example)
-                    else:
-                        module(example)
-                else:
-                    batch = self._sample_batch(trainer)
-                    if batch is None:
-                        return 1, None
-                    module.training_step(self.batch_to_device(batch), 0)
-            except IndexError:
-                return 2, None
-            except Exception as err:  # noqa: BLE001
-                log.warning("ParcaeStrategy could not run the step to inspect the block list: %s", err)
-                return (2 if calls else 4), None
-        if [c[0] for c in calls] != list(range(len(blocks))):
-            return 2, None
-        for prev, cur in zip(calls, calls[1:]):
-            if cur[1] is not prev[2]:
-                return 3, None
-        first = calls[0]
-        if not isinstance(first[1], Tensor):
-            return 3, None
-        return 0, (first[1].detach(), first[3], first[4])
-
-    def _profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
-        """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
-        assert self.groups is not None
-        times: list[Any] = [None]
-        if self.global_rank == 0:
-            block_sample = getattr(self, "_block_sample", None) if is_block_list(stack) else None
-            extra: tuple[tuple, dict] = ((), {})
-            if block_sample is not None:
-                sample, extra = block_sample[0], (block_sample[1], block_sample[2])
-            elif is_block_list(stack):
-                sample = None
-            else:
-                sample = self._sample_stack_input(trainer)
-            if sample is None:
-                warnings.warn("ParcaeStrategy found no sample input to profile; balancing by parameter count",
-                              stacklevel=2)
-                times[0] = [float(sum(p.numel() for p in m.parameters()) + 1) for m in stack]
-            else:
-                was_training = stack.training
-                stack.train()
-                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats, args=extra[0],
-                                               kwargs=extra[1])
-                stack.train(was_training)
-        if self.groups.world > 1:
-            # floats only: a tensor broadcast (nothing from the network is unpickled)
-            n = len(self.layer_names)
-            t = torch.tensor(times[0] if times[0] is not None else [0.0] * n, dtype=torch.float64)
-            dist.broadcast(t, src=0)
-            times[0] = t.tolist()
-        return list(times[0])
-
-    def _sample_stack_input(self, trainer: "pl.Trainer") -> Optional[Tensor]:
-        """The layer stack's input for one batch: from ``example_input_array`` or the training data."""
-        module = self.lightning_module
-        assert module is not None and self.stack_path is not None
-        proxy = StageProxy(nn.Identity())
-        proxy.mode = "capture"
-        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.stack_path, proxy), \
-                _LogRecorder(module).active():
-            try:
-                example = getattr(module, "example_input_array", None)
-                if example is not None:
-                    example = self.batch_to_device(example)
-                    if isinstance(example, (tuple, list)):
-                        module(*example)
-                    elif isinstance(example, dict):
-                        module(**example)
-                    else:
-                        module(example)
-                else:
-                    batch = self._sample_batch(trainer)
-                    if batch is None:
-                        return None
-                    module.training_step(self.batch_to_device(batch), 0)
-            except StageBoundary:
-                return proxy.captured if isinstance(proxy.captured, Tensor) else None
-            except Exception as err:  # the profile is an optimization: never fail the run for it
-                log.warning("ParcaeStrategy could not capture a sample input: %s", err)
-                return None
-        raise ModelLayoutError(
-            f"the module's step returned without calling '{self.stack_path}'; forward must run the layer stack"
-        )
-
-    def _sample_batch(self, trainer: "pl.Trainer") -> Any:
-        source = getattr(trainer.fit_loop, "_data_source", None)
-        if source is None or trainer.state.fn != _FIT:
-            return None
-        try:
-            loader = source.dataloader()
-            b = global_batch_size(loader)
-            return loader.collate_fn([loader.dataset[i] for i in range(min(b, len(loader.dataset)))])
-        except Exception as err:
-            log.warning("ParcaeStrategy could not read a sample batch: %s", err)
-            return None
 
     def _sync_replicas(self) -> None:
         """Make replica 0's stage (and rank 0's replicated parameters) authoritative on every rank."""
@@ -1097,7 +899,7 @@ class ParcaeStrategyMixin:
             p.grad = None
         results: list[Any] = []
         outputs: list[Tensor] = []
-        recorder = _LogRecorder(module)
+        recorder = LogRecorder(module)
 
         def tail(mb: Any, act: Optional[Tensor]) -> Tensor:
             result = self._call_step("training_step", "full" if act is None else "tail", mb, rest, kwargs, act)
