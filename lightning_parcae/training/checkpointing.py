@@ -144,8 +144,8 @@ class StrategyCheckpoints:
             checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
         parcae = checkpoint.get(CKPT_KEY)
         if isinstance(parcae, Mapping) and "data" in parcae:
-            s._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"]),
-                              "rng": parcae["data"].get("rng"), "rng_now": parcae["data"].get("rng_now")}
+            s.data.resume = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"]),
+                             "rng": parcae["data"].get("rng"), "rng_now": parcae["data"].get("rng_now")}
             saved_b = int(parcae["data"].get("global_batch", 0))
             if saved_b and s.global_batch and saved_b != s.global_batch:
                 warnings.warn(f"checkpoint global batch {saved_b} differs from {s.global_batch}", stacklevel=3)

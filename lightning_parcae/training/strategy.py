@@ -43,7 +43,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_parcae.contract import RUN_DIR_ENV, GENERATION_BASE_ENV, ELASTIC_ENV
 from lightning_parcae.errors import ConfigurationError, ForeignTrainerError, ModelLayoutError
-from lightning_parcae.runtime.data import GlobalBatchSampler, reshard_dataloader
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.runtime.liveness import guarded
 from lightning_parcae.runtime.partition import (
@@ -55,19 +54,14 @@ from lightning_parcae.runtime.partition import (
 from lightning_parcae.runtime.pipeline import (
     P2P,
     BlockListProxy,
-    StageBoundary,
     StageProxy,
-    chunk_batch,
-    run_forward_only,
-    run_train_schedule,
-    schedule_ops,
-    split_micro_batches,
 )
-from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule, swapped
+from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule
 from lightning_parcae.training import environment as launcher_env
 from lightning_parcae.training.checkpointing import StrategyCheckpoints
-from lightning_parcae.training.log_replay import LogRecorder
+from lightning_parcae.training.data_path import DataPath
 from lightning_parcae.training.profiling import LayerProfiler
+from lightning_parcae.training.step_runner import StepRunner
 from lightning_parcae.training.namespaces import IMPORT_HINT, namespace, namespace_of
 
 if TYPE_CHECKING:
@@ -213,14 +207,6 @@ class ParcaeStrategyMixin:
         self._stage: Optional[nn.Sequential] = None
         self._proxy: Optional[StageProxy] = None
         self._p2p: Optional[P2P] = None
-        self._pending_grads: Optional[list[Optional[Tensor]]] = None
-        self._sync_grads = True
-        self._prepare_patch: Optional[Callable[..., Any]] = None
-        self._train_sampler: Optional[GlobalBatchSampler] = None
-        self._global_batch: Optional[int] = None
-        self._cursor_epoch = -1
-        self._cursor = 0
-        self._resume_data: Optional[dict[str, Any]] = None
         # live reconfiguration
         if elastic is None:
             elastic = os.environ.get(ELASTIC_ENV, "0") not in ("", "0", "false")
@@ -232,11 +218,9 @@ class ParcaeStrategyMixin:
         self.max_pipeline_stages = max_pipeline_stages
         self.elastic_runtime: Optional[Any] = None
         self._full_stack: Optional[nn.Sequential] = None
-        self._step_batch: Optional[tuple[int, int, list[int]]] = None  # (D, replica, global batch) of this step
-        self._rerun_step = False
-        self.last_step_indices: list[int] = []
-        self._train_loader: Optional[Any] = None
         self.checkpoints = StrategyCheckpoints(self)
+        self.steps = StepRunner(self)
+        self.data = DataPath(self)
         self.profiler = LayerProfiler(self)
         self._no_cut_reason: Optional[str] = None
         self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
@@ -474,7 +458,7 @@ class ParcaeStrategyMixin:
                 "or '32-true'"
             )
         self.model = self.precision_plugin.convert_module(module)
-        self._install_data_hook(trainer)
+        self.data.install(trainer)
         joining = self.elastic_runtime is not None and self.elastic_runtime.joining and self._stage is None
         if joining:
             self._install_live_restore(trainer)
@@ -496,7 +480,7 @@ class ParcaeStrategyMixin:
             from lightning_fabric.utilities.optimizer import _optimizers_to_device  # noqa: PLC0415
 
             _optimizers_to_device(self.optimizers, self.root_device)
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = self.steps.clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == _FIT:
             self._add_launcher_callbacks(trainer)
         if self.elastic_runtime is not None and trainer.state.fn == _FIT:
@@ -582,8 +566,7 @@ class ParcaeStrategyMixin:
         for k, opt in enumerate(self.optimizers):
             inner = getattr(opt, "_optimizer", opt)
             rebind_optimizer(inner, module, group_of[k] if k < len(group_of) else {}, opt_state[k])
-        if self._train_sampler is not None:
-            self._train_sampler.reshard(d, self.groups.coords.replica, d * self.micro_batches)
+        self.data.reshard(d, self.groups.coords.replica)
         self._bind_metrics()
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -596,7 +579,7 @@ class ParcaeStrategyMixin:
 
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         step = int(trainer.global_step)
-        cursor = (self._cursor_epoch, self._cursor)
+        cursor = (self.data.cursor_epoch, self.data.cursor)
         inner = getattr(optimizer, "_optimizer", optimizer)
         while True:
             self._committing = step
@@ -610,10 +593,10 @@ class ParcaeStrategyMixin:
                     return None
                 for p in (self.lightning_module.parameters() if self.lightning_module is not None else []):
                     p.grad = None
-                self._pending_grads = None
-                self._cursor_epoch, self._cursor = cursor
+                self.steps.pending_grads = None
+                self.data.cursor_epoch, self.data.cursor = cursor
                 er.recover(trainer)
-                self._rerun_step = True
+                self.data.rerun_step = True
             finally:
                 self._committing = None
 
@@ -725,7 +708,7 @@ class ParcaeStrategyMixin:
     @property
     def global_batch(self) -> Optional[int]:
         """B, the global batch size, once the training loader is known."""
-        return self._global_batch
+        return self.data.global_batch
 
     @property
     def full_stack(self) -> Optional[nn.Sequential]:
@@ -796,272 +779,47 @@ class ParcaeStrategyMixin:
                 m.process_group = self.groups.data_group
 
     # ============================================================================================ data
-    def _install_data_hook(self, trainer: "pl.Trainer") -> None:
-        """Replace Lightning's sampler injection: every loader is read in global order and sliced per pipeline."""
-        connector = trainer._data_connector
-        if self._prepare_patch is None:
-            self._prepare_patch = connector._prepare_dataloader
-        original = self._prepare_patch
-
-        def prepare(dataloader: object, shuffle: bool, mode: Any) -> object:
-            from torch.utils.data import DataLoader  # noqa: PLC0415
-
-            if mode == _PREDICTING or not isinstance(dataloader, DataLoader):
-                return original(dataloader, shuffle, mode)
-            assert self.groups is not None
-            train = mode == _TRAINING
-            loader, sampler = reshard_dataloader(
-                dataloader, self.groups.data_parallel, self.groups.coords.replica, self.micro_batches, train,
-                fixed_epoch=self.elastic,  # every member, joiner or not, must agree on where an epoch ends
-            )
-            if train:
-                self._train_sampler = sampler
-                self._train_loader = loader
-                self._global_batch = sampler.global_batch
-                if self._resume_data is not None:
-                    sampler.start_at(self._resume_data["epoch"], self._resume_data["cursor"],
-                                     self._resume_data.get("rng"), self._resume_data.get("rng_now"))
-            return loader
-
-        connector._prepare_dataloader = prepare  # type: ignore[method-assign]
-
-    def _count_samples(self) -> None:
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if trainer.current_epoch != self._cursor_epoch:
-            self._cursor_epoch = trainer.current_epoch
-            resume = self._resume_data
-            self._cursor = resume["cursor"] if resume and resume["epoch"] == trainer.current_epoch else 0
-        self._cursor += self._global_batch or 0
-
     def data_state(self) -> dict[str, Any]:
         """The sample cursor: epoch, samples of that epoch consumed, global batch size, sampler RNG state."""
-        state: dict[str, Any] = {"epoch": max(self._cursor_epoch, 0), "cursor": self._cursor,
-                                 "global_batch": self._global_batch or 0}
-        rng = self._train_sampler.rng_state if self._train_sampler is not None else None
-        if rng is not None:
-            state["rng"] = rng
-        now = self._train_sampler.rng_now if self._train_sampler is not None else None
-        if now is not None:
-            state["rng_now"] = now
-        return state
+        return self.data.state()
+
+    @property
+    def last_step_indices(self) -> list[int]:
+        """Global sample indices this pipeline trained on in the last step."""
+        return self.data.last_step_indices
 
     # ============================================================================================ steps
-    def _call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
-                   given: Optional[Tensor] = None) -> Any:
-        module = self.lightning_module
-        assert module is not None and self.stack_path is not None
-        if self._proxy is None or (self.groups is not None and self.groups.pipeline_stages == 1):
-            return getattr(module, name)(batch, *rest, **kwargs)  # P = 1: the user's step as written
-        self._proxy.mode, self._proxy.given, self._proxy.captured = mode, given, None
-        with swapped(module, self.stack_path, self._proxy):
-            return getattr(module, name)(batch, *rest, **kwargs)
-
-    def _head(self, name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], Tensor]:
-        def head(mb: Any) -> Tensor:
-            try:
-                self._call_step(name, "head", mb, rest, kwargs)
-            except StageBoundary:
-                assert self._proxy is not None
-                return self._proxy.captured  # type: ignore[return-value]
-            raise ModelLayoutError(f"{name} returned without running the layer stack '{self.stack_path}'")
-
-        return head
-
-    def _middle(self, name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Callable[[Any, Tensor],
-                                                                                                 Tensor]]:
-        """For a block list: a middle stage runs the user's step with its blocks fed by the received activation,
-        so that blocks get the extra arguments (masks, positions) the step computes; None for an nn.Sequential."""
-        if not isinstance(self._proxy, BlockListProxy):
-            return None
-
-        def middle(mb: Any, act: Tensor) -> Tensor:
-            try:
-                self._call_step(name, "middle", mb, rest, kwargs, act)
-            except StageBoundary:
-                assert self._proxy is not None
-                return self._proxy.captured  # type: ignore[return-value]
-            raise ModelLayoutError(f"{name} returned without running the blocks of '{self.stack_path}'")
-
-        return middle
-
+    # Lightning calls these on the strategy; the work is in :class:`~lightning_parcae.training.step_runner.StepRunner`.
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss."""
-        module = self.lightning_module
-        g = self.groups
-        assert module is not None and g is not None and self._p2p is not None and self._stage is not None
-        trainer = module.trainer
-        batch, rest = self._effective_batch(args[0]), tuple(args[1:])
-        m_total = self.micro_batches
-        micro = split_micro_batches(batch, m_total)
-        params = [p for p in module.parameters() if p.requires_grad]
-        previous = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        results: list[Any] = []
-        outputs: list[Tensor] = []
-        recorder = LogRecorder(module)
-
-        def tail(mb: Any, act: Optional[Tensor]) -> Tensor:
-            result = self._call_step("training_step", "full" if act is None else "tail", mb, rest, kwargs, act)
-            results.append(result)
-            if self._proxy is not None and isinstance(self._proxy.captured, Tensor):
-                outputs.append(self._proxy.captured.detach())
-            return _loss_of(result)
-
-        ops = schedule_ops(self.schedule, g.coords.stage, g.pipeline_stages, m_total)
-        scale = 1.0 / (m_total * trainer.accumulate_grad_batches)
-        with recorder.active():
-            run_train_schedule(
-                ops, micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
-                self._head("training_step", rest, kwargs), tail, scale, self.precision_plugin.train_step_context,
-                middle=self._middle("training_step", rest, kwargs),
-            )
-            if g.pipeline_stages > 1:
-                results = self._mirror_train(micro, rest, kwargs, outputs, results)
-        recorder.replay()
-        self._pending_grads = [p.grad for p in params]
-        for p, prev in zip(params, previous):
-            p.grad = prev
-        self._count_samples()
-        losses = torch.stack([_loss_of(r).detach().float() for r in results])
-        loss = losses.mean().to(losses.device)
-        last = results[-1]
-        if isinstance(last, Mapping):
-            return {**last, "loss": loss}
-        return loss
-
-    def _effective_batch(self, batch: Any) -> Any:
-        """This pipeline's slice of the current global batch -- re-cut if the shape changed after it was loaded.
-
-        Lightning prefetches the next batch (and DataLoader workers prefetch more), so a batch may have been sliced
-        for the previous D. The sampler recorded each batch's global indices; a stale slice is rebuilt here from the
-        dataset with the loader's ``collate_fn``. A step re-run after a failure reuses the batch it started with.
-        """
-        sampler = self._train_sampler
-        if sampler is None or self.groups is None:
-            return batch
-        if self._rerun_step and self._step_batch is not None:
-            record = self._step_batch  # the step re-runs after a failure: same global batch
-        elif sampler.records:
-            record = sampler.records.popleft()
-            self._step_batch = record
-        else:
-            return batch
-        self._rerun_step = False
-        d, replica, chunk = record
-        g = self.groups
-        self.last_step_indices = sampler.slice_of(chunk, g.data_parallel, g.coords.replica)
-        if (d, replica) == (g.data_parallel, g.coords.replica):
-            return batch
-        loader = self._train_loader
-        assert loader is not None
-        fresh = loader.collate_fn([loader.dataset[i] for i in self.last_step_indices])
-        return self.batch_to_device(fresh)
-
-    def _mirror_train(self, micro: list[Any], rest: tuple[Any, ...], kwargs: dict[str, Any],
-                      outputs: list[Tensor], results: list[Any]) -> list[Any]:
-        """Give every stage the last stage's outputs and re-run the user's step there (no grad)."""
-        g = self.groups
-        assert g is not None and self._p2p is not None
-        full = torch.cat(outputs) if g.is_last_stage else None
-        full = self._p2p.broadcast(full, g.last_stage_rank())
-        if g.is_last_stage:
-            return results
-        chunks = torch.chunk(full, len(micro))
-        mirrored = []
-        with torch.no_grad(), self.precision_plugin.train_step_context():
-            for mb, out in zip(micro, chunks):
-                mirrored.append(self._call_step("training_step", "given", mb, rest, kwargs, out))
-        return mirrored
-
-    def _eval_step(self, name: str, context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        g = self.groups
-        assert module is not None and g is not None and self._p2p is not None and self._stage is not None
-        with context():
-            if g.pipeline_stages == 1:
-                return getattr(module, name)(*args, **kwargs)
-            batch, rest = args[0], tuple(args[1:])
-            micro = chunk_batch(batch, self.micro_batches)
-            middle = self._middle(name, rest, kwargs)  # block lists: the last stage also stops after its blocks
-            outs = run_forward_only(micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
-                                    self._head(name, rest, kwargs), middle=middle, tail=middle)
-            full = self._p2p.broadcast(torch.cat(outs) if g.is_last_stage else None, g.last_stage_rank())
-            return self._call_step(name, "given", batch, rest, kwargs, full)
+        return self.steps.training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Pipeline forward of the batch, then the user's ``validation_step`` on every stage with its output."""
-        return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+        return self.steps.eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Like :meth:`validation_step` for ``test_step``."""
-        return self._eval_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+        return self.steps.eval_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Like :meth:`validation_step` for ``predict_step``."""
-        return self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+        return self.steps.eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
 
     # ============================================================================================ gradients
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """While Lightning accumulates, skip the data-parallel gradient all-reduce."""
-        self._sync_grads = False
-        try:
+        with self.steps.no_sync():
             yield None
-        finally:
-            self._sync_grads = True
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Put back the gradients computed in :meth:`training_step`, then reduce them (unless accumulating)."""
-        module = self.lightning_module
-        assert module is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        params = [p for p in module.parameters() if p.requires_grad]
-        pending = self._pending_grads or [None] * len(params)
-        for p, g in zip(params, pending):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-        self._pending_grads = None
-        if self._sync_grads:
-            self.reduce_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        return closure_loss
-
-    def _replicated_params(self) -> list[nn.Parameter]:
-        """Trainable parameters outside the layer stack (present on every stage)."""
-        assert self.lightning_module is not None and self._stage is not None
-        local = {id(p) for p in self._stage.parameters()}
-        return [p for p in self.lightning_module.parameters() if p.requires_grad and id(p) not in local]
+        return self.steps.backward(closure_loss)
 
     def reduce_gradients(self) -> None:
         """Sum replicated parameters' gradients over the pipeline, then average everything over the D replicas."""
-        g = self.groups
-        module = self.lightning_module
-        assert g is not None and module is not None
-        replicated = self._replicated_params()
-        if g.pipeline_stages > 1 and replicated:
-            _all_reduce_grads(replicated, g.pipeline_group, 1.0)
-        if g.data_parallel > 1:
-            _all_reduce_grads([p for p in module.parameters() if p.requires_grad], g.data_group,
-                              1.0 / g.data_parallel)
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        """Clip by the norm of the gradients of ALL parameters of the model (every stage's), like one process."""
-        g = self.groups
-        assert g is not None
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        replicated = {id(p) for p in self._replicated_params()}
-        sq = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for p in params:
-            if id(p) in replicated and not g.is_first_stage:
-                continue  # counted once, on stage 0
-            sq += p.grad.detach().float().pow(2).sum()
-        if g.pipeline_stages > 1:
-            guarded(lambda: dist.all_reduce(sq, group=g.pipeline_group, async_op=True), "gradient-norm all-reduce")
-        total = sq.sqrt()
-        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
-        for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+        self.steps.reduce_gradients()
 
     # ============================================================================================ collectives
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
@@ -1171,9 +929,7 @@ class ParcaeStrategyMixin:
         the next ``setup_environment`` replaces them with a new generation."""
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is not None and self._prepare_patch is not None:
-            trainer._data_connector.__dict__.pop("_prepare_dataloader", None)
-            self._prepare_patch = None
+        self.data.uninstall(trainer)
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
         self.precision_plugin.__dict__.pop("_after_closure", None)
         self.wait_for_checkpoint()
@@ -1230,17 +986,6 @@ def _op_name(reduce_op: Any) -> str:
     return "sum"
 
 
-def _loss_of(result: Any) -> Tensor:
-    if isinstance(result, Tensor):
-        return result
-    if isinstance(result, Mapping) and isinstance(result.get("loss"), Tensor):
-        return result["loss"]
-    raise ConfigurationError(
-        "under ParcaeStrategy training_step must return the loss tensor or a dict with a 'loss' tensor "
-        f"(got {type(result).__name__})"
-    )
-
-
 def _check_sizes_memory(sizes: list[int], memory: list[int], limit: int) -> None:
     from lightning_parcae.errors import StageMemoryError  # noqa: PLC0415
 
@@ -1251,24 +996,6 @@ def _check_sizes_memory(sizes: list[int], memory: list[int], limit: int) -> None
                 f"stage {s} (layers {a}..{b - 1}) needs ~{size} bytes (parameters + gradients + optimizer state) "
                 f"but max_stage_memory_bytes={limit}"
             )
-
-
-def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> None:
-    """Sum gradients over ``group`` in one flat buffer (missing gradients count as zero), times ``scale``."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for same in by_dtype.values():
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce")
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for p in same:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
 
 
 
