@@ -72,7 +72,7 @@ class LayerProfiler:
     def _probe_blocks(self, trainer: Any) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
         module = self.strategy.lightning_module
         assert module is not None and self.strategy.stack_path is not None
-        stack = self.strategy._stack()
+        stack = self.strategy.layout.stack()
         blocks = list(stack._modules.values())
         calls: list[tuple[int, Any, Any, tuple, dict]] = []
 

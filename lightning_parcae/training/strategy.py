@@ -42,24 +42,17 @@ from torch.optim import Optimizer
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_parcae.contract import RUN_DIR_ENV, GENERATION_BASE_ENV, ELASTIC_ENV
-from lightning_parcae.errors import ConfigurationError, ForeignTrainerError, ModelLayoutError
+from lightning_parcae.errors import ConfigurationError, ForeignTrainerError
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.runtime.liveness import guarded
-from lightning_parcae.runtime.partition import (
-    balance_stages,
-    choose_pipeline_stages,
-    layer_memory_bytes,
-    stage_bounds,
-)
 from lightning_parcae.runtime.pipeline import (
     P2P,
-    BlockListProxy,
     StageProxy,
 )
-from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule
 from lightning_parcae.training import environment as launcher_env
 from lightning_parcae.training.checkpointing import StrategyCheckpoints
 from lightning_parcae.training.data_path import DataPath
+from lightning_parcae.training.layout import StageLayout
 from lightning_parcae.training.profiling import LayerProfiler
 from lightning_parcae.training.step_runner import StepRunner
 from lightning_parcae.training.namespaces import IMPORT_HINT, namespace, namespace_of
@@ -219,6 +212,7 @@ class ParcaeStrategyMixin:
         self.elastic_runtime: Optional[Any] = None
         self._full_stack: Optional[nn.Sequential] = None
         self.checkpoints = StrategyCheckpoints(self)
+        self.layout = StageLayout(self)
         self.steps = StepRunner(self)
         self.data = DataPath(self)
         self.profiler = LayerProfiler(self)
@@ -462,17 +456,17 @@ class ParcaeStrategyMixin:
         joining = self.elastic_runtime is not None and self.elastic_runtime.joining and self._stage is None
         if joining:
             self._install_live_restore(trainer)
-            self._full_stack = self._stack()
-            self._build_stage()
+            self._full_stack = self.layout.stack()
+            self.layout.build()
         elif self._stage is None:
             self.model_to_device()
-            self._partition_module(trainer)
+            self.layout.partition_module(trainer)
         else:  # a later Trainer stage (validate/test after fit): same partition, new groups
             self._p2p = P2P(self.root_device, self.groups.pipeline_group)
         self.model_to_device()
         if not joining:
-            self._sync_replicas()
-        self._bind_metrics()
+            self.layout.sync_replicas()
+        self.layout.bind_metrics()
         if trainer.state.fn == _FIT:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -533,42 +527,6 @@ class ParcaeStrategyMixin:
 
         connector.resume_start = resume_start  # type: ignore[method-assign]
 
-    def apply_layout(self, trainer: "pl.Trainer", layout: Any, generation: int, received: Mapping[int, Any],
-                     group_of: list[dict[str, int]]) -> None:
-        """Rebuild this process's groups, stage, optimizer binding and data slice for ``layout`` (in place)."""
-        from lightning_parcae.runtime.migration import load_layer_payload, rebind_optimizer  # noqa: PLC0415
-
-        module = self.lightning_module
-        assert module is not None and self._full_stack is not None
-        rank = layout.members.index(self.elastic_runtime.member)  # type: ignore[union-attr]
-        world, d, p = len(layout.members), layout.data_parallel, layout.pipeline_stages
-        self._set_ranks(rank, world)
-        backend = self._process_group_backend or "gloo"
-        self.groups = ProcessGroups(generation, rank, world, d, p, self._store, backend, self._timeout).build()
-        self.partition = list(layout.partition)
-        # layers that arrived: load into the full stack (global names are "<stack_path>.<layer>.<param>")
-        if not self.whole_model:
-            replace_submodule(module, self.stack_path, self._full_stack)  # type: ignore[arg-type]
-        try:
-            for payload in received.values():
-                load_layer_payload(module, payload, self.root_device)
-        finally:
-            self._build_stage()
-        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
-        held = set(self.layer_names[a:b])
-        for name, layer in self._full_stack._modules.items():
-            layer.to(self.root_device if name in held else torch.device("cpu"))  # type: ignore[union-attr]
-        opt_state: list[dict[str, Any]] = [dict() for _ in self.optimizers]
-        for payload in received.values():
-            for k, per in enumerate(payload["optim"]):
-                if k < len(opt_state):
-                    opt_state[k].update(per)
-        for k, opt in enumerate(self.optimizers):
-            inner = getattr(opt, "_optimizer", opt)
-            rebind_optimizer(inner, module, group_of[k] if k < len(group_of) else {}, opt_state[k])
-        self.data.reshard(d, self.groups.coords.replica)
-        self._bind_metrics()
-
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """One optimizer step; under live reconfiguration a step interrupted by a lost peer is applied everywhere
         or discarded everywhere (two-phase), then re-run on the recovered shape with the same global batch."""
@@ -615,86 +573,10 @@ class ParcaeStrategyMixin:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def _stack(self) -> nn.Sequential:
-        assert self.lightning_module is not None and self.stack_path is not None
-        return self.lightning_module.get_submodule(self.stack_path)  # type: ignore[return-value]
-
-    def _partition_module(self, trainer: "pl.Trainer") -> None:
-        module = self.lightning_module
-        assert module is not None and self.groups is not None
-        try:
-            self.stack_path = locate_layer_stack(module, self.layers_attr)
-        except ModelLayoutError as err:
-            if self.layers_attr is not None or (self.pipeline_stages_option or 1) > 1 or self.balance is not None:
-                raise ModelLayoutError(
-                    f"{err}. (Data parallelism needs no layer stack: with pipeline_stages=1 this model trains as is.)"
-                ) from err
-            self._whole_model(module, str(err))
-            return
-        stack = self._stack()
-        if is_block_list(stack):
-            verdict = self.profiler.check_block_list(trainer)
-            if verdict is not None:
-                if self.layers_attr is not None or (self.pipeline_stages_option or 1) > 1 or self.balance is not None:
-                    raise ModelLayoutError(f"cannot cut '{self.stack_path}' into pipeline stages: {verdict}")
-                self._whole_model(module, f"'{self.stack_path}' cannot be cut: {verdict}")
-                return
-        self.layer_names = list(stack._modules.keys())
-        n_layers = len(self.layer_names)
-        world = self.groups.world
-        memory = [layer_memory_bytes(stack._modules[n], self.optimizer_state_factor) for n in self.layer_names]
-        p_opt = self.pipeline_stages_option
-        if p_opt is not None and p_opt > n_layers:
-            raise ModelLayoutError(
-                f"pipeline_stages={p_opt} exceeds the {n_layers} layers of '{self.stack_path}'; every stage needs at "
-                f"least one layer (use pipeline_stages <= {n_layers})"
-            )
-        if self.balance is not None:
-            if sum(self.balance) != n_layers or min(self.balance) < 1:
-                raise ModelLayoutError(
-                    f"balance={self.balance} must be positive layer counts summing to the {n_layers} layers"
-                )
-            times = [1.0] * n_layers
-            sizes = list(self.balance)
-            if self.max_stage_memory_bytes is not None:
-                _check_sizes_memory(sizes, memory, self.max_stage_memory_bytes)
-        elif p_opt == 1:
-            times, sizes = [1.0] * n_layers, [n_layers]
-            if self.max_stage_memory_bytes is not None:
-                _check_sizes_memory(sizes, memory, self.max_stage_memory_bytes)
-        else:
-            times = self.profiler.profile(trainer, stack)
-            if p_opt is None:
-                p_opt = choose_pipeline_stages(times, world, self.micro_batches, memory, self.max_stage_memory_bytes)
-                log.info("ParcaeStrategy chose pipeline_stages=%d from the profile %s", p_opt, times)
-            sizes = balance_stages(times, p_opt, memory, self.max_stage_memory_bytes)
-        if len(sizes) != self.groups.pipeline_stages:
-            self.groups = self.groups.rebuilt(world // len(sizes), len(sizes))
-        self.layer_times = times
-        self.partition = sizes
-        self._full_stack = stack
-        self._build_stage()
-
-    def _whole_model(self, module: nn.Module, why: str) -> None:
-        """No layer stack to cut: train the whole module at P = 1 (elastic data parallelism only).
-
-        The module's top-level children stand in for "layers" so that live reconfiguration can move their state to
-        joiners exactly as it moves pipeline layers; the pipeline depth is pinned to 1.
-        """
-        assert self.groups is not None
-        names = [n for n, m in module.named_children()
-                 if any(True for _ in m.parameters()) or any(True for _ in m.buffers())]
-        self.stack_path = ""
-        self.layer_names = names
-        self.partition = [len(names)]
-        self.layer_times = [1.0] * len(names)
-        self.max_pipeline_stages = 1
-        self._no_cut_reason = why
-        if self.groups.pipeline_stages != 1:
-            self.groups = self.groups.rebuilt(self.groups.world, 1)
-        self._full_stack = module  # type: ignore[assignment]
-        log.info("ParcaeStrategy: no layer stack to cut (%s); training at P = 1", why)
-        self._build_stage()
+    def apply_layout(self, trainer: "pl.Trainer", layout: Any, generation: int, received: Mapping[int, Any],
+                     group_of: list[dict[str, int]]) -> None:
+        """Rebuild this process's groups, stage, optimizer binding and data slice for ``layout`` (in place)."""
+        self.layout.apply(trainer, layout, generation, received, group_of)
 
     @property
     def whole_model(self) -> bool:
@@ -730,53 +612,9 @@ class ParcaeStrategyMixin:
             return key.startswith(self.stack_path + ".")
         return key.split(".", 1)[0] in set(self.layer_names)
 
-    def _build_stage(self) -> None:
-        """(Re)build this process's stage module, proxy and transport from ``partition`` and ``groups``."""
-        assert self.groups is not None and self.lightning_module is not None and self.stack_path is not None
-        if self.whole_model:
-            self._stage = cut_stage(self.lightning_module, self.layer_names)  # a view: nothing is replaced
-            self._proxy = None
-            self._p2p = P2P(self.root_device, self.groups.pipeline_group)
-            return
-        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
-        full = self._full_stack if self._full_stack is not None else self._stack()
-        self._stage = cut_stage(full, self.layer_names[a:b])
-        replace_submodule(self.lightning_module, self.stack_path, self._stage)
-        self._proxy = BlockListProxy(self._stage) if is_block_list(self._stage) else StageProxy(self._stage)
-        self._p2p = P2P(self.root_device, self.groups.pipeline_group)
-
-    def _sync_replicas(self) -> None:
-        """Make replica 0's stage (and rank 0's replicated parameters) authoritative on every rank."""
-        g = self.groups
-        assert g is not None and self.lightning_module is not None
-        if g.world == 1:
-            return
-        stage_keys = self.stage_key_set()
-        with torch.no_grad():
-            for name, t in self.lightning_module.state_dict(keep_vars=True).items():
-                tensor = t.data if isinstance(t, nn.Parameter) else t
-                if not isinstance(tensor, Tensor):
-                    continue
-                if name in stage_keys:
-                    if g.data_parallel > 1:
-                        dist.broadcast(tensor, g.data_ranks(g.coords.stage)[0], group=g.data_group)
-                else:
-                    dist.broadcast(tensor, 0)
-
     def stage_key_set(self) -> set[str]:
         assert self.stack_path is not None and self._stage is not None
         return {self.layer_key(k) for k in self._stage.state_dict().keys()}
-
-    def _bind_metrics(self) -> None:
-        """torchmetrics sync over the replicas of this stage (each pipeline's state is mirrored P times)."""
-        try:
-            from torchmetrics import Metric  # noqa: PLC0415
-        except ImportError:  # pragma: no cover
-            return
-        assert self.lightning_module is not None and self.groups is not None
-        for m in self.lightning_module.modules():
-            if isinstance(m, Metric):
-                m.process_group = self.groups.data_group
 
     # ============================================================================================ data
     def data_state(self) -> dict[str, Any]:
@@ -984,18 +822,6 @@ def _op_name(reduce_op: Any) -> str:
         except TypeError:
             continue
     return "sum"
-
-
-def _check_sizes_memory(sizes: list[int], memory: list[int], limit: int) -> None:
-    from lightning_parcae.errors import StageMemoryError  # noqa: PLC0415
-
-    for s, (a, b) in enumerate(stage_bounds(sizes)):
-        size = sum(memory[a:b])
-        if size > limit:
-            raise StageMemoryError(
-                f"stage {s} (layers {a}..{b - 1}) needs ~{size} bytes (parameters + gradients + optimizer state) "
-                f"but max_stage_memory_bytes={limit}"
-            )
 
 
 
