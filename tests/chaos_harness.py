@@ -7,7 +7,8 @@ from one seed, a configuration (global batch such that D = 3, 5 or 6 are legal, 
 GPipe/1F1B, 2-6 instances, Adam or SGD, with or without validation, with or without code after ``fit``) and a
 fault schedule (SIGKILL from outside, SIGSTOP then SIGCONT, a notice, two losses at once, the leader lost -- which
 with D = 1 is a whole stage lost and a restart from the checkpoint -- and a second loss while the first is still
-being recovered from). It runs ``tests/elastic_job.py`` under ``parcae run`` and checks:
+being recovered from, and a loss during a planned migration: a notice starts one, another member is killed as
+soon as the event log shows it). It runs ``tests/elastic_job.py`` under ``parcae run`` and checks:
 
 * ``parcae run`` exits 0 and every step 1..max_steps was trained;
 * the final parameters equal the uninterrupted single-process run's (relative 1e-5);
@@ -55,7 +56,7 @@ STALL_BOUND_S = 12.0
 """Allowed stall beyond detection: recovery agreement, group rebuilds and state transfer on a loaded 2-core box."""
 WATCHDOG_S = 15.0
 """The progress watchdog's bound given to the trials (``--stall-timeout``)."""
-FAULT_KINDS = ("kill", "leader", "kill2", "stop", "notice", "kill_during_recovery")
+FAULT_KINDS = ("kill", "leader", "kill2", "stop", "notice", "kill_during_recovery", "kill_during_migration")
 
 
 @dataclass
@@ -194,7 +195,8 @@ class Injector(threading.Thread):
             victims = (members[1:] or members)[:2] if len(members) > 2 else members[-1:]
         else:
             victims = [members[k] if len(members) == 1 else members[1:][k % (len(members) - 1)]]
-        sig = {"stop": signal.SIGSTOP, "notice": signal.SIGTERM}.get(kind, signal.SIGKILL)
+        sig = {"stop": signal.SIGSTOP, "notice": signal.SIGTERM,
+               "kill_during_migration": signal.SIGTERM}.get(kind, signal.SIGKILL)
         for v in victims:
             try:
                 os.kill(procs[v], sig)
@@ -213,7 +215,41 @@ class Injector(threading.Thread):
             if len(rest) > 1:
                 os.kill(_workers(self.run_dir)[rest[-1]], signal.SIGKILL)
                 victims = victims + [rest[-1]]
-        self.done.append({**fault, "victims": victims, "time": t, "members_before": members})
+        extra: dict[str, Any] = {}
+        if kind == "kill_during_migration":  # the notice above starts a planned migration: lose another member in it
+            extra = self._kill_in_migration(t, [m for m in members if m not in victims])
+            victims = victims + extra.pop("victims", [])
+        self.done.append({**fault, "victims": victims, "time": t, "members_before": members, **extra})
+
+    def _kill_in_migration(self, since: float, others: list[str]) -> dict[str, Any]:
+        """SIGKILL one of ``others`` as soon as the event log shows a member entering the migrating phase (a
+        planned migration's transfers last ~0.1 s, so the kill can land just after: ``lag_s`` says by how much)."""
+        events = self.run_dir / "events.jsonl"
+        deadline = time.time() + 30.0
+        while time.time() < deadline and others:
+            try:
+                lines = events.read_text().splitlines()
+            except OSError:
+                lines = []
+            for line in reversed(lines[-200:]):
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("event") == "phase" and ev.get("new") == "migrating" and float(ev.get("time", 0)) >= since:
+                    procs = _workers(self.run_dir)
+                    alive = [m for m in others if m in procs and m != ev.get("member")] or \
+                        [m for m in others if m in procs]
+                    if not alive:
+                        return {"migration_kill": "no other member"}
+                    victim = alive[-1]
+                    try:
+                        os.kill(procs[victim], signal.SIGKILL)
+                    except ProcessLookupError:
+                        return {"migration_kill": "victim already gone"}
+                    return {"victims": [victim], "lag_s": round(time.time() - float(ev["time"]), 3)}
+            time.sleep(0.005)
+        return {"migration_kill": "no migration seen within 30 s"}
 
 
 # ------------------------------------------------------------------------------------------------ one trial

@@ -54,7 +54,7 @@ def test_parcae_run_code_after_fit_works_if_a_hung_worker_came_back_as_a_standby
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("seed", [4])
+@pytest.mark.parametrize("seed", [4, 1005, 1102, 2008])  # 1005, 1102: validation with joiners; 2008: kill in a migration
 def test_chaos_trial_sample_loses_nothing_and_stalls_within_bound(tmp_path: Path, seed: int) -> None:
     _check(run_trial(draw(seed), tmp_path))
 

@@ -179,29 +179,12 @@ def _pattern_probs(n: int, d: int, p: int, n_out: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4096)
 def _pattern_arrays(n: int, d: int, p: int, n_out: int) -> Tuple[np.ndarray, np.ndarray]:
-    """All victim patterns as a (K, p) array with their probabilities (vectorized :func:`victim_patterns`)."""
-    spares = n - d * p
-    vmax = min(d, n_out)
-    log_c = np.array([math.lgamma(d + 1) - math.lgamma(v + 1) - math.lgamma(d - v + 1) for v in range(vmax + 1)])
-    pats = np.zeros((1, 0), dtype=np.int64)
-    logw = np.zeros(1)
-    ks = np.zeros(1, dtype=np.int64)
-    for _ in range(p):
-        v = np.arange(vmax + 1)
-        new_k = ks[:, None] + v[None, :]
-        keep = new_k <= n_out
-        rep = np.repeat(np.arange(len(pats)), vmax + 1).reshape(len(pats), vmax + 1)[keep]
-        vv = np.broadcast_to(v, new_k.shape)[keep]
-        pats = np.concatenate([pats[rep], vv[:, None]], axis=1)
-        logw = logw[rep] + log_c[vv]
-        ks = new_k[keep]
+    """All victim patterns as a (K, p) array with their probabilities (vectorized :func:`victim_patterns`):
+    the rows of :func:`_all_patterns` that the spares can complete, with :func:`_pattern_probs`."""
+    pats, _, ks = _all_patterns(d, p, n_out)
     rest = n_out - ks
-    ok = (rest >= 0) & (rest <= spares)
-    pats, logw, rest = pats[ok], logw[ok], rest[ok]
-    lg = math.lgamma
-    log_spare = lg(spares + 1) - gammaln(rest + 1) - gammaln(spares - rest + 1)
-    log_total = lg(n + 1) - lg(n_out + 1) - lg(n - n_out + 1)
-    return pats, np.exp(logw + log_spare - log_total)
+    ok = (rest >= 0) & (rest <= n - d * p)
+    return pats[ok], _pattern_probs(n, d, p, n_out)[ok]
 
 
 def _sampled_patterns(n: int, d: int, p: int, n_out: int, samples: int, seed: int) -> np.ndarray:

@@ -246,9 +246,21 @@ def reshard_dataloader(
         The new loader and its :class:`GlobalBatchSampler` (keep it to set the cursor on resume).
 
     Raises:
-        BatchSplitError: if B is not divisible by D, or (training) B / D not by M.
+        BatchSplitError: (training) if B is not divisible by D, or B / D not by M. An evaluation loader whose B
+            does not split over D is given whole to every pipeline (with a warning).
     """
     b = global_batch_size(loader)
+    if not train and not batch_splits(b, replicas):
+        # Regression (chaos seed 1005): a job with a training batch of 120 moved to D = 5 and died at the next
+        # validation, whose batch of 12 does not split over 5 pipelines. The shape is chosen for training; an
+        # evaluation batch that does not split is evaluated whole by every pipeline (identical results, D x the work).
+        warnings.warn(
+            f"evaluation batch size {b} does not split over D={replicas} pipelines: every pipeline evaluates the whole "
+            f"batch (the same result, {replicas}x the work); give evaluation loaders a batch_size divisible by the D "
+            "values your job can take",
+            stacklevel=2,
+        )
+        replicas, replica = 1, 0
     if not batch_splits(b, replicas):
         raise BatchSplitError(
             f"global batch size {b} cannot be split evenly over D={replicas} pipelines; use a batch_size divisible "

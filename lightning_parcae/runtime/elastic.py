@@ -5,7 +5,9 @@ must (a) decide ahead of time which shape to run next (predictor + liveput optim
 process), (b) get every process to switch at the *same* step, (c) move only the state that has to move between
 processes that keep running, (d) survive a sudden loss without any stage applying an optimizer step that another
 did not, and (e) let a new process join with the exact model, optimizer and loop state of the running job. This
-module is that protocol; :class:`~lightning_parcae.training.strategy.ParcaeStrategy` calls into it at a few points.
+module is that protocol's spine -- connection, the step-boundary agreement, the generation records -- and owns
+one part per phase: :mod:`.shape_choice` (a), :mod:`.switching` (b, c), :mod:`.recovery` (d) and :mod:`.joining`
+(e). The strategy above it (a :class:`~lightning_parcae.runtime.host.TrainingHost`) calls into it at a few points.
 
 Protocol (see ``docs/elastic.md`` for the user-facing version and :mod:`.lifecycle` for the state machine):
 
@@ -17,7 +19,7 @@ Protocol (see ``docs/elastic.md`` for the user-facing version and :mod:`.lifecyc
   all-reduce: the leader's proposed next generation (0 if none) and one notice flag per rank. Every rank gets the
   same answer, so all switch at the same step -- decisions never depend on when a rank happened to read the store.
 * **Interval decisions.** The leader (rank 0 of the generation; after a failure, the first survivor) runs the
-  predictor and the liveput optimizer every ``interval_s`` seconds (or ``interval_steps`` steps), and at once when
+  predictor and the liveput optimizer -- the simulator's own decision, :func:`~lightning_parcae.planning.policy.decide_with_forecast` -- every ``interval_s`` seconds (or ``interval_steps`` steps), and at once when
   a notice is agreed. It publishes the next generation when the plan changes the shape, uses new standbys, or
   drops a member under notice.
 * **Two-phase step.** A step's update is applied only after all members counted themselves in under
@@ -37,15 +39,13 @@ Protocol (see ``docs/elastic.md`` for the user-facing version and :mod:`.lifecyc
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,23 +57,21 @@ from lightning_parcae.contract import (
     MEMBER_ENV,
     JOIN_ENV,
     STALL_ENV,
-    SHARED_CORES_ENV,
     FALLBACK_EXIT,
     RELEASED_EXIT,
     FENCED_EXIT,
 )
-from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape
 from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.events import append_event
-from lightning_parcae.planning.measured import MeasuredThroughput, PipelineThroughput, min_stages_for_memory
-from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
-from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
-from lightning_parcae.planning.forecast import make_predictor
+from lightning_parcae.planning.migration_plan import Layout, MigrationPlan
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import Lifecycle, Phase
-from lightning_parcae.runtime.liveness import Liveness, activate, guarded, hb_key
+from lightning_parcae.runtime.liveness import Liveness, activate, guarded
 from lightning_parcae.runtime.host import TrainingHost
-from lightning_parcae.runtime.migration import exchange, layer_payload
+from lightning_parcae.runtime.joining import Admission
+from lightning_parcae.runtime.recovery import Recovery
+from lightning_parcae.runtime.shape_choice import ShapeChooser
+from lightning_parcae.runtime.switching import Switch
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
@@ -86,15 +84,7 @@ log = logging.getLogger(__name__)
 LIVE_CHECKPOINT = "parcae-live://peers"
 """The checkpoint path a joiner 'resumes' from: the state it received from live peers, not a file."""
 
-MEASURED_KEY = "parcae/measured"
-"""Store key of the measured profile (the leader publishes it each interval, so a new leader keeps it)."""
 
-
-RUNTIME_CONSTANTS = MigrationConstants(group_base_ms=30.0, join_ms=150.0, restart_ms=10000.0)
-"""Migration costs of this runtime as measured by ``benchmarks/bench_migration.py`` on loopback: a group rebuild
-is tens of ms, a *warm* standby joins in ~0.1-0.2 s (its imports and model were done while it waited -- the
-simulator's default ``join_ms`` of 2.5 s prices a cold process), a full restart ~10 s. With the cold value a short
-planning interval made the optimizer reach (4,1) through (2,2) instead of directly."""
 
 
 
@@ -173,19 +163,17 @@ class ElasticRuntime:
         self.stats: dict[str, Any] = {"predicted_N": None, "liveput": None}
         self._last_interval_t = time.monotonic()
         self._last_interval_step = 0
-        self._predictor: Any = None
-        self._optimizer: Optional[LiveputOptimizer] = None
-        self._request_done: Any = None
         self._standby_seen: dict[str, bytes] = {}
         self._last_standbys: list[str] = []
         self._recovering_since: Optional[float] = None
         self.admitted = not joining
         """Whether this process is (or was) a training member; a joiner becomes one in :meth:`joined`."""
         self.run_dir = os.environ.get(RUN_DIR_ENV)
-        self.measured: Optional[MeasuredThroughput] = None
-        # (generation, step, time, first in its generation) at the last step boundary
-        self._step_mark: Optional[tuple[int, int, float, bool]] = None
-        self._warmup = 0
+        self.chooser = ShapeChooser(self)
+        self.admission = Admission(self)
+        self.recovery = Recovery(self)
+        self.switching = Switch(self)
+        """The leader's planning state: measured throughput, optimizer, predictor (kept by every process)."""
 
     # ============================================================================================ connection
     @classmethod
@@ -350,94 +338,17 @@ class ElasticRuntime:
 
     # ============================================================================================ joining
     def join_wait(self) -> dict[str, Any]:
-        """Standby: register, heartbeat, and wait until a generation admits this member; receive its state.
-
-        Returns:
-            The admitting generation's record (the caller builds the process groups of it).
-        """
-        assert self.coord is not None and self.live is not None
-        self.life.to(Phase.STANDBY)
-        self.live.start()
-        self.coord.register_standby(self.member)
-        log.info("%s: waiting as a standby to be admitted", self.member)
-        checked = -1
-        while True:
-            cur = self.coord.current()
-            for g in range(max(checked + 1, cur), cur + 2):
-                rec = self.coord.generation(g)
-                if rec is None:
-                    continue
-                checked = max(checked, g if g <= cur else checked)
-                if self.member in rec.get("transition", ()):
-                    self._migrate_in(rec)
-                    return rec
-            if self.live.noticed.is_set():  # a preemption notice while still a standby: nothing to hand over
-                log.warning("%s: preemption notice while waiting as a standby; leaving", self.member)
-                self.event("standby_exit", reason="notice")
-                self.life.to(Phase.STOPPED)
-                self.live.stop()
-                _exit(0)
-            if self.store.check(["parcae/finished"]):
-                log.warning("%s: the job finished before this standby was needed; exiting", self.member)
-                self.event("standby_exit", reason="job finished")
-                self.life.to(Phase.STOPPED)
-                self.live.stop()
-                _exit(0)
-            time.sleep(0.05)
-
-    def _migrate_in(self, rec: dict[str, Any]) -> None:
-        """A joiner's part of a migration: receive layers + loop state in the transition world."""
-        self.life.to(Phase.MIGRATING, generation=rec["generation"], kind=rec["kind"])
-        plan = MigrationPlan.from_json(rec["plan"])
-        transition = list(rec["transition"])
-        t0 = time.monotonic()
-        assert self.live is not None
-        self.live.set_generation(int(rec["generation"]), [m for m in transition if m != self.member])
-        activate(self.live)
-        self._init_transition(rec)
-        srcs = {transition.index(t.src) for t in plan.receives(self.member)}
-        srcs.add(transition.index(rec["loop_from"]))
-        self.join_inbox = exchange({}, sorted(srcs), "joining state transfer")
-        dist.destroy_process_group()
-        self._enter(rec)
-        pg = self.coord.get("parcae/pgroups", timeout_s=None) if self.coord else None
-        self.group_of = [dict(m) for m in pg["map"]] if pg else []
-        self.stats["join_transfer_s"] = time.monotonic() - t0
+        """See :meth:`~lightning_parcae.runtime.joining.Admission.join_wait`."""
+        return self.admission.join_wait()
 
     def joined(self, trainer: "pl.Trainer") -> None:
-        """Called by the strategy once the joiner's stage, optimizers and loop state are in place."""
-        assert self.live is not None
-        activate(self.live)
-        self.live.set_generation(self.generation, self._watch())
-        self.admitted = True
-        self.life.to(Phase.TRAINING, generation=self.generation, joined=True)
-        self.event("joined", step=int(trainer.global_step), D=self.layout.data_parallel if self.layout else None,
-                   P=self.layout.pipeline_stages if self.layout else None,
-                   transfer_s=round(float(self.stats.get("join_transfer_s", 0.0)), 4))
-        self._last_interval_t = time.monotonic()
-        self._last_interval_step = int(trainer.global_step)
+        """See :meth:`~lightning_parcae.runtime.joining.Admission.joined`."""
+        return self.admission.joined(trainer)
 
     def joiner_checkpoint(self) -> dict[str, Any]:
-        """The checkpoint dict a joiner restores from: loop state from the leader + its received layers."""
-        loop: Optional[dict[str, Any]] = None
-        layers: dict[int, Any] = {}
-        for blob in self.join_inbox.values():
-            if "loop" in blob:
-                loop = blob["loop"]
-            layers.update(blob.get("layers", {}))
-        if loop is None:
-            raise ConfigurationError("the admitting generation sent no loop state to this joiner")
-        ckpt = dict(loop)
-        state = dict(ckpt.get("state_dict", {}))
-        opt_states = [dict(o) for o in ckpt.get("optimizer_states", [])]
-        for payload in layers.values():
-            state.update(payload["tensors"])
-            for k, per in enumerate(payload["optim"]):
-                if k < len(opt_states):
-                    opt_states[k]["state"] = {**opt_states[k].get("state", {}), **per}
-        ckpt["state_dict"] = state
-        ckpt["optimizer_states"] = opt_states
-        return ckpt
+        """See :meth:`~lightning_parcae.runtime.joining.Admission.joiner_checkpoint`."""
+        return self.admission.joiner_checkpoint()
+
 
     # ============================================================================================ step boundary
     def boundary(self, trainer: "pl.Trainer") -> None:
@@ -445,25 +356,12 @@ class ElasticRuntime:
         assert self.live is not None and self.coord is not None and self.layout is not None
         step = int(trainer.global_step)
         self.live.step = step
-        self._record_step(step)
+        self.chooser.record_step(step)
         try:
             self._boundary(trainer, step)
         finally:
             # the next step is timed from here: planning, agreement and migrations are not step time
-            if self._step_mark is None or self._step_mark[0] != self.generation:
-                self._warmup = 2  # a new shape: new process groups and joiners warm up during its first steps
-            fresh = self._warmup > 0
-            self._warmup -= 1
-            self._step_mark = (self.generation, int(trainer.global_step), time.monotonic(), fresh)
-
-    def _record_step(self, step: int) -> None:
-        """Time the step that just ended, if it ran whole in the current shape (not the first after a switch)."""
-        mark, now = self._step_mark, time.monotonic()
-        if mark is None or self.layout is None or mark[0] != self.generation or step != mark[1] + 1 or mark[3]:
-            return  # the first steps of a shape warm up new process groups and joiners: not representative
-        model = self._measured_model()
-        if model is not None:
-            model.record(self.layout.data_parallel, self.layout.pipeline_stages, 1000.0 * (now - mark[2]))
+            self.chooser.mark_step(self.generation, int(trainer.global_step))
 
     def _boundary(self, trainer: "pl.Trainer", step: int) -> None:
         assert self.live is not None and self.coord is not None and self.layout is not None
@@ -471,9 +369,12 @@ class ElasticRuntime:
             self.recover(trainer)
             return
         proposal = 0
-        if self.is_leader and self._interval_due(step):
+        # a joiner restored from this step's state would skip the validation the members run right after it
+        # (Lightning fast-forwards a validation pending at a train-batch-end checkpoint): admit no one here
+        admit = not self.validation_follows(trainer)
+        if self.is_leader and admit and self._interval_due(step):
             self.life.to(Phase.PLANNING, reason="interval")
-            rec = self.decide(trainer, reason="interval", leaving=())
+            rec = self.chooser.decide(trainer, reason="interval", leaving=())
             proposal = int(rec["generation"]) if rec else 0
             if not rec:
                 self.life.to(Phase.TRAINING)
@@ -492,7 +393,8 @@ class ElasticRuntime:
             if self.life.phase == Phase.TRAINING:
                 self.life.to(Phase.PLANNING, reason="notice", noticed=noticed)
             if self.is_leader:
-                rec = self.decide(trainer, reason=f"preemption notice for {', '.join(noticed)}", leaving=noticed)
+                rec = self.chooser.decide(trainer, reason=f"preemption notice for {', '.join(noticed)}", leaving=noticed,
+                                          admit=admit)
                 if rec is None:
                     raise ConfigurationError("internal: a notice produced no new generation")
             gen = self.generation + 1
@@ -507,7 +409,25 @@ class ElasticRuntime:
             return
         rec = self.coord.generation(gen)
         assert rec is not None
-        self.switch(trainer, rec)
+        self.switching.switch(trainer, rec)
+
+    @staticmethod
+    def validation_follows(trainer: "pl.Trainer") -> bool:
+        """Whether Lightning runs a validation right after the step that just ended.
+
+        Regression (held-out chaos seed 1102): a standby admitted at step 21, a validation step, restored the loop
+        state of the end of that step -- where Lightning treats the pending validation as done -- and went on
+        training while the members validated: mismatched collectives, a 15 s stall until the watchdog. Planned
+        admissions wait one step when this is true.
+        """
+        loop = getattr(trainer.fit_loop, "epoch_loop", None)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if loop is None:
+            return False
+        try:
+            return bool(loop._should_check_val_fx(fetcher))
+        except Exception:  # noqa: BLE001 -- Lightning internals: when in doubt, do not hold admissions back
+            return False
 
     def _interval_due(self, step: int) -> bool:
         now = time.monotonic()
@@ -519,476 +439,28 @@ class ElasticRuntime:
         return due
 
     # ============================================================================================ planning
-    def _fresh_standbys(self) -> list[str]:
-        """Registered standbys whose heartbeat moves and says ``standby``.
-
-        A heartbeat "moves" if it changed since the previous planning interval; a standby seen for the first time
-        is watched for two heartbeat periods (the only time the leader waits).
-        """
-        assert self.coord is not None and self.layout is not None
-        cands = [m for m in dict.fromkeys(self.coord.standbys()) if m not in self.layout.members]
-
-        def beats(members: list[str]) -> dict[str, Optional[bytes]]:
-            return {m: bytes(self.store.get(hb_key(m))) if self.store.check([hb_key(m)]) else None for m in members}
-
-        now = beats(cands)
-        new = [m for m in cands if m not in self._standby_seen and now[m] is not None]
-        moved = {m for m in cands if m in self._standby_seen and now[m] != self._standby_seen[m]}
-        if new:
-            time.sleep(2.5 * self.heartbeat_s)
-            later = beats(new)
-            moved |= {m for m in new if later[m] != now[m]}
-            now.update(later)
-        self._standby_seen = {m: b for m, b in now.items() if b is not None}
-        alive = []
-        for m in cands:
-            b = now[m]
-            if m in moved and b is not None and json.loads(b.decode()).get("phase") == "standby":
-                alive.append(m)
-        return alive
-
-    def _choose_shape(self, n_now: int, n_next: int, observe: bool) -> Optional[Shape]:
-        """Next shape: the liveput optimizer over the known next interval and the predicted ones after it.
-
-        Args:
-            n_now: Instances the job has now (members + live standbys, including any under notice or just lost).
-            n_next: Instances it will have for the next interval (notices and losses removed).
-            observe: This is a planning interval: record ``n_next`` in the availability history.
-        """
-        s = self.s
-        assert self.layout is not None and self.coord is not None
-        if n_next < 1 or s.global_batch is None:
-            return None
-        measured = self._measured_model()
-        assert measured is not None
-        by_measurement = self.throughput_mode == "measured"
-        if self._optimizer is None:
-            cm = measured.cost_model(RUNTIME_CONSTANTS)
-            if not by_measurement:
-                cm = DefaultCostModel(measured.prior, cm.layer_params, RUNTIME_CONSTANTS)
-            self._optimizer = LiveputOptimizer(cm, interval_s=max(self.interval_s, 1.0), look_ahead=self.look_ahead)
-            self._predictor = make_predictor(self.predictor_name, max_instances=self.max_instances)
-            for c in self.coord.history():
-                self._predictor.observe(c)
-        pred = self._predictor
-        if observe or not len(pred.history):
-            pred.observe(n_next)
-            if observe:
-                self.coord.append_history(n_next)
-        cur = (self.layout.data_parallel, self.layout.pipeline_stages)
-        thr = measured if by_measurement else measured.prior
-        # prices change as steps are measured: drop the optimizer's per-count cache of candidate throughputs
-        self._optimizer._targets_cache.clear()
-        try:
-            first = (n_now, max(0, n_next - n_now), max(0, n_now - n_next))
-            rest = pred.forecast(max(1, self.look_ahead - 1)).intervals(n_next)
-            plan = self._optimizer.plan(n_now, cur, [first, *rest][: self.look_ahead])
-            shape = plan.next_shape
-            self.stats["predicted_N"] = [int(c) for c in plan.counts[:2]]
-            self.stats["liveput"] = float(plan.expected_samples)
-        except Exception as exc:  # noqa: BLE001 -- planning must never stop training: keep a fitting shape
-            log.warning("liveput planning failed (%s); taking the fastest shape that fits", exc)
-            shape = PAUSED
-        if shape == PAUSED or shape[0] * shape[1] > n_next or thr.throughput(*shape) <= 0:
-            cands = thr.candidates(n_next)
-            if not cands:
-                return None
-            shape = max(cands, key=lambda sh: (thr.throughput(*sh), -abs(sh[1] - cur[1])))
-        if by_measurement and measured.vetoes(cur, shape, n_next):
-            # never move to a shape measured slower than the current one unless availability forces it
-            self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
-                       measured_chosen=measured.measured(*shape))
-            shape = cur
-        elif by_measurement and shape == cur and observe:
-            explore = measured.exploration(n_next, cur, self.interval_s, self._move_cost_s())
-            if explore is not None:
-                self.event("explore", current=list(cur), chosen=list(explore),
-                           measured_current=measured.measured(*cur), fitted=measured.throughput(*explore),
-                           uncertainty=measured.uncertainty(*explore))
-                shape = explore
-        self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
-                                    "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
-        return shape
-
-    def _move_cost_s(self) -> float:
-        """Typical in-place migration time of this job so far (0.5 s before the first one)."""
-        done = [float(m["duration_s"]) for m in self.migrations if m.get("kind") != "fallback"]
-        return float(sum(done) / len(done)) if done else 0.5
-
-    def _stage_memory(self) -> list[float]:
-        """Per-layer resident training memory (as the strategy checks it against ``max_stage_memory_bytes``)."""
-        s = self.s
-        full = getattr(s, "_full_stack", None)
-        if full is not None:
-            from lightning_parcae.runtime.partition import layer_memory_bytes  # noqa: PLC0415
-
-            return [float(layer_memory_bytes(full._modules[n], s.optimizer_state_factor)) for n in s.layer_names]
-        factor = 1.0 + s.optimizer_state_factor
-        return [b * (1.0 + factor) / factor for b in self._layer_bytes()]
-
-    def _measured_model(self) -> Optional[MeasuredThroughput]:
-        """This job's throughput model, learned from its own steps (built once the global batch is known; a new
-        leader starts from the measurements the previous one published)."""
-        if self.measured is not None:
-            return self.measured
-        s = self.s
-        if s.global_batch is None or not s.layer_names:
-            return None
-        factor = 1.0 + s.optimizer_state_factor
-        min_p = min_stages_for_memory(self._stage_memory(), s.max_stage_memory_bytes)
-        prior = PipelineThroughput(list(s.layer_times or [1.0] * len(s.layer_names)), s.global_batch,
-                                   s.micro_batches, s.max_pipeline_stages, min_p=min_p)
-        cores = int(os.environ.get(SHARED_CORES_ENV) or 0) or None
-        model = MeasuredThroughput(prior, layer_bytes=[b / factor for b in self._layer_bytes()], cores=cores)
-        model.constants = RUNTIME_CONSTANTS
-        raw = self.coord.get(MEASURED_KEY) if self.coord is not None else None
-        if raw:
-            try:
-                for key, entry in raw.get("shapes", {}).items():
-                    d, p = (int(x) for x in key.split(","))
-                    for ms in entry["step_ms"]:
-                        model.record(d, p, float(ms))
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("ignoring the published measurements: %s", exc)
-        self.measured = model
-        return model
-
-    def save_profile(self) -> None:
-        """Leader: publish the measured profile in the store and write ``run_dir/profile.json`` (with migration
-        constants fitted from this job's own migrations) -- ``parcae simulate --profile`` loads it."""
-        model = self.measured
-        if model is None or not self.is_leader:
-            return
-        try:
-            moves = [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
-                     for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
-            fitted = MigrationConstants.fit(moves, base=RUNTIME_CONSTANTS) if moves else RUNTIME_CONSTANTS
-            model.constants = fitted
-            raw = model.to_json()
-            model.constants = RUNTIME_CONSTANTS
-            if self.coord is not None:
-                self.coord.put(MEASURED_KEY, raw)
-            if self.run_dir:
-                tmp = os.path.join(self.run_dir, f".profile.json.{os.getpid()}")
-                with open(tmp, "w") as f:
-                    json.dump(raw, f, indent=1)
-                os.replace(tmp, os.path.join(self.run_dir, "profile.json"))
-        except Exception as exc:  # noqa: BLE001 -- a profile is a by-product: never stop training for it
-            log.warning("could not save the measured profile: %s", exc)
-
-    def _partition_for(self, p: int) -> list[int]:
-        s = self.s
-        assert self.layout is not None
-        if p == self.layout.pipeline_stages:
-            return list(self.layout.partition)
-        from lightning_parcae.runtime.partition import balance_stages  # noqa: PLC0415
-
-        times = s.layer_times or [1.0] * len(s.layer_names)
-        memory = self._layer_bytes()
-        return balance_stages(times, p, memory, s.max_stage_memory_bytes)
-
-    def decide(self, trainer: "pl.Trainer", reason: str, leaving: Iterable[str]) -> Optional[dict[str, Any]]:
-        """Leader: choose the next generation and publish it (None: keep the current one)."""
-        assert self.layout is not None and self.coord is not None
-        leaving = list(leaving)
-        old = self.layout
-        standbys = self._fresh_standbys()
-        staying = [m for m in old.members if m not in leaving]
-        avail = staying + standbys
-        cur = (old.data_parallel, old.pipeline_stages)
-        shape = self._choose_shape(len(old.members) + len(standbys), len(avail), observe=not leaving)
-        self.save_profile()
-        requested = self._requested_shape(len(avail))
-        if requested is not None:
-            shape, reason = requested, f"{reason}; operator requested D={requested[0]} P={requested[1]}"
-        if shape != cur or leaving or standbys != self._last_standbys:
-            self._last_standbys = list(standbys)
-            self.event("decision", reason=reason, N=len(avail), current=list(cur),
-                       chosen=list(shape) if shape else None, standbys=standbys, leaving=leaving,
-                       predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"),
-                       throughput=self.stats.get("throughput"))
-        if shape is None:  # every member is alive here: save a checkpoint before stopping
-            return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
-                                          checkpoint=True)
-        if shape == cur and not leaving:
-            return None
-        try:
-            plan = plan_migration(old, avail, shape, self._partition_for(shape[1]), self._layer_bytes(),
-                                  senders=list(old.members))
-        except StageLostError as exc:
-            return self._propose_fallback(int(trainer.global_step), f"{reason}: {exc}")
-        if plan.kind.value == "none":
-            return None
-        rec = self._record(self.generation + 1, plan.new, plan, plan.kind.value, int(trainer.global_step),
-                           reason=reason)
-        return self.coord.propose(rec)
-
-    def _requested_shape(self, n: int) -> Optional[Shape]:
-        """An operator's one-off resize request (record ``parcae/request`` = ``{"id", "D", "P"}``), if new and valid.
-
-        This is how a person (or a benchmark) forces a shape regardless of the optimizer; it is applied at the next
-        planning interval, once per ``id``.
-        """
-        assert self.coord is not None
-        req = self.coord.get("parcae/request")
-        if not req or req.get("id") == self._request_done:
-            return None
-        self._request_done = req.get("id")
-        shape = (int(req.get("D", 0)), int(req.get("P", 0)))
-        thr = self._optimizer.thr if self._optimizer is not None else None
-        if shape[0] * shape[1] > n or shape[1] > len(self.s.layer_names) or (thr and thr.throughput(*shape) <= 0):
-            log.warning("ignoring the requested shape %s: it does not fit %d instances / this job's batch", shape, n)
-            self.event("request_ignored", requested=list(shape), N=n)
-            return None
-        return shape
-
-    def _propose_fallback(self, step: int, reason: str, checkpoint: bool = False) -> dict[str, Any]:
-        assert self.coord is not None and self.layout is not None
-        rec = {"generation": self.generation + 1, "kind": "fallback", "step": step, "reason": reason,
-               "layout": self.layout.to_json(), "time": time.time(), "checkpoint": checkpoint}
-        return self.coord.propose(rec)
-
     # ============================================================================================ migration
-    def _teardown_groups(self, failed: bool = False) -> None:
-        """Leave the current generation's groups: destroy them, or after a failure abandon them (see
-        :meth:`ProcessGroups.abandon`: a shutdown could block on an operation stuck on a dead peer)."""
-        s = self.s
-        if s.groups is None:
-            return
-        if failed:
-            assert self.live is not None
-            self.live.park(s.groups.abandon())
-            _exit_without_destructors_at_shutdown()
-        else:
-            s.groups.destroy()
-
-    def _init_transition(self, rec: dict[str, Any]) -> None:
-        transition = list(rec["transition"])
-        prefixed = dist.PrefixStore(f"mig/{rec['generation']}/", self.store)
-        dist.init_process_group("gloo", store=prefixed, rank=transition.index(self.member),
-                                world_size=len(transition), timeout=self.stall_timeout)
-
-    def switch(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
-        """Move to generation ``rec``: transfer state, rebuild groups and the stage in place (or leave/fall back)."""
-        assert self.layout is not None and self.coord is not None and self.live is not None
-        t0 = time.monotonic()
-        if self.life.phase != Phase.MIGRATING:
-            self.life.to(Phase.MIGRATING, generation=rec["generation"], kind=rec["kind"])
-        if rec["kind"] == "fallback":
-            self.fallback(trainer, rec)
-        s = self.s
-        plan = MigrationPlan.from_json(rec["plan"])
-        new = plan.new
-        transition = list(rec["transition"])
-        joiners = [m for m in new.members if m not in plan.old.members]
-        loop = self._loop_state(trainer) if joiners and rec.get("loop_from") == self.member else None
-        self._teardown_groups()
-        t_groups = time.monotonic()
-        # the transfers belong to the new generation: a death now aborts *it* (and is seen by every participant)
-        self.live.set_generation(int(rec["generation"]), [m for m in transition if m != self.member])
-        try:
-            self._init_transition(rec)
-        except RuntimeError as exc:
-            self._rendezvous_failed(trainer, rec, exc)
-        module = s.lightning_module
-        assert module is not None
-        opts = [getattr(o, "_optimizer", o) for o in s.optimizers]
-        sends: dict[int, dict[str, Any]] = {}
-        for t in plan.sends(self.member):
-            box = sends.setdefault(transition.index(t.dst), {"layers": {}})
-            box["layers"][t.layer] = layer_payload(module, s.layer_key(s.layer_names[t.layer]), opts)
-        if loop is not None:
-            for j in joiners:
-                sends.setdefault(transition.index(j), {"layers": {}})["loop"] = loop
-        srcs = sorted({transition.index(t.src) for t in plan.receives(self.member)})
-        inbox = exchange(sends, srcs, "migration state transfer")
-        dist.destroy_process_group()
-        t_transfer = time.monotonic()
-        if self.member not in new.members:
-            leaving_reason = "notice" if self.live.noticed.is_set() else "released"
-            self.event("left", kind=rec["kind"], reason=leaving_reason, transfer_s=t_transfer - t_groups)
-            self.life.to(Phase.FENCED, reason=leaving_reason)
-            _exit(0 if leaving_reason == "notice" else RELEASED_EXIT)
-        received: dict[int, Any] = {}
-        for blob in inbox.values():
-            received.update(blob.get("layers", {}))
-        try:
-            s.apply_layout(trainer, new, int(rec["generation"]), received, self.group_of)
-        except RuntimeError as exc:
-            self._rendezvous_failed(trainer, rec, exc)
-        _forget_eval_loaders(trainer)
-        self._enter(rec)
-        self.live.set_generation(self.generation, self._watch())
-        if self.is_leader:
-            self.coord.set_current(self.generation)
-        dt = time.monotonic() - t0
-        info = {"kind": rec["kind"], "reason": rec.get("reason", ""), "duration_s": round(dt, 4),
-                "transfer_s": round(t_transfer - t_groups, 4), "bytes_moved": int(rec.get("bytes_moved", 0)),
-                "bytes_received": int(sum(t.nbytes for t in plan.receives(self.member))),
-                "D": new.data_parallel, "P": new.pipeline_stages, "N": len(new.members), "step": trainer.global_step,
-                "joiners": joiners}
-        if self._recovering_since is not None:  # from noticing the loss to training again (detection excluded)
-            info["recovery_s"] = round(time.monotonic() - self._recovering_since, 4)
-            self._recovering_since = None
-        self.migrations.append(info)
-        self.event("migration", **info)
-        self.life.to(Phase.TRAINING, **{k: info[k] for k in ("kind", "duration_s", "D", "P")})
-
-    def _rendezvous_failed(self, trainer: "pl.Trainer", rec: dict[str, Any], exc: BaseException) -> None:
-        """Building a new generation's groups failed (a peer lost or stalled during the rendezvous, or gloo's
-        connectFullMesh racing -- chaos seed 14 saw "Connection closed by peer" there once, not on replay). The
-        generation cannot be entered consistently; rather than fail the job, fall back: exit 75 and let the
-        launcher restart from the last checkpoint (at most the steps since it are lost)."""
-        reason = f"process groups of generation {rec['generation']} could not be built: {str(exc).splitlines()[0][:160]}"
-        self.event("rendezvous_failed", reason=reason)
-        self.fallback(trainer, {"reason": reason})
-
-    def _loop_state(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        """Leader: everything a joiner needs besides its layers (loop, callbacks, schedulers, replicated params)."""
-        from lightning_parcae.runtime.checkpoint import plain_containers  # noqa: PLC0415
-
-        s = self.s
-        with s.local_state_dump():
-            ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        stage_keys = s.stage_key_set()
-        ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in ckpt["state_dict"].items()
-                              if k not in stage_keys}
-        for opt in ckpt.get("optimizer_states", []):
-            opt["state"] = {k: v for k, v in opt.get("state", {}).items() if not s.is_stage_key(k)}
-        ckpt["parcae"] = {"version": 1, "data": s.data_state(), "layout": {}}
-        return plain_containers(ckpt)
-
     # ============================================================================================ failures
     def decide_commit(self, step: int) -> bool:
-        """After a failure inside ``step``: True if the step is applied everywhere, False if discarded everywhere."""
-        assert self.coord is not None and self.layout is not None
-        key = Coordinator.commit_key(self.generation, step) + "/decision"
-        count = self.coord.commit_count(self.generation, step)
-        proposal = b"apply" if count >= len(self.layout.members) else b"discard"
-        return bytes(self.store.compare_set(key, "", proposal)) == b"apply"
+        """See :meth:`~lightning_parcae.runtime.recovery.Recovery.decide_commit`."""
+        return self.recovery.decide_commit(step)
 
     def commit(self, step: int) -> None:
-        """Two-phase step: count in and wait until everyone did (or the generation aborts)."""
-        assert self.coord is not None and self.layout is not None and self.live is not None
-        key = Coordinator.commit_key(self.generation, step) + "/decision"
-        if self.coord.commit_arrive(self.generation, step, len(self.layout.members)):
-            won = bytes(self.store.compare_set(key, "", b"apply"))
-            if won != b"apply":
-                raise PeerLostError(f"step {step} was discarded by a survivor before everyone counted in")
-            self._forget_commit(step - 1)
-            return
-        self.live.wait_key(self.store, key, f"commit of step {step}")
-        if bytes(self.store.get(key)) != b"apply":
-            raise PeerLostError(f"step {step} was discarded after a failure")
-
-    def _forget_commit(self, step: int) -> None:
-        """Delete a finished step's commit keys (everyone has passed it), so the store does not grow per step."""
-        base = Coordinator.commit_key(self.generation, step)
-        for key in (base, base + "/done", base + "/decision"):
-            try:
-                self.store.delete_key(key)
-            except Exception:  # noqa: BLE001 -- a store without delete (older etcd v2 API) just keeps them
-                return
+        """See :meth:`~lightning_parcae.runtime.recovery.Recovery.commit`."""
+        return self.recovery.commit(step)
 
     def recover(self, trainer: "pl.Trainer") -> None:
-        """Survivors of an aborted generation agree on the next one (survivors only) and migrate to it."""
-        assert self.layout is not None and self.coord is not None and self.live is not None
-        g = self.generation
-        reason = self.live.reason or "peer lost"
-        self.life.to(Phase.RECOVERING, generation=g, reason=reason)
-        t0 = time.monotonic()
-        self._recovering_since = t0
-        self.live.abort(reason)
-        self._teardown_groups(failed=True)
-        self.coord.announce_survivor(g, self.member, {"step": int(trainer.global_step)})
-        old = self.layout
-        alive: list[str] = []
-        seen: dict[str, tuple[Optional[bytes], float]] = {}
-        deadline = time.monotonic() + 4 * self.dead_after_s + 10.0
-        while True:
-            pending = []
-            now = time.monotonic()
-            alive = [m for m in old.members if self.coord.survivor(g, m) is not None]
-            for m in old.members:
-                if m in alive:
-                    continue
-                raw = bytes(self.store.get(hb_key(m))) if self.store.check([hb_key(m)]) else None
-                last = seen.get(m)
-                if last is None or last[0] != raw:
-                    seen[m] = (raw, now)
-                    pending.append(m)
-                elif now - last[1] <= self.dead_after_s:
-                    pending.append(m)
-            if not pending or now > deadline:
-                break
-            time.sleep(0.05)
-        dead = [m for m in old.members if m not in alive]
-        self.event("recovering", survivors=alive, dead=dead, reason=reason, wait_s=time.monotonic() - t0)
-        existing = self.coord.generation(g + 1)
-        if existing is None:
-            shape = self._choose_shape(len(old.members), len(alive), observe=False)
-            if shape is None:
-                rec = self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(alive)}")
-            else:
-                try:
-                    plan = plan_migration(old, alive, shape, self._partition_for(shape[1]), self._layer_bytes(),
-                                          senders=alive)
-                    rec = self.coord.propose(self._record(g + 1, plan.new, plan, plan.kind.value,
-                                                          int(trainer.global_step), alive=alive,
-                                                          reason=f"recovery: {reason}", dead=dead))
-                except StageLostError as exc:
-                    rec = self._propose_fallback(int(trainer.global_step), f"{reason}: {exc}")
-        else:
-            rec = existing
-        if self.member not in rec.get("transition", old.members):
-            # e.g. a process that hung (SIGSTOP, a frozen VM) past the heartbeat timeout and then woke up
-            msg = f"{self.member} is not a member of generation {g + 1} (declared dead while silent); exiting"
-            log.warning(msg)
-            print(msg, file=sys.stderr, flush=True)
-            self.event("fenced", reason=msg)
-            self.life.to(Phase.FENCED, reason="not in the survivors' generation")
-            _exit(FENCED_EXIT)
-        self.switch(trainer, rec)
+        """See :meth:`~lightning_parcae.runtime.recovery.Recovery.recover`."""
+        return self.recovery.recover(trainer)
 
     def fallback(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
-        """Some stage has no live replica (or no instance is left): say so loudly and exit for a restart from the
-        last checkpoint. When every member is still alive (all under notice), a checkpoint is saved first, so
-        nothing is lost."""
-        saved = self._save_before_leaving(trainer) if rec.get("checkpoint") else None
-        if saved:
-            msg = (f"PARCAE STOP at step {trainer.global_step}: {rec.get('reason')}. Saved {saved}; the job restarts "
-                   "from it when instances are back.")
-            log.error(msg)
-            print(msg, file=sys.stderr, flush=True)
-            self.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step), checkpoint=saved)
-            self.life.to(Phase.FALLBACK, reason=rec.get("reason"))
-            _exit(FALLBACK_EXIT)
-        msg = (f"PARCAE FALLBACK at step {trainer.global_step}: {rec.get('reason')}. No live process holds some "
-               "layers, so the job must restart from the last checkpoint; the steps since that checkpoint are lost "
-               "and will be recomputed.")
-        log.error(msg)
-        print(msg, file=sys.stderr, flush=True)
-        self.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step))
-        self.life.to(Phase.FALLBACK, reason=rec.get("reason"))
-        _exit(FALLBACK_EXIT)
-
-    def _save_before_leaving(self, trainer: "pl.Trainer") -> Optional[str]:
-        """Collective save of ``run_dir/ckpt/last.ckpt`` (every member must call it); None without a run dir."""
-        if not self.run_dir:
-            return None
-        path = os.path.join(self.run_dir, "ckpt", "last.ckpt")
-        try:
-            trainer.save_checkpoint(path)
-            self.s.wait_for_checkpoint()
-        except Exception as exc:  # noqa: BLE001 -- the periodic checkpoint is still there
-            log.error("could not save a checkpoint before stopping: %s", exc)
-            return None
-        return path
+        """See :meth:`~lightning_parcae.runtime.recovery.Recovery.fallback`."""
+        return self.recovery.fallback(trainer, rec)
 
     def close(self, finished: bool = False) -> None:
         """Stop heartbeats (end of fit); ``finished``: tell waiting standbys that the job is over."""
         if finished:
-            self.save_profile()
+            self.chooser.save_profile()
         if finished and self.store is not None and self.is_leader:
             try:
                 self.store.set("parcae/finished", str(self.generation))
@@ -997,53 +469,6 @@ class ElasticRuntime:
         if self.live is not None:
             activate(None)
             self.live.stop()
-
-
-def _forget_eval_loaders(trainer: "pl.Trainer") -> None:
-    """Make Lightning rebuild the validation loader (and its distributed sampler) at the next validation.
-
-    Regression: the loader was built once, sharded for the D of the first validation; after a change of D the
-    stages of one pipeline read different validation batches and the last stage's output (16 sequences) no longer
-    matched its own targets (8) -- "Expected input batch_size (1024) to match target batch_size (512)".
-    """
-    loop = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None)
-    if loop is not None and hasattr(loop, "_combined_loader"):
-        loop._combined_loader = None
-
-
-_HARD_EXIT: list[bool] = []
-
-
-def _exit_without_destructors_at_shutdown() -> None:
-    """After a failure, end the process with ``os._exit`` once the script has finished.
-
-    An abandoned generation keeps gloo threads blocked on the dead peer; C++ destructors that run at normal
-    interpreter exit then abort the process ("terminate called without an active exception", status -6) even
-    though training finished. The exit status is 1 if an exception escaped the script, else 0; non-daemon threads
-    (a background checkpoint write) have finished by the time ``atexit`` handlers run.
-    """
-    if _HARD_EXIT:
-        return
-    _HARD_EXIT.append(True)
-    import atexit  # noqa: PLC0415
-
-    failed: list[bool] = []
-    previous = sys.excepthook
-
-    def hook(kind: Any, value: Any, tb: Any) -> None:
-        failed.append(True)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-    atexit.register(lambda: _exit(1 if failed else 0))
-
-
-def _exit(code: int) -> None:
-    """Leave the job now: flush, then ``os._exit`` (Lightning's teardown would wait on dead process groups)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def threading_main() -> bool:

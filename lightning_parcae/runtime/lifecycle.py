@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from lightning_parcae.contract import FALLBACK_EXIT, RELEASED_EXIT, FENCED_EXIT
 
-__all__ = ["Phase", "Lifecycle", "IllegalTransitionError", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
+__all__ = ["Phase", "Lifecycle", "IllegalTransitionError", "exit_now", "exit_without_destructors_at_shutdown", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
 log = logging.getLogger("lightning_parcae.lifecycle")
 
@@ -112,3 +114,38 @@ class Lifecycle:
     def allowed(old: Phase, new: Phase) -> bool:
         """Whether ``old -> new`` is a transition of the state machine."""
         return new in _ALLOWED[old]
+
+
+_HARD_EXIT: list[bool] = []
+
+
+def exit_without_destructors_at_shutdown() -> None:
+    """After a failure, end the process with ``os._exit`` once the script has finished.
+
+    An abandoned generation keeps gloo threads blocked on the dead peer; C++ destructors that run at normal
+    interpreter exit then abort the process ("terminate called without an active exception", status -6) even
+    though training finished. The exit status is 1 if an exception escaped the script, else 0; non-daemon threads
+    (a background checkpoint write) have finished by the time ``atexit`` handlers run.
+    """
+    if _HARD_EXIT:
+        return
+    _HARD_EXIT.append(True)
+    import atexit  # noqa: PLC0415
+
+    failed: list[bool] = []
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        failed.append(True)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    atexit.register(lambda: exit_now(1 if failed else 0))
+
+
+def exit_now(code: int) -> None:
+    """Leave the job now: flush, then ``os._exit`` (Lightning's teardown would wait on dead process groups)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -248,12 +248,6 @@ class Liveness:
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
                 log.warning("heartbeat of %s: %s", self.member, exc)
 
-    def last_seen(self, member: str) -> Optional[dict[str, Any]]:
-        """The latest heartbeat payload of ``member`` (None if it never beat)."""
-        store = self._store
-        if store is None or not store.check([hb_key(member)]):
-            return None
-        return json.loads(bytes(store.get(hb_key(member))).decode())
 
 
 class _Box:

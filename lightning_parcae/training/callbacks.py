@@ -1,8 +1,8 @@
 """The worker side of ``parcae run``: periodic checkpoints, graceful stop on a notice, and progress events.
 
-Problem: until in-place live reconfiguration (issue 4) exists, ``parcae run`` handles every membership change the
-way torchrun does -- it stops the whole group and relaunches it at the new size (the *restart fallback*). For
-that to lose little work, the training script must (1) checkpoint regularly, (2) on a preemption notice (SIGTERM)
+Problem: ``parcae run`` changes the membership in place (live reconfiguration, :mod:`lightning_parcae.runtime.elastic`),
+but when a stage loses every replica -- or under ``--restart-fallback`` -- it stops the whole group and relaunches it
+from a checkpoint, the way torchrun does. For that to lose little work, the training script must (1) checkpoint regularly, (2) on a preemption notice (SIGTERM)
 stop at one step that *every* rank agrees on and write a checkpoint there, and (3) resume from that checkpoint
 when relaunched. The launcher also needs to see progress (step, samples/s, D x P) to show it live and to measure
 the time each restart costs. Lightning's own SIGTERM handling is no help here: it broadcasts inside the signal

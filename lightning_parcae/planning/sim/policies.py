@@ -37,6 +37,7 @@ from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape, settle
 from lightning_parcae.planning.forecast import Predictor, make_predictor
+from lightning_parcae.planning.policy import decide_with_forecast
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
 
@@ -205,14 +206,6 @@ def _restart(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **
     return res
 
 
-def _paths_to_intervals(start: int, path: Sequence[int]) -> List[Tuple[int, int, int]]:
-    out, prev = [], start
-    for c in path:
-        c = int(c)
-        out.append((prev, max(c - prev, 0), max(prev - c, 0)))
-        prev = c
-    return out
-
 
 def _liveput(
     cm: MigrationCostModel,
@@ -249,12 +242,9 @@ def _liveput(
         else:
             assert pred is not None
             pred.observe(after)
-            scenarios: List[List[Tuple[int, int, int]]] = [[]]
-            weights: Sequence[float] = [1.0]
-            if look_ahead > 1:
-                paths, weights = pred.scenarios(look_ahead - 1, levels)
-                scenarios = [_paths_to_intervals(after, p) for p in paths]
-            target = opt.decide(prev, shape, (prev, n_in, n_out), scenarios, weights, remain_ms=acct.remain, risk=risk).next_shape
+            decision, _, _ = decide_with_forecast(opt, pred, shape, (prev, n_in, n_out), remain_ms=acct.remain,
+                                                  risk=risk, levels=levels)
+            target = decision.next_shape
         res.decide_s += time.perf_counter() - t0
         target = fit_shape(target, after) if target != PAUSED else PAUSED
         if target[0] * target[1] == 0 or cm.throughput.throughput(*target) <= 0:
