@@ -98,7 +98,7 @@ def _partition_only(strategy: ParcaeStrategy, module: pl.LightningModule) -> Non
         world=p, pipeline_stages=p, coords=types.SimpleNamespace(stage=0), pipeline_group=None
     )
     strategy.parallel_devices = [torch.device("cpu")]
-    strategy._partition_module(types.SimpleNamespace(fit_loop=None, state=None))  # type: ignore[arg-type]
+    strategy.layout.partition_module(types.SimpleNamespace(fit_loop=None, state=None))  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(60)

@@ -166,7 +166,7 @@ class ShapeChooser:
     def _stage_memory(self) -> list[float]:
         """Per-layer resident training memory (as the strategy checks it against ``max_stage_memory_bytes``)."""
         s = self.rt.s
-        full = getattr(s, "_full_stack", None)
+        full = s.full_stack
         if full is not None:
             from lightning_parcae.runtime.partition import layer_memory_bytes  # noqa: PLC0415
 

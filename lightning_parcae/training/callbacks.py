@@ -141,7 +141,7 @@ class ParcaeRunCallbackMixin:
             "samples": int(trainer.global_step) * self._samples_per_step, "D": d, "P": p, "N": trainer.world_size,
             "elapsed_s": time.time() - self._t0,
             # the launcher's restart fallback chooses only a D that splits this batch (runtime.data.batch_splits)
-            "global_batch": getattr(s, "_global_batch", None), "micro_batches": getattr(s, "micro_batches", None),
+            "global_batch": getattr(s, "global_batch", None), "micro_batches": getattr(s, "micro_batches", None),
             **fields,
         })
 
@@ -182,7 +182,7 @@ class ParcaeRunCallbackMixin:
         """Agree on a stop, checkpoint every K steps, and emit progress."""
         if not self.active:
             return
-        global_batch = getattr(trainer.strategy, "_global_batch", None)
+        global_batch = getattr(trainer.strategy, "global_batch", None)
         if global_batch:  # the global batch stays fixed while D changes under live reconfiguration
             self._samples_per_step = int(global_batch)
         elif not self._samples_per_step:
@@ -295,7 +295,7 @@ class ParcaeElasticCallbackMixin:
             return
         er.boundary(trainer)
         now = time.time()
-        b = getattr(trainer.strategy, "_global_batch", None) or 0
+        b = getattr(trainer.strategy, "global_batch", None) or 0
         if self._t is not None and now > self._t:
             inst = b / (now - self._t)
             self._rate = inst if self._rate == 0.0 else 0.8 * self._rate + 0.2 * inst

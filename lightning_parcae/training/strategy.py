@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,40 +42,19 @@ from torch.optim import Optimizer
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_parcae.contract import RUN_DIR_ENV, GENERATION_BASE_ENV, ELASTIC_ENV
-from lightning_parcae.errors import ConfigurationError, ForeignTrainerError, ModelLayoutError
-from lightning_parcae.runtime.checkpoint import (
-    atomic_save,
-    gather_objects,
-    layer_state,
-    load_named_optimizer_state,
-    merge_named_optimizer_states,
-    named_optimizer_state,
-    plain_containers,
-)
-from lightning_parcae.runtime.data import GlobalBatchSampler, global_batch_size, reshard_dataloader
+from lightning_parcae.errors import ConfigurationError, ForeignTrainerError
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.runtime.liveness import guarded
-from lightning_parcae.runtime.partition import (
-    balance_stages,
-    choose_pipeline_stages,
-    layer_memory_bytes,
-    profile_layer_times,
-    stage_bounds,
-)
 from lightning_parcae.runtime.pipeline import (
     P2P,
-    BlockListProxy,
-    hidden_of,
-    StageBoundary,
     StageProxy,
-    chunk_batch,
-    run_forward_only,
-    run_train_schedule,
-    schedule_ops,
-    split_micro_batches,
 )
-from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule, swapped
 from lightning_parcae.training import environment as launcher_env
+from lightning_parcae.training.checkpointing import StrategyCheckpoints
+from lightning_parcae.training.data_path import DataPath
+from lightning_parcae.training.layout import StageLayout
+from lightning_parcae.training.profiling import LayerProfiler
+from lightning_parcae.training.step_runner import StepRunner
 from lightning_parcae.training.namespaces import IMPORT_HINT, namespace, namespace_of
 
 if TYPE_CHECKING:
@@ -87,9 +65,6 @@ __all__ = ["ParcaeStrategy", "ParcaeStrategyMixin", "strategy_class", "check_tra
 _FIT, _TRAINING, _PREDICTING = "fit", "train", "predict"  # TrainerFn / RunningStage values (both namespaces)
 
 log = logging.getLogger(__name__)
-
-_CKPT_KEY = "parcae"
-_CKPT_VERSION = 1
 
 
 def check_trainer(trainer: Any, ns_name: str = "pytorch_lightning") -> None:
@@ -105,46 +80,6 @@ def check_trainer(trainer: Any, ns_name: str = "pytorch_lightning") -> None:
             f"this ParcaeStrategy was built for {ns_name}, but got a {type(trainer).__name__} from "
             f"{type(trainer).__module__!r}. With that Trainer use {hint}"
         )
-
-
-class _LogRecorder:
-    """Collects ``self.log`` calls of the M micro-steps and replays one merged call per name."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.calls: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
-
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise ConfigurationError("pass self.log options by keyword under ParcaeStrategy")
-        self.calls.setdefault(name, []).append((value, kwargs))
-
-    @contextmanager
-    def active(self) -> Generator[None, None, None]:
-        self.module.log = self  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del self.module.log
-
-    def replay(self) -> None:
-        for name, calls in self.calls.items():
-            value, kwargs = calls[-1]
-            if isinstance(value, (Tensor, int, float)) and not isinstance(value, bool):
-                values = torch.stack([torch.as_tensor(v, dtype=torch.float32).detach().float().reshape(())
-                                      if not isinstance(v, Tensor) else v.detach().float().reshape(())
-                                      for v, _ in calls])
-                fx = kwargs.get("reduce_fx", "mean")
-                fx_name = fx if isinstance(fx, str) else getattr(fx, "__name__", "mean")
-                merged = {"sum": values.sum, "max": values.max, "min": values.min}.get(fx_name, values.mean)()
-                if isinstance(value, Tensor):
-                    merged = merged.to(value.device)
-                value = merged
-                sizes = [kw.get("batch_size") for _, kw in calls]
-                if all(s is not None for s in sizes):
-                    kwargs = {**kwargs, "batch_size": int(sum(sizes))}  # type: ignore[arg-type]
-            type(self.module).log(self.module, name, value, **kwargs)
-        self.calls.clear()
 
 
 class ParcaeStrategyMixin:
@@ -265,14 +200,6 @@ class ParcaeStrategyMixin:
         self._stage: Optional[nn.Sequential] = None
         self._proxy: Optional[StageProxy] = None
         self._p2p: Optional[P2P] = None
-        self._pending_grads: Optional[list[Optional[Tensor]]] = None
-        self._sync_grads = True
-        self._prepare_patch: Optional[Callable[..., Any]] = None
-        self._train_sampler: Optional[GlobalBatchSampler] = None
-        self._global_batch: Optional[int] = None
-        self._cursor_epoch = -1
-        self._cursor = 0
-        self._resume_data: Optional[dict[str, Any]] = None
         # live reconfiguration
         if elastic is None:
             elastic = os.environ.get(ELASTIC_ENV, "0") not in ("", "0", "false")
@@ -284,12 +211,11 @@ class ParcaeStrategyMixin:
         self.max_pipeline_stages = max_pipeline_stages
         self.elastic_runtime: Optional[Any] = None
         self._full_stack: Optional[nn.Sequential] = None
-        self._local_dump = False
-        self._step_batch: Optional[tuple[int, int, list[int]]] = None  # (D, replica, global batch) of this step
-        self._rerun_step = False
-        self.last_step_indices: list[int] = []
-        self._train_loader: Optional[Any] = None
-        self._bg_writer: Optional[Any] = None
+        self.checkpoints = StrategyCheckpoints(self)
+        self.layout = StageLayout(self)
+        self.steps = StepRunner(self)
+        self.data = DataPath(self)
+        self.profiler = LayerProfiler(self)
         self._no_cut_reason: Optional[str] = None
         self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
         self._post_fit_stages = 0
@@ -526,21 +452,21 @@ class ParcaeStrategyMixin:
                 "or '32-true'"
             )
         self.model = self.precision_plugin.convert_module(module)
-        self._install_data_hook(trainer)
+        self.data.install(trainer)
         joining = self.elastic_runtime is not None and self.elastic_runtime.joining and self._stage is None
         if joining:
             self._install_live_restore(trainer)
-            self._full_stack = self._stack()
-            self._build_stage()
+            self._full_stack = self.layout.stack()
+            self.layout.build()
         elif self._stage is None:
             self.model_to_device()
-            self._partition_module(trainer)
+            self.layout.partition_module(trainer)
         else:  # a later Trainer stage (validate/test after fit): same partition, new groups
             self._p2p = P2P(self.root_device, self.groups.pipeline_group)
         self.model_to_device()
         if not joining:
-            self._sync_replicas()
-        self._bind_metrics()
+            self.layout.sync_replicas()
+        self.layout.bind_metrics()
         if trainer.state.fn == _FIT:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -548,7 +474,7 @@ class ParcaeStrategyMixin:
             from lightning_fabric.utilities.optimizer import _optimizers_to_device  # noqa: PLC0415
 
             _optimizers_to_device(self.optimizers, self.root_device)
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = self.steps.clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == _FIT:
             self._add_launcher_callbacks(trainer)
         if self.elastic_runtime is not None and trainer.state.fn == _FIT:
@@ -601,43 +527,6 @@ class ParcaeStrategyMixin:
 
         connector.resume_start = resume_start  # type: ignore[method-assign]
 
-    def apply_layout(self, trainer: "pl.Trainer", layout: Any, generation: int, received: Mapping[int, Any],
-                     group_of: list[dict[str, int]]) -> None:
-        """Rebuild this process's groups, stage, optimizer binding and data slice for ``layout`` (in place)."""
-        from lightning_parcae.runtime.migration import load_layer_payload, rebind_optimizer  # noqa: PLC0415
-
-        module = self.lightning_module
-        assert module is not None and self._full_stack is not None
-        rank = layout.members.index(self.elastic_runtime.member)  # type: ignore[union-attr]
-        world, d, p = len(layout.members), layout.data_parallel, layout.pipeline_stages
-        self._set_ranks(rank, world)
-        backend = self._process_group_backend or "gloo"
-        self.groups = ProcessGroups(generation, rank, world, d, p, self._store, backend, self._timeout).build()
-        self.partition = list(layout.partition)
-        # layers that arrived: load into the full stack (global names are "<stack_path>.<layer>.<param>")
-        if not self.whole_model:
-            replace_submodule(module, self.stack_path, self._full_stack)  # type: ignore[arg-type]
-        try:
-            for payload in received.values():
-                load_layer_payload(module, payload, self.root_device)
-        finally:
-            self._build_stage()
-        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
-        held = set(self.layer_names[a:b])
-        for name, layer in self._full_stack._modules.items():
-            layer.to(self.root_device if name in held else torch.device("cpu"))  # type: ignore[union-attr]
-        opt_state: list[dict[str, Any]] = [dict() for _ in self.optimizers]
-        for payload in received.values():
-            for k, per in enumerate(payload["optim"]):
-                if k < len(opt_state):
-                    opt_state[k].update(per)
-        for k, opt in enumerate(self.optimizers):
-            inner = getattr(opt, "_optimizer", opt)
-            rebind_optimizer(inner, module, group_of[k] if k < len(group_of) else {}, opt_state[k])
-        if self._train_sampler is not None:
-            self._train_sampler.reshard(d, self.groups.coords.replica, d * self.micro_batches)
-        self._bind_metrics()
-
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """One optimizer step; under live reconfiguration a step interrupted by a lost peer is applied everywhere
         or discarded everywhere (two-phase), then re-run on the recovered shape with the same global batch."""
@@ -648,7 +537,7 @@ class ParcaeStrategyMixin:
 
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         step = int(trainer.global_step)
-        cursor = (self._cursor_epoch, self._cursor)
+        cursor = (self.data.cursor_epoch, self.data.cursor)
         inner = getattr(optimizer, "_optimizer", optimizer)
         while True:
             self._committing = step
@@ -662,10 +551,10 @@ class ParcaeStrategyMixin:
                     return None
                 for p in (self.lightning_module.parameters() if self.lightning_module is not None else []):
                     p.grad = None
-                self._pending_grads = None
-                self._cursor_epoch, self._cursor = cursor
+                self.steps.pending_grads = None
+                self.data.cursor_epoch, self.data.cursor = cursor
                 er.recover(trainer)
-                self._rerun_step = True
+                self.data.rerun_step = True
             finally:
                 self._committing = None
 
@@ -684,86 +573,10 @@ class ParcaeStrategyMixin:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def _stack(self) -> nn.Sequential:
-        assert self.lightning_module is not None and self.stack_path is not None
-        return self.lightning_module.get_submodule(self.stack_path)  # type: ignore[return-value]
-
-    def _partition_module(self, trainer: "pl.Trainer") -> None:
-        module = self.lightning_module
-        assert module is not None and self.groups is not None
-        try:
-            self.stack_path = locate_layer_stack(module, self.layers_attr)
-        except ModelLayoutError as err:
-            if self.layers_attr is not None or (self.pipeline_stages_option or 1) > 1 or self.balance is not None:
-                raise ModelLayoutError(
-                    f"{err}. (Data parallelism needs no layer stack: with pipeline_stages=1 this model trains as is.)"
-                ) from err
-            self._whole_model(module, str(err))
-            return
-        stack = self._stack()
-        if is_block_list(stack):
-            verdict = self._check_block_list(trainer)
-            if verdict is not None:
-                if self.layers_attr is not None or (self.pipeline_stages_option or 1) > 1 or self.balance is not None:
-                    raise ModelLayoutError(f"cannot cut '{self.stack_path}' into pipeline stages: {verdict}")
-                self._whole_model(module, f"'{self.stack_path}' cannot be cut: {verdict}")
-                return
-        self.layer_names = list(stack._modules.keys())
-        n_layers = len(self.layer_names)
-        world = self.groups.world
-        memory = [layer_memory_bytes(stack._modules[n], self.optimizer_state_factor) for n in self.layer_names]
-        p_opt = self.pipeline_stages_option
-        if p_opt is not None and p_opt > n_layers:
-            raise ModelLayoutError(
-                f"pipeline_stages={p_opt} exceeds the {n_layers} layers of '{self.stack_path}'; every stage needs at "
-                f"least one layer (use pipeline_stages <= {n_layers})"
-            )
-        if self.balance is not None:
-            if sum(self.balance) != n_layers or min(self.balance) < 1:
-                raise ModelLayoutError(
-                    f"balance={self.balance} must be positive layer counts summing to the {n_layers} layers"
-                )
-            times = [1.0] * n_layers
-            sizes = list(self.balance)
-            if self.max_stage_memory_bytes is not None:
-                _check_sizes_memory(sizes, memory, self.max_stage_memory_bytes)
-        elif p_opt == 1:
-            times, sizes = [1.0] * n_layers, [n_layers]
-            if self.max_stage_memory_bytes is not None:
-                _check_sizes_memory(sizes, memory, self.max_stage_memory_bytes)
-        else:
-            times = self._profile(trainer, stack)
-            if p_opt is None:
-                p_opt = choose_pipeline_stages(times, world, self.micro_batches, memory, self.max_stage_memory_bytes)
-                log.info("ParcaeStrategy chose pipeline_stages=%d from the profile %s", p_opt, times)
-            sizes = balance_stages(times, p_opt, memory, self.max_stage_memory_bytes)
-        if len(sizes) != self.groups.pipeline_stages:
-            self.groups = self.groups.rebuilt(world // len(sizes), len(sizes))
-        self.layer_times = times
-        self.partition = sizes
-        self._full_stack = stack
-        self._build_stage()
-
-    def _whole_model(self, module: nn.Module, why: str) -> None:
-        """No layer stack to cut: train the whole module at P = 1 (elastic data parallelism only).
-
-        The module's top-level children stand in for "layers" so that live reconfiguration can move their state to
-        joiners exactly as it moves pipeline layers; the pipeline depth is pinned to 1.
-        """
-        assert self.groups is not None
-        names = [n for n, m in module.named_children()
-                 if any(True for _ in m.parameters()) or any(True for _ in m.buffers())]
-        self.stack_path = ""
-        self.layer_names = names
-        self.partition = [len(names)]
-        self.layer_times = [1.0] * len(names)
-        self.max_pipeline_stages = 1
-        self._no_cut_reason = why
-        if self.groups.pipeline_stages != 1:
-            self.groups = self.groups.rebuilt(self.groups.world, 1)
-        self._full_stack = module  # type: ignore[assignment]
-        log.info("ParcaeStrategy: no layer stack to cut (%s); training at P = 1", why)
-        self._build_stage()
+    def apply_layout(self, trainer: "pl.Trainer", layout: Any, generation: int, received: Mapping[int, Any],
+                     group_of: list[dict[str, int]]) -> None:
+        """Rebuild this process's groups, stage, optimizer binding and data slice for ``layout`` (in place)."""
+        self.layout.apply(trainer, layout, generation, received, group_of)
 
     @property
     def whole_model(self) -> bool:
@@ -777,7 +590,7 @@ class ParcaeStrategyMixin:
     @property
     def global_batch(self) -> Optional[int]:
         """B, the global batch size, once the training loader is known."""
-        return self._global_batch
+        return self.data.global_batch
 
     @property
     def full_stack(self) -> Optional[nn.Sequential]:
@@ -787,11 +600,11 @@ class ParcaeStrategyMixin:
     @contextmanager
     def local_state_dump(self) -> Iterator[None]:
         """Within it, ``lightning_module_state_dict`` returns this process's own state (no gather)."""
-        self._local_dump = True
+        self.checkpoints.local_dump = True
         try:
             yield
         finally:
-            self._local_dump = False
+            self.checkpoints.local_dump = False
 
     def is_stage_key(self, key: str) -> bool:
         """Whether a state-dict / optimizer-state key belongs to a layer of the stack (not a replicated part)."""
@@ -799,479 +612,52 @@ class ParcaeStrategyMixin:
             return key.startswith(self.stack_path + ".")
         return key.split(".", 1)[0] in set(self.layer_names)
 
-    def _build_stage(self) -> None:
-        """(Re)build this process's stage module, proxy and transport from ``partition`` and ``groups``."""
-        assert self.groups is not None and self.lightning_module is not None and self.stack_path is not None
-        if self.whole_model:
-            self._stage = cut_stage(self.lightning_module, self.layer_names)  # a view: nothing is replaced
-            self._proxy = None
-            self._p2p = P2P(self.root_device, self.groups.pipeline_group)
-            return
-        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
-        full = self._full_stack if self._full_stack is not None else self._stack()
-        self._stage = cut_stage(full, self.layer_names[a:b])
-        replace_submodule(self.lightning_module, self.stack_path, self._stage)
-        self._proxy = BlockListProxy(self._stage) if is_block_list(self._stage) else StageProxy(self._stage)
-        self._p2p = P2P(self.root_device, self.groups.pipeline_group)
-
-    _BLOCK_VERDICTS = {
-        1: "no sample input to check how forward uses the blocks (give the module an example_input_array or "
-           "training data)",
-        2: "forward did not loop over the block list exactly once, in order (`for block in self.blocks: x = "
-           "block(x, ...)`); indexing it or calling blocks out of order cannot be cut",
-        3: "a block's first argument is not the previous block's output (or its first element): code between the "
-           "blocks (e.g. `x = x + block(x)`) cannot be cut; move it into the block",
-        4: "running the step with the block list under inspection failed",
-    }
-
-    def _check_block_list(self, trainer: Any) -> Optional[str]:
-        """Check on rank 0, with one sample, that ``forward`` loops the block list as a chain (block ``i + 1`` gets
-        block ``i``'s hidden state first), and keep the first block's input for profiling; every rank gets the
-        verdict (None: the list can be cut)."""
-        code = 0
-        if self.global_rank == 0:
-            code, self._block_sample = self._probe_blocks(trainer)
-        if self.groups is not None and self.groups.world > 1:
-            t = torch.tensor([code], dtype=torch.int64)
-            dist.broadcast(t, src=0)
-            code = int(t.item())
-        return self._BLOCK_VERDICTS.get(code) if code else None
-
-    def _probe_blocks(self, trainer: Any) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
-        module = self.lightning_module
-        assert module is not None and self.stack_path is not None
-        stack = self._stack()
-        blocks = list(stack._modules.values())
-        calls: list[tuple[int, Any, Any, tuple, dict]] = []
-
-        class _Trace(nn.Module):
-            def __init__(self, i: int, block: nn.Module) -> None:
-                super().__init__()
-                object.__setattr__(self, "_i", i)
-                object.__setattr__(self, "_b", block)
-
-            def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-                out = self._b(x, *args, **kwargs)  # type: ignore[operator]
-                calls.append((self._i, x, hidden_of(out), args, kwargs))  # type: ignore[attr-defined]
-                return out
-
-        class _TraceList(nn.Module):
-            def __iter__(self) -> Any:
-                return iter([_Trace(i, b) for i, b in enumerate(blocks)])
-
-            def __len__(self) -> int:
-                return len(blocks)
-
-            def __getitem__(self, idx: Any) -> Any:
-                raise IndexError("indexed")
-
-        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.stack_path, _TraceList()), \
-                _LogRecorder(module).active():
-            try:
-                example = getattr(module, "example_input_array", None)
-                if example is not None:
-                    example = self.batch_to_device(example)
-                    if isinstance(example, (tuple, list)):
-                        module(*example)
-                    elif isinstance(example, dict):
-                        module(**example)
-                    else:
-                        module(example)
-                else:
-                    batch = self._sample_batch(trainer)
-                    if batch is None:
-                        return 1, None
-                    module.training_step(self.batch_to_device(batch), 0)
-            except IndexError:
-                return 2, None
-            except Exception as err:  # noqa: BLE001
-                log.warning("ParcaeStrategy could not run the step to inspect the block list: %s", err)
-                return (2 if calls else 4), None
-        if [c[0] for c in calls] != list(range(len(blocks))):
-            return 2, None
-        for prev, cur in zip(calls, calls[1:]):
-            if cur[1] is not prev[2]:
-                return 3, None
-        first = calls[0]
-        if not isinstance(first[1], Tensor):
-            return 3, None
-        return 0, (first[1].detach(), first[3], first[4])
-
-    def _profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
-        """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
-        assert self.groups is not None
-        times: list[Any] = [None]
-        if self.global_rank == 0:
-            block_sample = getattr(self, "_block_sample", None) if is_block_list(stack) else None
-            extra: tuple[tuple, dict] = ((), {})
-            if block_sample is not None:
-                sample, extra = block_sample[0], (block_sample[1], block_sample[2])
-            elif is_block_list(stack):
-                sample = None
-            else:
-                sample = self._sample_stack_input(trainer)
-            if sample is None:
-                warnings.warn("ParcaeStrategy found no sample input to profile; balancing by parameter count",
-                              stacklevel=2)
-                times[0] = [float(sum(p.numel() for p in m.parameters()) + 1) for m in stack]
-            else:
-                was_training = stack.training
-                stack.train()
-                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats, args=extra[0],
-                                               kwargs=extra[1])
-                stack.train(was_training)
-        if self.groups.world > 1:
-            # floats only: a tensor broadcast (nothing from the network is unpickled)
-            n = len(self.layer_names)
-            t = torch.tensor(times[0] if times[0] is not None else [0.0] * n, dtype=torch.float64)
-            dist.broadcast(t, src=0)
-            times[0] = t.tolist()
-        return list(times[0])
-
-    def _sample_stack_input(self, trainer: "pl.Trainer") -> Optional[Tensor]:
-        """The layer stack's input for one batch: from ``example_input_array`` or the training data."""
-        module = self.lightning_module
-        assert module is not None and self.stack_path is not None
-        proxy = StageProxy(nn.Identity())
-        proxy.mode = "capture"
-        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.stack_path, proxy), \
-                _LogRecorder(module).active():
-            try:
-                example = getattr(module, "example_input_array", None)
-                if example is not None:
-                    example = self.batch_to_device(example)
-                    if isinstance(example, (tuple, list)):
-                        module(*example)
-                    elif isinstance(example, dict):
-                        module(**example)
-                    else:
-                        module(example)
-                else:
-                    batch = self._sample_batch(trainer)
-                    if batch is None:
-                        return None
-                    module.training_step(self.batch_to_device(batch), 0)
-            except StageBoundary:
-                return proxy.captured if isinstance(proxy.captured, Tensor) else None
-            except Exception as err:  # the profile is an optimization: never fail the run for it
-                log.warning("ParcaeStrategy could not capture a sample input: %s", err)
-                return None
-        raise ModelLayoutError(
-            f"the module's step returned without calling '{self.stack_path}'; forward must run the layer stack"
-        )
-
-    def _sample_batch(self, trainer: "pl.Trainer") -> Any:
-        source = getattr(trainer.fit_loop, "_data_source", None)
-        if source is None or trainer.state.fn != _FIT:
-            return None
-        try:
-            loader = source.dataloader()
-            b = global_batch_size(loader)
-            return loader.collate_fn([loader.dataset[i] for i in range(min(b, len(loader.dataset)))])
-        except Exception as err:
-            log.warning("ParcaeStrategy could not read a sample batch: %s", err)
-            return None
-
-    def _sync_replicas(self) -> None:
-        """Make replica 0's stage (and rank 0's replicated parameters) authoritative on every rank."""
-        g = self.groups
-        assert g is not None and self.lightning_module is not None
-        if g.world == 1:
-            return
-        stage_keys = self.stage_key_set()
-        with torch.no_grad():
-            for name, t in self.lightning_module.state_dict(keep_vars=True).items():
-                tensor = t.data if isinstance(t, nn.Parameter) else t
-                if not isinstance(tensor, Tensor):
-                    continue
-                if name in stage_keys:
-                    if g.data_parallel > 1:
-                        dist.broadcast(tensor, g.data_ranks(g.coords.stage)[0], group=g.data_group)
-                else:
-                    dist.broadcast(tensor, 0)
-
     def stage_key_set(self) -> set[str]:
         assert self.stack_path is not None and self._stage is not None
         return {self.layer_key(k) for k in self._stage.state_dict().keys()}
 
-    def _bind_metrics(self) -> None:
-        """torchmetrics sync over the replicas of this stage (each pipeline's state is mirrored P times)."""
-        try:
-            from torchmetrics import Metric  # noqa: PLC0415
-        except ImportError:  # pragma: no cover
-            return
-        assert self.lightning_module is not None and self.groups is not None
-        for m in self.lightning_module.modules():
-            if isinstance(m, Metric):
-                m.process_group = self.groups.data_group
-
     # ============================================================================================ data
-    def _install_data_hook(self, trainer: "pl.Trainer") -> None:
-        """Replace Lightning's sampler injection: every loader is read in global order and sliced per pipeline."""
-        connector = trainer._data_connector
-        if self._prepare_patch is None:
-            self._prepare_patch = connector._prepare_dataloader
-        original = self._prepare_patch
-
-        def prepare(dataloader: object, shuffle: bool, mode: Any) -> object:
-            from torch.utils.data import DataLoader  # noqa: PLC0415
-
-            if mode == _PREDICTING or not isinstance(dataloader, DataLoader):
-                return original(dataloader, shuffle, mode)
-            assert self.groups is not None
-            train = mode == _TRAINING
-            loader, sampler = reshard_dataloader(
-                dataloader, self.groups.data_parallel, self.groups.coords.replica, self.micro_batches, train,
-                fixed_epoch=self.elastic,  # every member, joiner or not, must agree on where an epoch ends
-            )
-            if train:
-                self._train_sampler = sampler
-                self._train_loader = loader
-                self._global_batch = sampler.global_batch
-                if self._resume_data is not None:
-                    sampler.start_at(self._resume_data["epoch"], self._resume_data["cursor"],
-                                     self._resume_data.get("rng"), self._resume_data.get("rng_now"))
-            return loader
-
-        connector._prepare_dataloader = prepare  # type: ignore[method-assign]
-
-    def _count_samples(self) -> None:
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if trainer.current_epoch != self._cursor_epoch:
-            self._cursor_epoch = trainer.current_epoch
-            resume = self._resume_data
-            self._cursor = resume["cursor"] if resume and resume["epoch"] == trainer.current_epoch else 0
-        self._cursor += self._global_batch or 0
-
     def data_state(self) -> dict[str, Any]:
         """The sample cursor: epoch, samples of that epoch consumed, global batch size, sampler RNG state."""
-        state: dict[str, Any] = {"epoch": max(self._cursor_epoch, 0), "cursor": self._cursor,
-                                 "global_batch": self._global_batch or 0}
-        rng = self._train_sampler.rng_state if self._train_sampler is not None else None
-        if rng is not None:
-            state["rng"] = rng
-        now = self._train_sampler.rng_now if self._train_sampler is not None else None
-        if now is not None:
-            state["rng_now"] = now
-        return state
+        return self.data.state()
+
+    @property
+    def last_step_indices(self) -> list[int]:
+        """Global sample indices this pipeline trained on in the last step."""
+        return self.data.last_step_indices
 
     # ============================================================================================ steps
-    def _call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
-                   given: Optional[Tensor] = None) -> Any:
-        module = self.lightning_module
-        assert module is not None and self.stack_path is not None
-        if self._proxy is None or (self.groups is not None and self.groups.pipeline_stages == 1):
-            return getattr(module, name)(batch, *rest, **kwargs)  # P = 1: the user's step as written
-        self._proxy.mode, self._proxy.given, self._proxy.captured = mode, given, None
-        with swapped(module, self.stack_path, self._proxy):
-            return getattr(module, name)(batch, *rest, **kwargs)
-
-    def _head(self, name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], Tensor]:
-        def head(mb: Any) -> Tensor:
-            try:
-                self._call_step(name, "head", mb, rest, kwargs)
-            except StageBoundary:
-                assert self._proxy is not None
-                return self._proxy.captured  # type: ignore[return-value]
-            raise ModelLayoutError(f"{name} returned without running the layer stack '{self.stack_path}'")
-
-        return head
-
-    def _middle(self, name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Callable[[Any, Tensor],
-                                                                                                 Tensor]]:
-        """For a block list: a middle stage runs the user's step with its blocks fed by the received activation,
-        so that blocks get the extra arguments (masks, positions) the step computes; None for an nn.Sequential."""
-        if not isinstance(self._proxy, BlockListProxy):
-            return None
-
-        def middle(mb: Any, act: Tensor) -> Tensor:
-            try:
-                self._call_step(name, "middle", mb, rest, kwargs, act)
-            except StageBoundary:
-                assert self._proxy is not None
-                return self._proxy.captured  # type: ignore[return-value]
-            raise ModelLayoutError(f"{name} returned without running the blocks of '{self.stack_path}'")
-
-        return middle
-
+    # Lightning calls these on the strategy; the work is in :class:`~lightning_parcae.training.step_runner.StepRunner`.
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss."""
-        module = self.lightning_module
-        g = self.groups
-        assert module is not None and g is not None and self._p2p is not None and self._stage is not None
-        trainer = module.trainer
-        batch, rest = self._effective_batch(args[0]), tuple(args[1:])
-        m_total = self.micro_batches
-        micro = split_micro_batches(batch, m_total)
-        params = [p for p in module.parameters() if p.requires_grad]
-        previous = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        results: list[Any] = []
-        outputs: list[Tensor] = []
-        recorder = _LogRecorder(module)
-
-        def tail(mb: Any, act: Optional[Tensor]) -> Tensor:
-            result = self._call_step("training_step", "full" if act is None else "tail", mb, rest, kwargs, act)
-            results.append(result)
-            if self._proxy is not None and isinstance(self._proxy.captured, Tensor):
-                outputs.append(self._proxy.captured.detach())
-            return _loss_of(result)
-
-        ops = schedule_ops(self.schedule, g.coords.stage, g.pipeline_stages, m_total)
-        scale = 1.0 / (m_total * trainer.accumulate_grad_batches)
-        with recorder.active():
-            run_train_schedule(
-                ops, micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
-                self._head("training_step", rest, kwargs), tail, scale, self.precision_plugin.train_step_context,
-                middle=self._middle("training_step", rest, kwargs),
-            )
-            if g.pipeline_stages > 1:
-                results = self._mirror_train(micro, rest, kwargs, outputs, results)
-        recorder.replay()
-        self._pending_grads = [p.grad for p in params]
-        for p, prev in zip(params, previous):
-            p.grad = prev
-        self._count_samples()
-        losses = torch.stack([_loss_of(r).detach().float() for r in results])
-        loss = losses.mean().to(losses.device)
-        last = results[-1]
-        if isinstance(last, Mapping):
-            return {**last, "loss": loss}
-        return loss
-
-    def _effective_batch(self, batch: Any) -> Any:
-        """This pipeline's slice of the current global batch -- re-cut if the shape changed after it was loaded.
-
-        Lightning prefetches the next batch (and DataLoader workers prefetch more), so a batch may have been sliced
-        for the previous D. The sampler recorded each batch's global indices; a stale slice is rebuilt here from the
-        dataset with the loader's ``collate_fn``. A step re-run after a failure reuses the batch it started with.
-        """
-        sampler = self._train_sampler
-        if sampler is None or self.groups is None:
-            return batch
-        if self._rerun_step and self._step_batch is not None:
-            record = self._step_batch  # the step re-runs after a failure: same global batch
-        elif sampler.records:
-            record = sampler.records.popleft()
-            self._step_batch = record
-        else:
-            return batch
-        self._rerun_step = False
-        d, replica, chunk = record
-        g = self.groups
-        self.last_step_indices = sampler.slice_of(chunk, g.data_parallel, g.coords.replica)
-        if (d, replica) == (g.data_parallel, g.coords.replica):
-            return batch
-        loader = self._train_loader
-        assert loader is not None
-        fresh = loader.collate_fn([loader.dataset[i] for i in self.last_step_indices])
-        return self.batch_to_device(fresh)
-
-    def _mirror_train(self, micro: list[Any], rest: tuple[Any, ...], kwargs: dict[str, Any],
-                      outputs: list[Tensor], results: list[Any]) -> list[Any]:
-        """Give every stage the last stage's outputs and re-run the user's step there (no grad)."""
-        g = self.groups
-        assert g is not None and self._p2p is not None
-        full = torch.cat(outputs) if g.is_last_stage else None
-        full = self._p2p.broadcast(full, g.last_stage_rank())
-        if g.is_last_stage:
-            return results
-        chunks = torch.chunk(full, len(micro))
-        mirrored = []
-        with torch.no_grad(), self.precision_plugin.train_step_context():
-            for mb, out in zip(micro, chunks):
-                mirrored.append(self._call_step("training_step", "given", mb, rest, kwargs, out))
-        return mirrored
-
-    def _eval_step(self, name: str, context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        g = self.groups
-        assert module is not None and g is not None and self._p2p is not None and self._stage is not None
-        with context():
-            if g.pipeline_stages == 1:
-                return getattr(module, name)(*args, **kwargs)
-            batch, rest = args[0], tuple(args[1:])
-            micro = chunk_batch(batch, self.micro_batches)
-            middle = self._middle(name, rest, kwargs)  # block lists: the last stage also stops after its blocks
-            outs = run_forward_only(micro, self._stage, self._p2p, g.prev_rank(), g.next_rank(),
-                                    self._head(name, rest, kwargs), middle=middle, tail=middle)
-            full = self._p2p.broadcast(torch.cat(outs) if g.is_last_stage else None, g.last_stage_rank())
-            return self._call_step(name, "given", batch, rest, kwargs, full)
+        return self.steps.training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Pipeline forward of the batch, then the user's ``validation_step`` on every stage with its output."""
-        return self._eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+        return self.steps.eval_step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Like :meth:`validation_step` for ``test_step``."""
-        return self._eval_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+        return self.steps.eval_step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Like :meth:`validation_step` for ``predict_step``."""
-        return self._eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+        return self.steps.eval_step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
 
     # ============================================================================================ gradients
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """While Lightning accumulates, skip the data-parallel gradient all-reduce."""
-        self._sync_grads = False
-        try:
+        with self.steps.no_sync():
             yield None
-        finally:
-            self._sync_grads = True
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Put back the gradients computed in :meth:`training_step`, then reduce them (unless accumulating)."""
-        module = self.lightning_module
-        assert module is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        params = [p for p in module.parameters() if p.requires_grad]
-        pending = self._pending_grads or [None] * len(params)
-        for p, g in zip(params, pending):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-        self._pending_grads = None
-        if self._sync_grads:
-            self.reduce_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        return closure_loss
-
-    def _replicated_params(self) -> list[nn.Parameter]:
-        """Trainable parameters outside the layer stack (present on every stage)."""
-        assert self.lightning_module is not None and self._stage is not None
-        local = {id(p) for p in self._stage.parameters()}
-        return [p for p in self.lightning_module.parameters() if p.requires_grad and id(p) not in local]
+        return self.steps.backward(closure_loss)
 
     def reduce_gradients(self) -> None:
         """Sum replicated parameters' gradients over the pipeline, then average everything over the D replicas."""
-        g = self.groups
-        module = self.lightning_module
-        assert g is not None and module is not None
-        replicated = self._replicated_params()
-        if g.pipeline_stages > 1 and replicated:
-            _all_reduce_grads(replicated, g.pipeline_group, 1.0)
-        if g.data_parallel > 1:
-            _all_reduce_grads([p for p in module.parameters() if p.requires_grad], g.data_group,
-                              1.0 / g.data_parallel)
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        """Clip by the norm of the gradients of ALL parameters of the model (every stage's), like one process."""
-        g = self.groups
-        assert g is not None
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        replicated = {id(p) for p in self._replicated_params()}
-        sq = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for p in params:
-            if id(p) in replicated and not g.is_first_stage:
-                continue  # counted once, on stage 0
-            sq += p.grad.detach().float().pow(2).sum()
-        if g.pipeline_stages > 1:
-            guarded(lambda: dist.all_reduce(sq, group=g.pipeline_group, async_op=True), "gradient-norm all-reduce")
-        total = sq.sqrt()
-        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
-        for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+        self.steps.reduce_gradients()
 
     # ============================================================================================ collectives
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
@@ -1342,150 +728,38 @@ class ParcaeStrategyMixin:
         return box[0]
 
     # ============================================================================================ checkpoints
-    def _replica0_gather(self, obj: Any) -> Optional[list[Any]]:
-        """Gather ``obj`` from the stages of replica 0 to global rank 0 (other replicas skip)."""
-        g = self.groups
-        assert g is not None
-        if g.coords.replica != 0:
-            return None
-        return gather_objects(obj, 0, g.pipeline_group_of(0))
-
+    # Lightning calls these on the strategy; the work is in :class:`~lightning_parcae.training.checkpointing.StrategyCheckpoints`.
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full state dict with global keys (complete on rank 0)."""
-        module = self.lightning_module
-        assert module is not None
-        local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        if self._local_dump:
-            return local
-        parts = self._replica0_gather(local)
-        if parts is None or self.global_rank != 0:
-            return local
-        full: dict[str, Any] = {}
-        for part in parts:
-            full.update(part)
-        return full
+        return self.checkpoints.module_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name, merged over the stages (complete on rank 0)."""
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        assert self.lightning_module is not None
-        local = named_optimizer_state(inner, self.lightning_module)
-        if self._local_dump:
-            return local
-        parts = self._replica0_gather(local)
-        if parts is None or self.global_rank != 0:
-            return local
-        return merge_named_optimizer_states(parts)
+        return self.checkpoints.optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write the gathered checkpoint from rank 0, atomically (temp file + ``os.replace``)."""
-        checkpoint[_CKPT_KEY] = {
-            "version": _CKPT_VERSION,
-            "data": self.data_state(),
-            "layout": {
-                "data_parallel": self.data_parallel,
-                "pipeline_stages": self.pipeline_stages,
-                "partition": list(self.partition),
-                "layer_names": list(self.layer_names),
-                "stack_path": self.stack_path or "",
-                "micro_batches": self.micro_batches,
-            },
-        }
-        if self.is_global_zero:
-            checkpoint = plain_containers(checkpoint)
-            if storage_options is not None or "://" in str(filepath):
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            elif self.elastic_runtime is not None:
-                self._save_in_background(checkpoint, str(filepath))
-            else:
-                atomic_save(checkpoint, filepath)
-
-    def _save_in_background(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Write a (gathered, copied) checkpoint from a thread so training does not wait for the disk.
-
-        One write at a time: a new save first waits for the previous one, so ``last.ckpt`` is never older than the
-        newest finished write and never torn (the write itself is atomic).
-        """
-        import threading  # noqa: PLC0415
-
-        from lightning_parcae.runtime.checkpoint import _to_cpu  # noqa: PLC0415
-
-        snapshot = _to_cpu(checkpoint)  # copies: the optimizer keeps updating the live tensors
-        if self._bg_writer is not None:
-            self._bg_writer.join()
-        self._bg_writer = threading.Thread(target=atomic_save, args=(snapshot, path), name="parcae-ckpt",
-                                           daemon=False)
-        self._bg_writer.start()
+        self.checkpoints.save(checkpoint, filepath, storage_options)
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background checkpoint write has finished."""
-        if self._bg_writer is not None:
-            self._bg_writer.join()
-            self._bg_writer = None
+        self.checkpoints.wait()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read a checkpoint (always ``weights_only=True``) and remember its sample cursor.
-
-        A joiner's checkpoint is not a file: it is the state it received from live peers.
-        """
-        from lightning_parcae.runtime.elastic import LIVE_CHECKPOINT  # noqa: PLC0415
-
-        if checkpoint_path == LIVE_CHECKPOINT and self.elastic_runtime is not None:
-            checkpoint = self.elastic_runtime.joiner_checkpoint()
-        else:
-            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-        parcae = checkpoint.get(_CKPT_KEY)
-        if isinstance(parcae, Mapping) and "data" in parcae:
-            self._resume_data = {"epoch": int(parcae["data"]["epoch"]), "cursor": int(parcae["data"]["cursor"]),
-                                 "rng": parcae["data"].get("rng"), "rng_now": parcae["data"].get("rng_now")}
-            saved_b = int(parcae["data"].get("global_batch", 0))
-            if saved_b and self._global_batch and saved_b != self._global_batch:
-                warnings.warn(f"checkpoint global batch {saved_b} differs from {self._global_batch}", stacklevel=2)
-        return checkpoint
+        """Read a checkpoint (always ``weights_only=True``) and remember its sample cursor."""
+        return self.checkpoints.load(checkpoint_path)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the keys this process holds from a full (any-layout) state dict."""
-        module = self.lightning_module
-        assert module is not None
-        own = set(module.state_dict().keys())
-        full = checkpoint["state_dict"]
-        missing = sorted(own - set(full.keys()))
-        if strict and missing:
-            raise ConfigurationError(f"checkpoint lacks {len(missing)} keys of this model, e.g. {missing[:3]}")
-        module.load_state_dict({k: v for k, v in full.items() if k in own}, strict=False)
+        self.checkpoints.load_model_state_dict(checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load name-keyed optimizer state (positional state only when it came from the same single stage)."""
-        module = self.lightning_module
-        assert module is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            inner = getattr(optimizer, "_optimizer", optimizer)
-            keys = list(state.get("state", {}).keys())
-            if keys and not isinstance(keys[0], str):
-                if self.pipeline_stages != 1:
-                    raise ConfigurationError(
-                        "this checkpoint's optimizer state is keyed by position (not written by ParcaeStrategy); it "
-                        "can only be resumed with pipeline_stages=1"
-                    )
-                inner.load_state_dict(state)
-            else:
-                load_named_optimizer_state(inner, module, state)
-            from lightning_fabric.utilities.optimizer import _optimizer_to_device  # noqa: PLC0415
-
-            _optimizer_to_device(inner, self.root_device)
+        self.checkpoints.load_optimizer_state_dict(checkpoint)
 
     def layer_state(self, index: int) -> dict[str, Tensor]:
-        """All tensors of global layer ``index`` held here: parameters, buffers and optimizer state, by name.
-
-        Raises:
-            ConfigurationError: if this process does not hold that layer.
-        """
-        assert self.groups is not None and self.lightning_module is not None
-        a, b = stage_bounds(self.partition)[self.groups.coords.stage]
-        if not a <= index < b:
-            raise ConfigurationError(f"layer {index} is not on this process (it holds layers {a}..{b - 1})")
-        opts = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return layer_state(self.lightning_module, self.layer_key(self.layer_names[index]), opts)
+        """All tensors of global layer ``index`` held here (see :meth:`StrategyCheckpoints.layer_state`)."""
+        return self.checkpoints.layer_state(index)
 
     # ============================================================================================ teardown
     def teardown(self) -> None:
@@ -1493,9 +767,7 @@ class ParcaeStrategyMixin:
         the next ``setup_environment`` replaces them with a new generation."""
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is not None and self._prepare_patch is not None:
-            trainer._data_connector.__dict__.pop("_prepare_dataloader", None)
-            self._prepare_patch = None
+        self.data.uninstall(trainer)
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
         self.precision_plugin.__dict__.pop("_after_closure", None)
         self.wait_for_checkpoint()
@@ -1550,47 +822,6 @@ def _op_name(reduce_op: Any) -> str:
         except TypeError:
             continue
     return "sum"
-
-
-def _loss_of(result: Any) -> Tensor:
-    if isinstance(result, Tensor):
-        return result
-    if isinstance(result, Mapping) and isinstance(result.get("loss"), Tensor):
-        return result["loss"]
-    raise ConfigurationError(
-        "under ParcaeStrategy training_step must return the loss tensor or a dict with a 'loss' tensor "
-        f"(got {type(result).__name__})"
-    )
-
-
-def _check_sizes_memory(sizes: list[int], memory: list[int], limit: int) -> None:
-    from lightning_parcae.errors import StageMemoryError  # noqa: PLC0415
-
-    for s, (a, b) in enumerate(stage_bounds(sizes)):
-        size = sum(memory[a:b])
-        if size > limit:
-            raise StageMemoryError(
-                f"stage {s} (layers {a}..{b - 1}) needs ~{size} bytes (parameters + gradients + optimizer state) "
-                f"but max_stage_memory_bytes={limit}"
-            )
-
-
-def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> None:
-    """Sum gradients over ``group`` in one flat buffer (missing gradients count as zero), times ``scale``."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for same in by_dtype.values():
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce")
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for p in same:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
 
 
 

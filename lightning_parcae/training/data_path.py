@@ -1,0 +1,139 @@
+"""The data path: every pipeline reads its slice of one global batch order, at any shape, resumable mid-epoch.
+
+Problem: a D x P job must train on exactly the batches a single process would see -- the same global batch B, in
+the same order -- while D changes under it, a step may be re-run after a lost peer, and a checkpoint must resume
+mid-epoch. Lightning injects its own distributed sampler and prefetches batches sliced for the shape at load
+time. This part replaces Lightning's sampler injection (every loader is read in global order and sliced per
+pipeline by :func:`~lightning_parcae.runtime.data.reshard_dataloader`), keeps the sample cursor (epoch, samples
+consumed, sampler RNG) for checkpoints, and re-cuts a batch that was sliced for a previous D.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from lightning_parcae.runtime.data import GlobalBatchSampler, reshard_dataloader
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["DataPath"]
+
+_TRAINING, _PREDICTING = "train", "predict"  # RunningStage values (both namespaces)
+
+
+class DataPath:
+    """Resharded loaders, the sample cursor and stale-batch re-cuts for one strategy (see the module docstring).
+
+    Args:
+        strategy: The owning ParcaeStrategy (its groups, ``micro_batches``, ``elastic``, module and device).
+
+    Attributes:
+        global_batch: B, once the training loader is known.
+        resume: The cursor read from a checkpoint (epoch, cursor, rng, rng_now), applied to the next train loader.
+        rerun_step: Set when the current step is re-run after a failure: the next batch is the one it started with.
+        last_step_indices: Global sample indices this pipeline trained on in the last step.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.prepare_patch: Optional[Callable[..., Any]] = None  # Lightning's own _prepare_dataloader
+        self.train_sampler: Optional[GlobalBatchSampler] = None
+        self.train_loader: Optional[Any] = None
+        self.global_batch: Optional[int] = None
+        self.cursor_epoch = -1
+        self.cursor = 0
+        self.resume: Optional[dict[str, Any]] = None
+        self.step_batch: Optional[tuple[int, int, list[int]]] = None  # (D, replica, global batch) of this step
+        self.rerun_step = False
+        self.last_step_indices: list[int] = []
+
+    def install(self, trainer: "pl.Trainer") -> None:
+        """Replace Lightning's sampler injection: every loader is read in global order and sliced per pipeline."""
+        connector = trainer._data_connector
+        if self.prepare_patch is None:
+            self.prepare_patch = connector._prepare_dataloader
+        original = self.prepare_patch
+        s = self.strategy
+
+        def prepare(dataloader: object, shuffle: bool, mode: Any) -> object:
+            from torch.utils.data import DataLoader  # noqa: PLC0415
+
+            if mode == _PREDICTING or not isinstance(dataloader, DataLoader):
+                return original(dataloader, shuffle, mode)
+            assert s.groups is not None
+            train = mode == _TRAINING
+            loader, sampler = reshard_dataloader(
+                dataloader, s.groups.data_parallel, s.groups.coords.replica, s.micro_batches, train,
+                fixed_epoch=s.elastic,  # every member, joiner or not, must agree on where an epoch ends
+            )
+            if train:
+                self.train_sampler = sampler
+                self.train_loader = loader
+                self.global_batch = sampler.global_batch
+                if self.resume is not None:
+                    sampler.start_at(self.resume["epoch"], self.resume["cursor"],
+                                     self.resume.get("rng"), self.resume.get("rng_now"))
+            return loader
+
+        connector._prepare_dataloader = prepare  # type: ignore[method-assign]
+
+    def uninstall(self, trainer: Any) -> None:
+        """Give the trainer its own sampler injection back."""
+        if trainer is not None and self.prepare_patch is not None:
+            trainer._data_connector.__dict__.pop("_prepare_dataloader", None)
+            self.prepare_patch = None
+
+    def reshard(self, data_parallel: int, replica: int) -> None:
+        """Slice the training batches that are still to come for a new D (and this process's replica)."""
+        if self.train_sampler is not None:
+            self.train_sampler.reshard(data_parallel, replica, data_parallel * self.strategy.micro_batches)
+
+    def count_samples(self) -> None:
+        """Advance the cursor by one global batch (a new epoch restarts it, or resumes the checkpoint's)."""
+        trainer = self.strategy.lightning_module.trainer
+        if trainer.current_epoch != self.cursor_epoch:
+            self.cursor_epoch = trainer.current_epoch
+            resume = self.resume
+            self.cursor = resume["cursor"] if resume and resume["epoch"] == trainer.current_epoch else 0
+        self.cursor += self.global_batch or 0
+
+    def state(self) -> dict[str, Any]:
+        """The sample cursor: epoch, samples of that epoch consumed, global batch size, sampler RNG state."""
+        state: dict[str, Any] = {"epoch": max(self.cursor_epoch, 0), "cursor": self.cursor,
+                                 "global_batch": self.global_batch or 0}
+        rng = self.train_sampler.rng_state if self.train_sampler is not None else None
+        if rng is not None:
+            state["rng"] = rng
+        now = self.train_sampler.rng_now if self.train_sampler is not None else None
+        if now is not None:
+            state["rng_now"] = now
+        return state
+
+    def effective_batch(self, batch: Any) -> Any:
+        """This pipeline's slice of the current global batch -- re-cut if the shape changed after it was loaded.
+
+        Lightning prefetches the next batch (and DataLoader workers prefetch more), so a batch may have been sliced
+        for the previous D. The sampler recorded each batch's global indices; a stale slice is rebuilt here from the
+        dataset with the loader's ``collate_fn``. A step re-run after a failure reuses the batch it started with.
+        """
+        sampler = self.train_sampler
+        g = self.strategy.groups
+        if sampler is None or g is None:
+            return batch
+        if self.rerun_step and self.step_batch is not None:
+            record = self.step_batch  # the step re-runs after a failure: same global batch
+        elif sampler.records:
+            record = sampler.records.popleft()
+            self.step_batch = record
+        else:
+            return batch
+        self.rerun_step = False
+        d, replica, chunk = record
+        self.last_step_indices = sampler.slice_of(chunk, g.data_parallel, g.coords.replica)
+        if (d, replica) == (g.data_parallel, g.coords.replica):
+            return batch
+        loader = self.train_loader
+        assert loader is not None
+        fresh = loader.collate_fn([loader.dataset[i] for i in self.last_step_indices])
+        return self.strategy.batch_to_device(fresh)

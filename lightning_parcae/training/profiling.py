@@ -1,0 +1,205 @@
+"""Where to cut the layer stack: check that a block list can be cut, and time each layer.
+
+Problem: to balance pipeline stages the strategy needs each layer's forward + backward time on a real input, and
+for a ``ModuleList`` of blocks it must first know that ``forward`` chains the blocks (block ``i + 1`` gets block
+``i``'s output), or cutting it would change the model. Both need one sample input to the stack, taken from the
+module's ``example_input_array`` or the training data, with the user's step run under inspection. Rank 0 measures
+and every rank receives the result as plain numbers, so all agree on the split.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parcae.errors import ModelLayoutError
+from lightning_parcae.runtime.data import global_batch_size
+from lightning_parcae.runtime.partition import profile_layer_times
+from lightning_parcae.runtime.pipeline import StageBoundary, StageProxy, hidden_of
+from lightning_parcae.runtime.stage import is_block_list, swapped
+from lightning_parcae.training.log_replay import LogRecorder
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["LayerProfiler", "BLOCK_VERDICTS"]
+
+log = logging.getLogger(__name__)
+
+_FIT = "fit"  # TrainerFn value (both namespaces)
+
+BLOCK_VERDICTS = {
+    1: "no sample input to check how forward uses the blocks (give the module an example_input_array or "
+       "training data)",
+    2: "forward did not loop over the block list exactly once, in order (`for block in self.blocks: x = "
+       "block(x, ...)`); indexing it or calling blocks out of order cannot be cut",
+    3: "a block's first argument is not the previous block's output (or its first element): code between the "
+       "blocks (e.g. `x = x + block(x)`) cannot be cut; move it into the block",
+    4: "running the step with the block list under inspection failed",
+}
+
+
+class LayerProfiler:
+    """Probe and profile the layer stack of one strategy's module (see the module docstring).
+
+    Args:
+        strategy: The owning ParcaeStrategy (its module, stack path, groups, ranks and ``profile_repeats``).
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.block_sample: Optional[tuple[Tensor, tuple, dict]] = None  # first block's input, kept by the probe
+
+
+    def check_block_list(self, trainer: Any) -> Optional[str]:
+        """Check on rank 0, with one sample, that ``forward`` loops the block list as a chain (block ``i + 1`` gets
+        block ``i``'s hidden state first), and keep the first block's input for profiling; every rank gets the
+        verdict (None: the list can be cut)."""
+        code = 0
+        if self.strategy.global_rank == 0:
+            code, self.block_sample = self._probe_blocks(trainer)
+        if self.strategy.groups is not None and self.strategy.groups.world > 1:
+            t = torch.tensor([code], dtype=torch.int64)
+            dist.broadcast(t, src=0)
+            code = int(t.item())
+        return BLOCK_VERDICTS.get(code) if code else None
+
+    def _probe_blocks(self, trainer: Any) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
+        module = self.strategy.lightning_module
+        assert module is not None and self.strategy.stack_path is not None
+        stack = self.strategy.layout.stack()
+        blocks = list(stack._modules.values())
+        calls: list[tuple[int, Any, Any, tuple, dict]] = []
+
+        class _Trace(nn.Module):
+            def __init__(self, i: int, block: nn.Module) -> None:
+                super().__init__()
+                object.__setattr__(self, "_i", i)
+                object.__setattr__(self, "_b", block)
+
+            def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+                out = self._b(x, *args, **kwargs)  # type: ignore[operator]
+                calls.append((self._i, x, hidden_of(out), args, kwargs))  # type: ignore[attr-defined]
+                return out
+
+        class _TraceList(nn.Module):
+            def __iter__(self) -> Any:
+                return iter([_Trace(i, b) for i, b in enumerate(blocks)])
+
+            def __len__(self) -> int:
+                return len(blocks)
+
+            def __getitem__(self, idx: Any) -> Any:
+                raise IndexError("indexed")
+
+        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.strategy.stack_path, _TraceList()), \
+                LogRecorder(module).active():
+            try:
+                example = getattr(module, "example_input_array", None)
+                if example is not None:
+                    example = self.strategy.batch_to_device(example)
+                    if isinstance(example, (tuple, list)):
+                        module(*example)
+                    elif isinstance(example, dict):
+                        module(**example)
+                    else:
+                        module(example)
+                else:
+                    batch = self._sample_batch(trainer)
+                    if batch is None:
+                        return 1, None
+                    module.training_step(self.strategy.batch_to_device(batch), 0)
+            except IndexError:
+                return 2, None
+            except Exception as err:  # noqa: BLE001
+                log.warning("ParcaeStrategy could not run the step to inspect the block list: %s", err)
+                return (2 if calls else 4), None
+        if [c[0] for c in calls] != list(range(len(blocks))):
+            return 2, None
+        for prev, cur in zip(calls, calls[1:]):
+            if cur[1] is not prev[2]:
+                return 3, None
+        first = calls[0]
+        if not isinstance(first[1], Tensor):
+            return 3, None
+        return 0, (first[1].detach(), first[3], first[4])
+
+    def profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
+        """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
+        assert self.strategy.groups is not None
+        times: list[Any] = [None]
+        if self.strategy.global_rank == 0:
+            block_sample = self.block_sample if is_block_list(stack) else None
+            extra: tuple[tuple, dict] = ((), {})
+            if block_sample is not None:
+                sample, extra = block_sample[0], (block_sample[1], block_sample[2])
+            elif is_block_list(stack):
+                sample = None
+            else:
+                sample = self._sample_stack_input(trainer)
+            if sample is None:
+                warnings.warn("ParcaeStrategy found no sample input to profile; balancing by parameter count",
+                              stacklevel=2)
+                times[0] = [float(sum(p.numel() for p in m.parameters()) + 1) for m in stack]
+            else:
+                was_training = stack.training
+                stack.train()
+                times[0] = profile_layer_times(stack, sample, repeats=self.strategy.profile_repeats, args=extra[0],
+                                               kwargs=extra[1])
+                stack.train(was_training)
+        if self.strategy.groups.world > 1:
+            # floats only: a tensor broadcast (nothing from the network is unpickled)
+            n = len(self.strategy.layer_names)
+            t = torch.tensor(times[0] if times[0] is not None else [0.0] * n, dtype=torch.float64)
+            dist.broadcast(t, src=0)
+            times[0] = t.tolist()
+        return list(times[0])
+
+    def _sample_stack_input(self, trainer: "pl.Trainer") -> Optional[Tensor]:
+        """The layer stack's input for one batch: from ``example_input_array`` or the training data."""
+        module = self.strategy.lightning_module
+        assert module is not None and self.strategy.stack_path is not None
+        proxy = StageProxy(nn.Identity())
+        proxy.mode = "capture"
+        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.strategy.stack_path, proxy), \
+                LogRecorder(module).active():
+            try:
+                example = getattr(module, "example_input_array", None)
+                if example is not None:
+                    example = self.strategy.batch_to_device(example)
+                    if isinstance(example, (tuple, list)):
+                        module(*example)
+                    elif isinstance(example, dict):
+                        module(**example)
+                    else:
+                        module(example)
+                else:
+                    batch = self._sample_batch(trainer)
+                    if batch is None:
+                        return None
+                    module.training_step(self.strategy.batch_to_device(batch), 0)
+            except StageBoundary:
+                return proxy.captured if isinstance(proxy.captured, Tensor) else None
+            except Exception as err:  # the profile is an optimization: never fail the run for it
+                log.warning("ParcaeStrategy could not capture a sample input: %s", err)
+                return None
+        raise ModelLayoutError(
+            f"the module's step returned without calling '{self.strategy.stack_path}'; forward must run the layer stack"
+        )
+
+    def _sample_batch(self, trainer: "pl.Trainer") -> Any:
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        if source is None or trainer.state.fn != _FIT:
+            return None
+        try:
+            loader = source.dataloader()
+            b = global_batch_size(loader)
+            return loader.collate_fn([loader.dataset[i] for i in range(min(b, len(loader.dataset)))])
+        except Exception as err:
+            log.warning("ParcaeStrategy could not read a sample batch: %s", err)
+            return None
