@@ -106,7 +106,14 @@ class Switch:
             for j in joiners:
                 sends.setdefault(transition.index(j), {"layers": {}})["loop"] = loop
         srcs = sorted({transition.index(t.src) for t in plan.receives(self.rt.member)})
-        inbox = exchange(sends, srcs, "migration state transfer")
+        try:
+            inbox = exchange(sends, srcs, "migration state transfer")
+        except RuntimeError as exc:  # PeerLostError included
+            # Regression (chaos seed 41): a member was declared dead while a generation that admitted a standby
+            # was being entered; the transfer raised out of the switch and the job failed. Nothing of the new
+            # generation has been applied here, but its members cannot agree in place which state each holds:
+            # fall back to the checkpoint, as for a failed rendezvous.
+            self._rendezvous_failed(trainer, rec, exc)
         dist.destroy_process_group()
         t_transfer = time.monotonic()
         if self.rt.member not in new.members:
