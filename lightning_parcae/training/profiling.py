@@ -100,20 +100,8 @@ class LayerProfiler:
         with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.strategy.stack_path, _TraceList()), \
                 LogRecorder(module).active():
             try:
-                example = getattr(module, "example_input_array", None)
-                if example is not None:
-                    example = self.strategy.batch_to_device(example)
-                    if isinstance(example, (tuple, list)):
-                        module(*example)
-                    elif isinstance(example, dict):
-                        module(**example)
-                    else:
-                        module(example)
-                else:
-                    batch = self._sample_batch(trainer)
-                    if batch is None:
-                        return 1, None
-                    module.training_step(self.strategy.batch_to_device(batch), 0)
+                if not self._run_once(trainer, module):
+                    return 1, None
             except IndexError:
                 return 2, None
             except Exception as err:  # noqa: BLE001
@@ -169,20 +157,8 @@ class LayerProfiler:
         with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.strategy.stack_path, proxy), \
                 LogRecorder(module).active():
             try:
-                example = getattr(module, "example_input_array", None)
-                if example is not None:
-                    example = self.strategy.batch_to_device(example)
-                    if isinstance(example, (tuple, list)):
-                        module(*example)
-                    elif isinstance(example, dict):
-                        module(**example)
-                    else:
-                        module(example)
-                else:
-                    batch = self._sample_batch(trainer)
-                    if batch is None:
-                        return None
-                    module.training_step(self.strategy.batch_to_device(batch), 0)
+                if not self._run_once(trainer, module):
+                    return None
             except StageBoundary:
                 return proxy.captured if isinstance(proxy.captured, Tensor) else None
             except Exception as err:  # the profile is an optimization: never fail the run for it
@@ -191,6 +167,25 @@ class LayerProfiler:
         raise ModelLayoutError(
             f"the module's step returned without calling '{self.strategy.stack_path}'; forward must run the layer stack"
         )
+
+    def _run_once(self, trainer: "pl.Trainer", module: Any) -> bool:
+        """Run ``module`` once: on its ``example_input_array`` if it has one, else ``training_step`` on one
+        training batch. False if there is neither (no batch to run)."""
+        example = getattr(module, "example_input_array", None)
+        if example is not None:
+            example = self.strategy.batch_to_device(example)
+            if isinstance(example, (tuple, list)):
+                module(*example)
+            elif isinstance(example, dict):
+                module(**example)
+            else:
+                module(example)
+            return True
+        batch = self._sample_batch(trainer)
+        if batch is None:
+            return False
+        module.training_step(self.strategy.batch_to_device(batch), 0)
+        return True
 
     def _sample_batch(self, trainer: "pl.Trainer") -> Any:
         source = getattr(trainer.fit_loop, "_data_source", None)
