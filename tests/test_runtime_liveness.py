@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Iterator
@@ -9,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from lightning_parcae.errors import PeerLostError
-from lightning_parcae.runtime.liveness import Liveness, abort_key, activate, guarded_wait, notice_key
+from lightning_parcae.runtime.liveness import Liveness, SilenceClock, abort_key, hb_key, activate, guarded_wait, notice_key
 from lightning_parcae.runtime.store import connect_store, host_store
 
 
@@ -105,3 +109,129 @@ def test_liveness_sets_noticed_if_a_launcher_writes_a_notice_for_this_member(url
         assert a.noticed.wait(2.0)
     finally:
         a.stop()
+
+
+# ------------------------------------------------------------------------------------------------ store outages
+def test_silence_clock_counts_a_blind_round_only_up_to_its_bound() -> None:
+    clock = SilenceClock(blind_after_s=1.0)
+    clock.reset(["a"], now=0.0)
+    assert clock.silent_for("a", b"1", now=0.0) == 0.0
+    clock.tick(0.2)
+    assert clock.silent_for("a", b"1", now=0.2) == pytest.approx(0.2)
+    clock.tick(5.2)  # the reads of this round blocked for 5 s (the store did not answer)
+    assert clock.silent_for("a", b"1", now=5.2) == pytest.approx(1.2)
+    assert clock.silent_for("a", b"2", now=5.2) == 0.0  # a changed heartbeat: not silent at all
+
+
+def test_silence_clock_still_finds_a_dead_member_if_every_round_is_slow() -> None:
+    """A watcher whose every round is slow (a loaded machine) must still declare a dead member dead."""
+    clock = SilenceClock(blind_after_s=1.0)
+    clock.reset(["a"], now=0.0)
+    now, silent = 0.0, 0.0
+    for _ in range(4):
+        now += 4.0
+        clock.tick(now)
+        silent = clock.silent_for("a", None, now)
+    assert silent >= 3.0
+
+
+class _OutageStore:
+    """A store client that stops answering (every call blocks) while ``answering`` is clear -- the view of a member
+    whose store is unreachable."""
+
+    def __init__(self, inner: object, answering: threading.Event) -> None:
+        self._inner, self._answering = inner, answering
+
+    def __getattr__(self, name: str) -> object:
+        op = getattr(self._inner, name)
+
+        def call(*args: object, **kwargs: object) -> object:
+            self._answering.wait()
+            return op(*args, **kwargs)
+
+        return call
+
+
+def test_liveness_does_not_count_a_store_outage_as_a_peers_silence(url: str) -> None:
+    """Regression: the store unreachable for a few seconds made every heartbeat look old when it answered again
+    (the peers could not write either, and their next beat comes a round later), so members that were all alive
+    declared each other dead and a store hiccup became a recovery. Here the watcher's store blocks for 4 s and the
+    peer's heartbeat resumes 0.3 s after it answers again: nobody may be declared dead (bound 1.5 s)."""
+    answering = threading.Event()
+    answering.set()
+    a = Liveness(lambda: _OutageStore(connect_store(url, token=None), answering), "a", interval_s=0.05,
+                 dead_after_s=1.5).start()
+    peer = connect_store(url, token=None)
+    beating = threading.Event()
+    beating.set()
+    stop = threading.Event()
+
+    def beat() -> None:
+        c = 0
+        while not stop.wait(0.05):
+            if beating.is_set():
+                c += 1
+                peer.set(hb_key("b"), str(c))
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    try:
+        a.set_generation(5, ["b"])
+        time.sleep(0.5)
+        beating.clear()
+        answering.clear()
+        time.sleep(4.0)
+        answering.set()
+        time.sleep(0.3)
+        beating.set()
+        time.sleep(1.0)
+        assert not a.aborted.is_set(), a.reason
+        beating.clear()  # b really goes silent now: still found
+        assert a.aborted.wait(5.0), "a member silent after the outage was never declared dead"
+    finally:
+        answering.set()
+        stop.set()
+        a.stop()
+
+
+@pytest.fixture
+def paused_store_url() -> Iterator[tuple[str, subprocess.Popen]]:
+    """A store hosted by its own process, so that the test can make it stop answering (SIGSTOP) and come back."""
+    code = ("import sys, time\nfrom lightning_parcae.runtime.store import host_store\n"
+            "s = host_store('tcp://127.0.0.1:0')\nprint(s.port, flush=True)\ntime.sleep(3600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        yield f"tcp://127.0.0.1:{port}", proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_liveness_declares_nobody_dead_if_the_store_stops_answering_for_a_while(
+        paused_store_url: tuple[str, subprocess.Popen]) -> None:
+    """Regression: the store unreachable for a few seconds (here: its process stopped for 4 s, so every read
+    blocks in silence) made every heartbeat look old when it answered again, and the members -- all alive --
+    declared each other dead, turning a store hiccup into a recovery. Time during which the watcher could not
+    read the store is not counted as anyone's silence."""
+    url, proc = paused_store_url
+    live = [Liveness(lambda: connect_store(url, token=None), m, interval_s=0.05, dead_after_s=1.5).start()
+            for m in ("a", "b", "c")]
+    try:
+        for lv in live:
+            lv.set_generation(3, ["a", "b", "c"])
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(4.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(2.0)
+        assert not any(lv.aborted.is_set() for lv in live), [lv.reason for lv in live]
+        # and a member that really goes silent after the outage is still found
+        live[2].stop()
+        assert live[0].aborted.wait(6.0), "a member that stopped after the outage was never declared dead"
+        assert "c missed heartbeats" in live[0].reason
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        for lv in live:
+            lv.stop()

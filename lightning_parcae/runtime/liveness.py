@@ -11,7 +11,8 @@ Solution:
 * Every process runs a heartbeat thread with **its own store client**: it bumps ``parcae/hb/<member>`` every
   ``interval_s``, watches the heartbeats of the members it is told to watch (the leader watches everyone, everyone
   watches the leader), and declares a member dead when its counter has not moved for ``dead_after_s`` (measured on
-  the local clock, so clock skew between machines does not matter). A death is published as
+  the local clock, so clock skew between machines does not matter; time during which the store itself did not
+  answer is not counted as anyone's silence, see :class:`SilenceClock`). A death is published as
   ``parcae/abort/<generation>`` (first writer wins, the value is the reason); every thread polls that key.
 * Every collective of the runtime is issued asynchronously and waited through :func:`guarded_wait`, which waits in
   short slices (``Work.wait(timeout)`` can be repeated) and raises :class:`~lightning_parcae.errors.PeerLostError`
@@ -40,7 +41,7 @@ import torch.distributed as dist
 
 from lightning_parcae.errors import PeerLostError
 
-__all__ = ["Liveness", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key"]
+__all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class Liveness:
         self.noticed = threading.Event()
         self.reason = ""
         self._watch: list[str] = []
-        self._seen: dict[str, tuple[Any, float]] = {}
+        self._clock = SilenceClock(blind_after_s=dead_after_s / 3)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -121,8 +122,7 @@ class Liveness:
         with self._lock:
             self.generation = generation
             self._watch = [m for m in watch if m != self.member]
-            now = time.monotonic()
-            self._seen = {m: (None, now) for m in self._watch}
+            self._clock.reset(self._watch, time.monotonic())
             self.aborted.clear()
             self.reason = ""
 
@@ -231,23 +231,66 @@ class Liveness:
                             self.aborted.set()
                 if not self.noticed.is_set() and store.check([notice_key(self.member)]):
                     self.noticed.set()
-                now = time.monotonic()
-                for m in watch:
-                    raw = bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else b""
-                    dead_for: Optional[float] = None
-                    with self._lock:
-                        if g != self.generation or m not in self._seen:
-                            continue
-                        last, since = self._seen[m]
-                        if raw != last:
-                            self._seen[m] = (raw, now)
-                        elif now - since > self.dead_after_s:
-                            dead_for = now - since
-                    if dead_for is not None and not self.aborted.is_set():
-                        self.abort(f"{m} missed heartbeats for {dead_for:.1f} s (declared dead by {self.member})", g)
+                raws = {m: bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else b"" for m in watch}
+                now = time.monotonic()  # after the reads: a store that stalled them is blind time, not silence
+                dead: list[tuple[str, float]] = []
+                with self._lock:
+                    if g != self.generation:
+                        continue
+                    self._clock.tick(now)
+                    for m, raw in raws.items():
+                        silent = self._clock.silent_for(m, raw, now)
+                        if silent > self.dead_after_s:
+                            dead.append((m, silent))
+                for m, silent in dead[:1]:
+                    if not self.aborted.is_set():
+                        self.abort(f"{m} missed heartbeats for {silent:.1f} s (declared dead by {self.member})", g)
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
                 log.warning("heartbeat of %s: %s", self.member, exc)
 
+
+class SilenceClock:
+    """How long each watched heartbeat has stayed unchanged, counting only the time the watcher could see it.
+
+    Problem: silence is measured on the watcher's clock between two reads of the store. When the *store* stops
+    answering for a few seconds (a network partition of the store host, a paused VM, a long GC), every read blocks,
+    and when it answers again every peer's heartbeat looks several seconds old -- although no peer was silent, the
+    watcher was blind. Counting that time declared live members dead, so a short store outage became a spurious
+    recovery with every member alive.
+
+    Solution: the caller ticks the clock once per round of reads (with the time taken *after* the reads). A round
+    that took longer than ``blind_after_s`` since the previous one counts only ``blind_after_s`` of its length
+    towards every member's silence. A really dead member is still declared dead: each round adds at least
+    ``min(round, blind_after_s)``, so detection takes at most ``dead_after_s / blind_after_s`` slow rounds.
+
+    Args:
+        blind_after_s: The longest round counted in full.
+    """
+
+    def __init__(self, blind_after_s: float) -> None:
+        self.blind_after_s = blind_after_s
+        self._seen: dict[str, tuple[Any, float]] = {}
+        self._last: Optional[float] = None
+
+    def reset(self, members: Sequence[str], now: float) -> None:
+        """Start watching ``members`` afresh: each is silent for 0 s as of ``now``."""
+        self._seen = {m: (None, now) for m in members}
+        self._last = now
+
+    def tick(self, now: float) -> None:
+        """One round of reads ended at ``now``: discount the part of the round beyond ``blind_after_s``."""
+        if self._last is not None and now - self._last > self.blind_after_s:
+            blind = now - self._last - self.blind_after_s
+            self._seen = {m: (raw, since + blind) for m, (raw, since) in self._seen.items()}
+        self._last = now
+
+    def silent_for(self, member: str, raw: Any, now: float) -> float:
+        """Seconds ``member``'s heartbeat has read ``raw`` (0 when it changed since the last read)."""
+        last = self._seen.get(member)
+        if last is None or last[0] != raw:
+            self._seen[member] = (raw, now)
+            return 0.0
+        return now - last[1]
 
 
 class _Box:

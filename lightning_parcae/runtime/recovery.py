@@ -21,7 +21,7 @@ from lightning_parcae.errors import PeerLostError
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import Phase, exit_now
-from lightning_parcae.runtime.liveness import hb_key
+from lightning_parcae.runtime.liveness import SilenceClock, hb_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
@@ -93,22 +93,16 @@ class Recovery:
         self.rt.coord.announce_survivor(g, self.rt.member, {"step": int(trainer.global_step)})
         old = self.rt.layout
         alive: list[str] = []
-        seen: dict[str, tuple[Optional[bytes], float]] = {}
+        clock = SilenceClock(blind_after_s=self.rt.dead_after_s / 3)
+        clock.reset(old.members, time.monotonic())
         deadline = time.monotonic() + 4 * self.rt.dead_after_s + 10.0
         while True:
-            pending = []
-            now = time.monotonic()
             alive = [m for m in old.members if self.rt.coord.survivor(g, m) is not None]
-            for m in old.members:
-                if m in alive:
-                    continue
-                raw = bytes(self.rt.store.get(hb_key(m))) if self.rt.store.check([hb_key(m)]) else None
-                last = seen.get(m)
-                if last is None or last[0] != raw:
-                    seen[m] = (raw, now)
-                    pending.append(m)
-                elif now - last[1] <= self.rt.dead_after_s:
-                    pending.append(m)
+            raws = {m: bytes(self.rt.store.get(hb_key(m))) if self.rt.store.check([hb_key(m)]) else None
+                    for m in old.members if m not in alive}
+            now = time.monotonic()
+            clock.tick(now)
+            pending = [m for m, raw in raws.items() if clock.silent_for(m, raw, now) <= self.rt.dead_after_s]
             if not pending or now > deadline:
                 break
             time.sleep(0.05)
