@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_parcae.contract import RELEASED_EXIT
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.training import environment as launcher_env
 
@@ -29,8 +30,10 @@ L_SCRIPT = HERE / "lightning_mlp.py"
 CLI_SCRIPT = HERE / "cli_project.py"
 CLI_YAML = HERE / "cli_project.yaml"
 REMOVE_AND_ADD = "0,2\n{remove},1\n{add},2\n"  # counts trace (ms): 2 instances, one removed, one added back
-# The removal comes 25 s after launch: start-up (imports, rendezvous) takes 10-20 s on a loaded 2-core machine, and a
-# member lost during Lightning's set-up collectives is not yet recovered (see the report of issue 12).
+# The removal is a notice 6 s after launch and the addition comes 3 s later. A notice that arrives during start-up
+# (imports, rendezvous, Lightning's set-up collectives: 5-20 s on a 2-core machine) is taken at the first step, so the
+# test does not depend on the machine's speed. Regression: the removal used to come at 25 s, and on an idle machine
+# the LightningCLI job had finished by then, so the trace changed nothing and the test failed with `changes == []`.
 
 
 def _env() -> dict[str, str]:
@@ -98,11 +101,14 @@ def _check_trace_run(report: dict, max_steps: int) -> None:
     assert any(c.get("removed") for c in changes) and any(c.get("added") for c in changes), changes
     # regression: after an elastic fit, validate() reset a joiner to its start-up RANK=0/WORLD_SIZE=1, so the
     # leader hung in validate and was SIGKILLed by the launcher at the end of the run. Workers of the last
-    # launch that were not removed by the trace must all exit 0 by themselves.
+    # launch that were not removed by the trace must all exit 0 by themselves -- or RELEASED_EXIT, the planned exit
+    # of a member a new shape no longer uses (the launcher restarts it as a warm standby; an idle machine can try
+    # D = 2 after the join, measure it slower than D = 1 and release the joiner again).
     events = report["events"]
     last_launch = max(i for i, e in enumerate(events) if e.get("source") == "launcher" and e.get("event") == "launch")
     exits = [e for e in events[last_launch:] if e.get("event") == "exit" and not e.get("noticed")]
-    assert exits and all(e["rc"] == 0 and not e["killed"] for e in exits), exits
+    assert exits and all(e["rc"] in (0, RELEASED_EXIT) and not e["killed"] for e in exits), exits
+    assert exits[-1]["rc"] == 0, exits
     # how the changes were taken (in place, or -- if the removal came during start-up -- by a relaunch) depends
     # on the machine's load; both must end with the one-process parameters
     kinds = [(m["kind"], m["N"], bool(m["joiners"])) for m in report["migrations"]]
@@ -122,7 +128,7 @@ def _check_trace_run(report: dict, max_steps: int) -> None:
 def test_unchanged_script_survives_removal_and_addition_like_one_process(tmp_path: Path, script: Path,
                                                                          args: list[str]) -> None:
     report = _parcae_run(tmp_path / "parcae", [str(script), *args],
-                         trace=REMOVE_AND_ADD.format(remove=25000, add=27000))
+                         trace=REMOVE_AND_ADD.format(remove=6000, add=9000))
     _check_trace_run(report, int(args[-1]))
     got = torch.load(tmp_path / "parcae" / "final.ckpt", weights_only=True)["state_dict"]
     base_args = [str(CLI_YAML) if a == str(CLI_YAML) else a for a in args]
