@@ -258,6 +258,11 @@ def test_workers_import_the_launchers_own_lightning_parcae(tmp_path: Path) -> No
     ("pytorch_lightning", ["--trainer.strategy.class_path", "lightning_parcae.ParcaeStrategy"]),
     ("pytorch_lightning", ["--trainer.strategy.class_path", "lightning_parcae.training.strategy.ParcaeStrategy",
                            "--trainer.strategy.init_args.micro_batches", "2"]),
+    # regression: a bare class path (no class_path:) reaches the Trainer as a string and was "an invalid strategy name"
+    ("pytorch_lightning", ["--trainer.strategy", "lightning_parcae.ParcaeStrategy"]),
+    ("pytorch_lightning", ["--trainer.strategy", "lightning_parcae.training.strategy.ParcaeStrategy"]),
+    ("lightning.pytorch", ["--trainer.strategy", "lightning_parcae.lightning.ParcaeStrategy"]),
+    ("lightning.pytorch", ["--trainer.strategy", "lightning_parcae.ParcaeStrategy"]),
     ("lightning.pytorch", ["--trainer.strategy", "parcae"]),
     ("lightning.pytorch", ["--trainer.strategy.class_path", "lightning_parcae.lightning.ParcaeStrategy",
                            "--trainer.strategy.init_args.micro_batches", "2"]),

@@ -828,6 +828,12 @@ def _op_name(reduce_op: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ namespaces
 _CLASSES: dict[str, type] = {}
+CLASS_PATH_NAMES = ("lightning_parcae.parcaestrategy", "lightning_parcae.training.strategy.parcaestrategy",
+                    "lightning_parcae.lightning.parcaestrategy")
+"""The strategy's class paths as registry names (lower case, as Lightning looks names up). Regression: LightningCLI's
+``--trainer.strategy lightning_parcae.ParcaeStrategy`` (a bare class path, no ``class_path:``) reaches the Trainer
+as a *string* -- jsonargparse takes the ``str`` branch of ``Union[str, Strategy]`` -- and Lightning refused it as
+"an invalid strategy name"; each namespace maps them to its own class."""
 _DESCRIPTION = "Parcae D x P pipeline/data-parallel strategy with live reconfiguration on spot instances"
 
 
@@ -846,7 +852,8 @@ def strategy_class(ns_name: str = "pytorch_lightning") -> type:
                    {"__module__": module, "__qualname__": "ParcaeStrategy", "__doc__": ParcaeStrategyMixin.__doc__,
                     "_ns_name": ns_name})
         _CLASSES[ns_name] = cls
-        ns.StrategyRegistry.register("parcae", cls, description=_DESCRIPTION, override=True)
+        for name in ("parcae", *CLASS_PATH_NAMES):
+            ns.StrategyRegistry.register(name, cls, description=_DESCRIPTION, override=True)
     return cls
 
 
