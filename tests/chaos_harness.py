@@ -8,7 +8,8 @@ GPipe/1F1B, 2-6 instances, Adam or SGD, with or without validation, with or with
 fault schedule (SIGKILL from outside, SIGSTOP then SIGCONT, a notice, two losses at once, the leader lost -- which
 with D = 1 is a whole stage lost and a restart from the checkpoint -- and a second loss while the first is still
 being recovered from, and a loss during a planned migration: a notice starts one, another member is killed as
-soon as the event log shows it). It runs ``tests/elastic_job.py`` under ``parcae run`` and checks:
+soon as the event log shows it; from a second random stream of the seed: the store unreachable for 3-6 s, a loss
+while a standby is admitted, a loss at a step that writes the periodic checkpoint). It runs ``tests/elastic_job.py`` under ``parcae run`` and checks:
 
 * ``parcae run`` exits 0 and every step 1..max_steps was trained;
 * the final parameters equal the uninterrupted single-process run's (relative 1e-5);
@@ -57,6 +58,11 @@ STALL_BOUND_S = 12.0
 WATCHDOG_S = 15.0
 """The progress watchdog's bound given to the trials (``--stall-timeout``)."""
 FAULT_KINDS = ("kill", "leader", "kill2", "stop", "notice", "kill_during_recovery", "kill_during_migration")
+EXTRA_FAULT_KINDS = ("store_pause", "kill_during_join", "kill_at_checkpoint")
+"""Faults drawn from a second random stream of the seed (so that adding them left every earlier seed's draw as it
+was): the store unreachable for 3-6 s (its process stopped), a member lost while a standby is being admitted, and
+a member lost at a step that writes the periodic checkpoint."""
+CKPT_EVERY = 5
 
 
 @dataclass
@@ -80,7 +86,7 @@ class Trial:
         args = ["--max-steps", str(self.max_steps), "--batch-size", str(self.batch), "--samples", str(self.samples),
                 "--pipeline-stages", str(self.pipeline_stages), "--micro-batches", str(self.micro_batches),
                 "--schedule", self.schedule, "--optimizer", self.optimizer, "--interval-steps", "4",
-                "--delay", "0.15", "--ckpt-every", "5", "--stall-s", str(WATCHDOG_S), "--blocks"]
+                "--delay", "0.15", "--ckpt-every", str(CKPT_EVERY), "--stall-s", str(WATCHDOG_S), "--blocks"]
         if self.val_every:
             args += ["--val-every", str(self.val_every)]
         return args
@@ -107,6 +113,14 @@ def draw(seed: int) -> Trial:
     for _ in range(n_faults):
         kind = rng.choice(FAULT_KINDS)
         faults.append({"kind": kind, "step": rng.randint(4, max_steps - 10), "pick": rng.random()})
+    extra = random.Random(seed + 7_777_777)
+    x = extra.random()
+    if x < 0.45:
+        fault: dict[str, Any] = {"kind": EXTRA_FAULT_KINDS[int(x / 0.15)], "step": extra.randint(4, max_steps - 10),
+                                 "pick": extra.random()}
+        if fault["kind"] == "store_pause":
+            fault["pause_s"] = round(extra.uniform(3.0, 6.0), 1)
+        faults.append(fault)
     faults.sort(key=lambda f: f["step"])
     return Trial(seed=seed, instances=instances, batch=batch, samples=samples, pipeline_stages=p, micro_batches=m,
                  schedule=rng.choice(["1f1b", "gpipe"]), optimizer=rng.choice(["adam", "sgd"]),
@@ -164,9 +178,9 @@ def _member_order(m: str) -> tuple[int, int]:
 class Injector(threading.Thread):
     """Applies a trial's faults when the job reaches their steps; records what it did."""
 
-    def __init__(self, trial: Trial, run_dir: Path, out: Path) -> None:
+    def __init__(self, trial: Trial, run_dir: Path, out: Path, store_pid: Optional[int] = None) -> None:
         super().__init__(daemon=True)
-        self.trial, self.run_dir, self.out = trial, run_dir, out
+        self.trial, self.run_dir, self.out, self.store_pid = trial, run_dir, out, store_pid
         self.done: list[dict[str, Any]] = []
         self.stop_flag = threading.Event()
 
@@ -182,6 +196,20 @@ class Injector(threading.Thread):
 
     def apply(self, fault: dict[str, Any]) -> None:
         kind = fault["kind"]
+        if kind == "store_pause":  # the store stops answering (silence, not a reset), then comes back
+            assert self.store_pid is not None, "a store_pause trial runs with a store of its own process"
+            t = time.time()
+            os.kill(self.store_pid, signal.SIGSTOP)
+            time.sleep(fault["pause_s"])
+            os.kill(self.store_pid, signal.SIGCONT)
+            self.done.append({**fault, "victims": ["store"], "time": t})
+            return
+        if kind == "kill_at_checkpoint":  # lose a member at the next step that writes the periodic checkpoint
+            while self._max_step() % CKPT_EVERY != CKPT_EVERY - 1:
+                if self.stop_flag.wait(0.02):
+                    return
+            while self._max_step() % CKPT_EVERY == CKPT_EVERY - 1:
+                time.sleep(0.02)
         procs = _workers(self.run_dir)
         members = [m for m in _training_members(self.out) if m in procs]
         if not members:
@@ -219,13 +247,17 @@ class Injector(threading.Thread):
         if kind == "kill_during_migration":  # the notice above starts a planned migration: lose another member in it
             extra = self._kill_in_migration(t, [m for m in members if m not in victims])
             victims = victims + extra.pop("victims", [])
+        if kind == "kill_during_join":  # the launcher's fresh standby for the lost one is admitted: lose one then
+            extra = self._kill_in_migration(t, [m for m in members if m not in victims], joining=True)
+            victims = victims + extra.pop("victims", [])
         self.done.append({**fault, "victims": victims, "time": t, "members_before": members, **extra})
 
-    def _kill_in_migration(self, since: float, others: list[str]) -> dict[str, Any]:
+    def _kill_in_migration(self, since: float, others: list[str], joining: bool = False) -> dict[str, Any]:
         """SIGKILL one of ``others`` as soon as the event log shows a member entering the migrating phase (a
-        planned migration's transfers last ~0.1 s, so the kill can land just after: ``lag_s`` says by how much)."""
+        planned migration's transfers last ~0.1 s, so the kill can land just after: ``lag_s`` says by how much).
+        With ``joining``: only a migration that a standby enters (an admission) counts."""
         events = self.run_dir / "events.jsonl"
-        deadline = time.time() + 30.0
+        deadline = time.time() + (90.0 if joining else 30.0)
         while time.time() < deadline and others:
             try:
                 lines = events.read_text().splitlines()
@@ -236,7 +268,8 @@ class Injector(threading.Thread):
                     ev = json.loads(line)
                 except ValueError:
                     continue
-                if ev.get("event") == "phase" and ev.get("new") == "migrating" and float(ev.get("time", 0)) >= since:
+                if ev.get("event") == "phase" and ev.get("new") == "migrating" and float(ev.get("time", 0)) >= since \
+                        and (not joining or ev.get("old") == "standby"):
                     procs = _workers(self.run_dir)
                     alive = [m for m in others if m in procs and m != ev.get("member")] or \
                         [m for m in others if m in procs]
@@ -249,7 +282,7 @@ class Injector(threading.Thread):
                         return {"migration_kill": "victim already gone"}
                     return {"victims": [victim], "lag_s": round(time.time() - float(ev["time"]), 3)}
             time.sleep(0.005)
-        return {"migration_kill": "no migration seen within 30 s"}
+        return {"migration_kill": f"no {'admission' if joining else 'migration'} seen in time"}
 
 
 # ------------------------------------------------------------------------------------------------ one trial
@@ -280,8 +313,16 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
         cmd.append("--after-fit")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("PARCAE_")}
+    store_proc = None
+    if any(f["kind"] == "store_pause" for f in trial.faults):
+        # the store in a process of its own (as on a cluster), so that the fault can stop it without the launcher
+        code = ("import sys, time\nfrom lightning_parcae.runtime.store import host_store\n"
+                "s = host_store('tcp://127.0.0.1:0')\nprint(s.port, flush=True)\ntime.sleep(86400)\n")
+        store_proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        assert store_proc.stdout is not None
+        cmd[cmd.index("--"):cmd.index("--")] = ["--store", f"tcp://127.0.0.1:{int(store_proc.stdout.readline())}"]
     t0 = time.time()
-    inj = Injector(trial, run_dir, out)
+    inj = Injector(trial, run_dir, out, store_pid=store_proc.pid if store_proc else None)
     with open(run_dir / "parcae_run.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
         inj.start()
@@ -296,6 +337,10 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
                 rc = proc.wait()
             rc = rc if rc else -999
         inj.stop_flag.set()
+        if store_proc is not None:
+            os.kill(store_proc.pid, signal.SIGCONT)
+            store_proc.kill()
+            store_proc.wait()
     wall = time.time() - t0
     failures: list[str] = []
     result: dict[str, Any] = {"trial": asdict(trial), "rc": rc, "wall_s": wall, "faults": inj.done,
@@ -307,8 +352,13 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
     result["final_step"] = top
     if top != trial.max_steps:
         failures.append(f"trained to step {top}, expected {trial.max_steps}")
+    report = {}
+    if (run_dir / "report.json").exists():
+        report = json.loads((run_dir / "report.json").read_text())
+    unrecorded = _killed_before_recording(steps, trial, report)
+    result["unrecorded"] = unrecorded
     try:
-        ids = check_samples_once(steps, trial.max_steps, trial.batch)
+        ids = check_samples_once(steps, trial.max_steps, trial.batch, unrecorded)
         epoch = trial.samples - trial.samples % trial.batch
         for a in range(0, len(ids), epoch):
             chunk = ids[a : a + epoch]
@@ -318,9 +368,6 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
         check_replicas_agree(steps)
     except AssertionError as exc:
         failures.append(f"samples/replicas: {str(exc)[:300]}")
-    report = {}
-    if (run_dir / "report.json").exists():
-        report = json.loads((run_dir / "report.json").read_text())
     restarts = int(report.get("num_restarts", 0))
     result["restarts"] = restarts
     result["recoveries_s"] = [m["lost_s"] for m in report.get("migrations", []) if m.get("recovery")]
@@ -350,6 +397,35 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
             failures.append("code after fit (save_checkpoint/validate/test/predict) did not complete")
     result["failures"] = failures
     return result
+
+
+def _killed_before_recording(steps: list[dict[str, Any]], trial: Trial, report: dict[str, Any]) -> dict[int, int]:
+    """Steps whose records miss the shards of members SIGKILLed inside them: step -> samples unrecorded.
+
+    A member killed after a step's gradient exchange but before its ``on_train_batch_end`` record leaves the step
+    trained (the survivors recorded it) with its own shard unrecorded (chaos seed 2: ``kill_during_recovery``
+    killed i3 between the two). Such a gap is accepted only when whole shards are missing, no more shards than
+    members that were SIGKILLed (exit -9) with their last record at the step before; the parameter check against
+    the undisturbed run (which a lost or repeated shard would fail) still runs.
+    """
+    killed = {e["member"] for e in report.get("events", []) if e.get("event") == "exit" and e.get("rc") == -9}
+    last: dict[str, int] = {}
+    newest: dict[int, int] = {}
+    for r in steps:
+        last[r["member"]] = max(last.get(r["member"], 0), r["step"])
+        if "ids" in r:
+            newest[r["step"]] = max(newest.get(r["step"], -1), r["gen"])
+    out: dict[int, int] = {}
+    for step in range(1, trial.max_steps + 1):
+        shards = [len(r["ids"]) for r in steps if "ids" in r and r["step"] == step and r["gen"] == newest.get(step)]
+        got = sum(shards)
+        if not shards or got >= trial.batch or len(set(shards)) != 1:
+            continue
+        missing_shards, rem = divmod(trial.batch - got, shards[0])
+        died_here = [m for m in killed if last.get(m) == step - 1]
+        if rem == 0 and 1 <= missing_shards <= len(died_here):
+            out[step] = trial.batch - got
+    return out
 
 
 def _max_stall(steps: list[dict[str, Any]]) -> tuple[float, int]:

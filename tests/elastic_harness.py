@@ -176,11 +176,14 @@ def merged_final(finals: dict[str, dict[str, torch.Tensor]], stack: str = "net")
     return out
 
 
-def check_samples_once(steps: list[dict[str, Any]], max_step: int, batch: int) -> list[int]:
+def check_samples_once(steps: list[dict[str, Any]], max_step: int, batch: int,
+                       unrecorded: Optional[dict[int, int]] = None) -> list[int]:
     """Sample ids of every committed step, in step order; each step must hold exactly one global batch.
 
     A step can be recorded by more than one generation only if it was redone after a fallback restart; the
-    newest generation's records count (generation numbers grow across restarts).
+    newest generation's records count (generation numbers grow across restarts). ``unrecorded`` maps a step to
+    the number of its samples whose record is known to be missing (a member SIGKILLed after the step's gradient
+    exchange but before it wrote its record; the caller checks the parameters, which such a step must not change).
     """
     newest: dict[int, int] = {}
     for r in steps:
@@ -190,7 +193,8 @@ def check_samples_once(steps: list[dict[str, Any]], max_step: int, batch: int) -
     for step in range(1, max_step + 1):
         per = {r["replica"]: r["ids"] for r in steps if "ids" in r and r["step"] == step and r["gen"] == newest.get(step)}
         got = sorted(i for part in per.values() for i in part)
-        assert len(got) == batch, f"step {step}: {len(got)} samples recorded, expected {batch}: {per}"
+        expected = batch - (unrecorded or {}).get(step, 0)
+        assert len(got) == expected, f"step {step}: {len(got)} samples recorded, expected {batch}: {per}"
         ids.extend(got)
     return ids
 

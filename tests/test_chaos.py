@@ -5,7 +5,7 @@ faults injected from outside, and checks exit 0, the uninterrupted run's paramet
 exactly once, replicas agreeing, and no stall beyond detection + a small bound. A failing trial prints the one
 command that replays it.
 
-The default suite runs the repros of issue 9 that need the real runtime under the launcher, plus one drawn trial;
+The default suite runs the repros of issue 9 that need the real runtime under the launcher, plus a few drawn trials;
 ``pytest -m chaos`` runs 100 seeded trials (about 45 s each on 2 loaded cores: budget 75+ minutes).
 """
 
@@ -54,7 +54,7 @@ def test_parcae_run_code_after_fit_works_if_a_hung_worker_came_back_as_a_standby
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("seed", [4, 1005, 1102, 2008])  # 1005, 1102: validation with joiners; 2008: kill in a migration
+@pytest.mark.parametrize("seed", [4, 43, 1005, 1102, 2008])  # 43: store outage; 1005, 1102: validation with joiners; 2008: kills in a migration and a join
 def test_chaos_trial_sample_loses_nothing_and_stalls_within_bound(tmp_path: Path, seed: int) -> None:
     _check(run_trial(draw(seed), tmp_path))
 
