@@ -247,11 +247,15 @@ def test_elastic_notices_newest_and_starts_joiners_if_trace_changes(tmp_path: Pa
     assert exits["i2"]["killed"] and exits["i3"]["killed"] and exits["i0"]["rc"] == 0
     assert [e["member"] for e in report["events"] if e.get("event") == "left"] == ["i1"]
     member, joiner = _env(run_dir, "i0"), _env(run_dir, "i3")
+    # LOCAL_WORLD_SIZE: the machine's device slots (--max-instances, the trace's peak here)
     assert (member["RANK"], member["WORLD_SIZE"], member["LOCAL_WORLD_SIZE"], member["PARCAE_JOIN"]) == \
-        ("0", "2", "2", "0")
+        ("0", "2", "3", "0")
     assert member["PARCAE_ELASTIC"] == "1" and member["PARCAE_INTERVAL_S"] == "1" and member["PARCAE_STORE"]
     assert member["PARCAE_GENERATION_BASE"] == "0" and member["PARCAE_RESUME_CKPT"] is None
-    assert (joiner["RANK"], joiner["WORLD_SIZE"], joiner["LOCAL_RANK"], joiner["PARCAE_JOIN"]) == ("0", "1", "0", "1")
+    # regression: every joiner got LOCAL_RANK=0 (on a multi-GPU machine: cuda:0, next to member i0). A device
+    # belongs to an instance: i3 takes the slot of i2, which had left, and no two live instances share one
+    assert (joiner["RANK"], joiner["WORLD_SIZE"], joiner["LOCAL_RANK"], joiner["PARCAE_JOIN"]) == ("0", "1", "2", "1")
+    assert [_env(run_dir, m)["LOCAL_RANK"] for m in ("i0", "i1", "i2")] == ["0", "1", "2"]
     assert report["trace"]["instances_per_interval"] == [3, 2, 3, 1]
 
 

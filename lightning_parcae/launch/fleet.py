@@ -52,11 +52,33 @@ class Fleet:
 
     def __init__(self, rt: Any) -> None:
         self.rt = rt
+        self._slots: dict[int, int] = {}  # instance -> device slot (LOCAL_RANK), see device_slot
 
     def member_name(self, instance: int) -> str:
         c = self.rt._incarnations.get(instance, -1) + 1
         self.rt._incarnations[instance] = c
         return f"i{instance}" if c == 0 else f"i{instance}.{c}"
+
+    def device_slot(self, instance: int) -> int:
+        """This machine's device index for a new process of ``instance`` (its ``LOCAL_RANK``).
+
+        Regression: every joiner was started with ``LOCAL_RANK=0``, so on a multi-GPU machine all warm standbys --
+        and, once admitted, the members they became -- trained on ``cuda:0`` next to the first member. A device
+        belongs to the instance, not to a rank (ranks change at every reconfiguration while a process cannot
+        change its device): an instance keeps its slot across its restarts, and a new instance takes the lowest
+        slot that neither another instance of the cluster nor a still-running worker of a removed one holds
+        (``--max-instances`` slots in all; past that, a departing worker's slot is shared until it exits).
+        """
+        slots = self._slots
+        if instance in slots:
+            return slots[instance]
+        busy = {slots[w.instance] for w in self.rt.workers
+                if w.alive() and w.instance != instance and w.instance in slots}
+        held = {slots[k] for k in self.rt.instances if k != instance and k in slots}
+        free = [k for k in range(self.rt.cfg.max_instances) if k not in busy | held] or \
+            [k for k in range(self.rt.cfg.max_instances) if k not in held] or [0]
+        slots[instance] = free[0]
+        return free[0]
 
     def spawn(self, instance: int, *, join: bool, rank: int = 0, world: int = 1, p: int = 1,
                resume: bool = False) -> Worker:
@@ -64,9 +86,11 @@ class Fleet:
         cfg = self.rt.cfg
         member = self.member_name(instance)
         base = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        slot = self.device_slot(instance)
         env = {
             **base,
-            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(slot),
+            "LOCAL_WORLD_SIZE": str(max(cfg.max_instances, slot + 1)),
             "GROUP_RANK": "0", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
             ELASTIC_ENV: "1", STORE_ENV: self.rt.store_url, JOB_TOKEN_ENV: self.rt.token,
             MEMBER_ENV: member, JOIN_ENV: "1" if join else "0", RUN_DIR_ENV: str(cfg.run_dir),
