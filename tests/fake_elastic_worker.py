@@ -11,7 +11,8 @@ fast. It writes what the real runtime writes to ``run_dir/events.jsonl``:
 * SIGTERM (a notice): an elastic ``left`` event and exit 0.
 
 ``--release MEMBER@STEP[:CODE],...`` makes MEMBER exit 76 (or CODE, e.g. 77: fenced) once the job reaches STEP;
-``--fallback-at STEP`` makes every member of the first launch exit 75 at STEP. Each process records its environment in ``run_dir/env_<member>.json``.
+``--fallback-at STEP`` makes every member of the first launch exit 75 at STEP; ``--startup-s S`` makes the first
+launch's members take S seconds to start. Each process records its environment in ``run_dir/env_<member>.json``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.1)
     ap.add_argument("--release", default="")
     ap.add_argument("--fallback-at", type=int, default=0)
+    ap.add_argument("--startup-s", type=float, default=0.0,
+                    help="initial members of the first launch take this long to start (a rendezvous that waits)")
     args = ap.parse_args()
     run = os.environ["PARCAE_RUN_DIR"]
     member = os.environ["PARCAE_MEMBER"]
@@ -62,6 +65,8 @@ def main() -> None:
             time.sleep(0.05)
         event(source="elastic", event="standby_exit", member=member, generation=-1, reason="job finished")
         sys.exit(0)
+    if launch == 0 and args.startup_s:
+        time.sleep(args.startup_s)  # nothing of this member's reaches the launcher meanwhile, as in a real start-up
     event(source="elastic", event="phase", member=member, generation=base, old="starting", new="training",
           D=world, P=1)
     step = 0

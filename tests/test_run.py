@@ -377,6 +377,31 @@ def test_elastic_restarts_a_standby_if_a_worker_is_sigkilled_from_outside(tmp_pa
 
 
 @pytest.mark.timeout(60)
+def test_elastic_relaunches_at_once_if_an_initial_member_is_lost_during_start_up(tmp_path: Path) -> None:
+    """Regression: an initial member killed during start-up (before the first generation formed) started the
+    fallback, and the launcher then waited the 10 s checkpoint grace for the other member -- stuck in a rendezvous
+    that can never complete, holding no state -- before killing it; reaping that straggler after the fallback had
+    ended started a second fallback ("initial member i0 lost during start-up", for a process parcae run itself
+    had killed). Now the straggler is stopped at once and the relaunch is the only one."""
+    import signal
+    import time
+
+    cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--",
+                   sys.executable, FAKE, "--steps", "20", "--step-s", "0.05", "--startup-s", "30"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    _kill_when(tmp_path, "i1", signal.SIGKILL, after_s=0.5)
+    t0 = time.time()
+    report = launcher.run()
+    _assert_nothing_left(launcher)
+    assert report["final_step"] == 20 and report["num_restarts"] == 1
+    fallbacks = _launcher_events(report, "fallback")
+    assert [f["reason"] for f in fallbacks] == ["initial member i1 lost during start-up"], fallbacks
+    stopped = _launcher_events(report, "stopped")
+    assert len(stopped) == 1 and stopped[0]["stop_s"] < 3.0, stopped
+    assert time.time() - t0 < 20.0
+
+
+@pytest.mark.timeout(60)
 def test_elastic_fails_if_an_instance_keeps_dying_by_signal_past_max_restarts(tmp_path: Path) -> None:
     cfg = _config(["--instances", "2", "--max-restarts", "1", "--run-dir", str(tmp_path), "--no-plot", "--",
                    sys.executable, FAKE, "--steps", "400", "--step-s", "0.1"])

@@ -261,7 +261,7 @@ class Fleet:
                         and self.rt._fallback is None):
                     # lost before the first generation formed: the other initial members cannot go on without it
                     self.rt._fallback_reason = f"initial member {w.member} lost during start-up"
-                    self.rt.relaunch.start_fallback()
+                    self.rt.relaunch.start_fallback(startup=True)
                 elif lost and current and not self.rt.finished and self.rt._fallback is None and not self.rt._need_launch:
                     self.spawn(w.instance, join=True)  # the survivors recover in place; a fresh standby for it
                     self.rt.console.say(f"{w.member} died by signal {-rc} (not sent by parcae run): a lost instance; the "

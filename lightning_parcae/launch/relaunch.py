@@ -166,7 +166,14 @@ class Relaunch:
         self.rt.restarts.append(r)
         self.rt.event("restart_done", **{k: v for k, v in r.items() if k != "t_request"})
 
-    def start_fallback(self) -> None:
+    def start_fallback(self, startup: bool = False) -> None:
+        """Stop this launch and relaunch from ``last.ckpt``.
+
+        Args:
+            startup: The cause is an initial member lost before the first generation formed: nobody holds state
+                worth a checkpoint yet, so the others (stuck in the rendezvous) are stopped at once instead of
+                after the grace a checkpointing member would get.
+        """
         if self.rt._fallback is not None:
             return
         rate = float(self.rt.latest.get("samples_per_s", 0.0) or 0.0)
@@ -174,7 +181,7 @@ class Relaunch:
         self.rt._fallback = {"t_request": time.time(), "from_generation": self.rt.launch, "reason": self.rt._fallback_reason,
                           "old_N": int(self.rt.shapes[-1]["N"] or 0) if self.rt.shapes else 0, "last_step": last_step,
                           "samples_per_s": rate,
-                          "killed": [], "graceful": True}
+                          "killed": [], "graceful": True, "startup": startup}
         self.rt.event("fallback", launch=self.rt.launch, reason=self.rt._fallback_reason, last_step=last_step)
         self.rt.console.say(f"FALLBACK: {self.rt._fallback_reason or 'some stage lost every replica'}; waiting for every worker "
                   "to exit, then relaunching from last.ckpt")
@@ -187,7 +194,7 @@ class Relaunch:
         fb = self.rt._fallback
         assert fb is not None
         alive = [w for w in self.rt.workers if w.alive()]
-        if alive and time.time() < fb["t_request"] + max(10.0, 2.0 * self.rt.cfg.wall_grace_s):
+        if alive and not fb.get("startup") and time.time() < fb["t_request"] + max(10.0, 2.0 * self.rt.cfg.wall_grace_s):
             return
         for w in alive:  # stragglers (stuck on a dead peer): stop them
             self.rt._signal(w, signal.SIGKILL)
@@ -199,8 +206,11 @@ class Relaunch:
                 w.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        self.rt._fallback = None
+        # reap while the fallback is still in progress: the stragglers just killed are not new losses (regression:
+        # reaped after it ended, a straggler of a start-up loss started a second fallback, "initial member i0 lost
+        # during start-up", for the member parcae run had itself killed)
         self.rt.fleet.reap()
+        self.rt._fallback = None
         fb["stop_s"] = time.time() - fb["t_request"]
         self.rt._fallback_seen.clear()
         self.rt._fallback_reason = ""
