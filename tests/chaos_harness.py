@@ -359,12 +359,19 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
     result["unrecorded"] = unrecorded
     try:
         ids = check_samples_once(steps, trial.max_steps, trial.batch, unrecorded)
-        epoch = trial.samples - trial.samples % trial.batch
-        for a in range(0, len(ids), epoch):
-            chunk = ids[a : a + epoch]
-            if len(set(chunk)) != len(chunk):
-                failures.append("a sample was consumed twice within one epoch")
-                break
+        # split the flat list into epochs by steps (a step with an unrecorded shard holds fewer ids; regression:
+        # chunking by a fixed number of ids misaligned every later epoch and reported a false repeat, seed 23)
+        per_epoch = trial.samples // trial.batch
+        pos, chunk = 0, []
+        for step in range(1, trial.max_steps + 1):
+            n = trial.batch - unrecorded.get(step, 0)
+            chunk += ids[pos : pos + n]
+            pos += n
+            if step % per_epoch == 0 or step == trial.max_steps:
+                if len(set(chunk)) != len(chunk):
+                    failures.append(f"a sample was consumed twice within the epoch ending at step {step}")
+                    break
+                chunk = []
         check_replicas_agree(steps)
     except AssertionError as exc:
         failures.append(f"samples/replicas: {str(exc)[:300]}")
