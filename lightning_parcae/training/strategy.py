@@ -22,6 +22,15 @@ How a training step runs (see ``docs/strategy.md`` for the user-facing version):
    aside and put back in :meth:`ParcaeStrategy.backward`, which then averages every stage's gradients over the D
    replicas of that stage (skipped while Lightning accumulates). Clipping uses the norm over *all* stages. Only
    then does the optimizer step (two-phase: no stage updates before every stage has its reduced gradients).
+
+The class itself is thin: Lightning calls its hooks by name and each forwards to one part, constructed with the
+strategy -- :class:`~lightning_parcae.training.options.StrategyOptions` (the checked options),
+:class:`~lightning_parcae.training.process_setup.ProcessSetup` (ranks, store, process groups),
+:class:`~lightning_parcae.training.layout.StageLayout`, :class:`~lightning_parcae.training.data_path.DataPath`,
+:class:`~lightning_parcae.training.step_runner.StepRunner`, :class:`~lightning_parcae.training.collectives.Collectives`,
+:class:`~lightning_parcae.training.checkpointing.StrategyCheckpoints`,
+:class:`~lightning_parcae.training.elastic_hooks.ElasticHooks` and
+:class:`~lightning_parcae.training.profiling.LayerProfiler`.
 """
 
 from __future__ import annotations
