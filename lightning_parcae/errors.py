@@ -8,6 +8,8 @@ subclass names one cause.
 
 from __future__ import annotations
 
+from typing import Any, Callable, Mapping, TypeVar
+
 __all__ = [
     "ParcaeError",
     "TraceFormatError",
@@ -20,7 +22,10 @@ __all__ = [
     "CoordinationError",
     "NoticeSourceError",
     "PeerLostError",
+    "build_by_name",
 ]
+
+_T = TypeVar("_T")
 
 
 class ParcaeError(Exception):
@@ -69,3 +74,26 @@ class PeerLostError(ParcaeError, RuntimeError):
     Raised out of a guarded wait (see :mod:`lightning_parcae.runtime.liveness`) so that the step in flight is
     discarded on every survivor and the job recovers under a new generation.
     """
+
+
+def build_by_name(registry: Mapping[str, Callable[..., _T]], name: Any, kwargs: Mapping[str, Any], *,
+                  unknown: str, bad: str) -> _T:
+    """``registry[name](**kwargs)``, with a user's two mistakes named: a name not in the registry, and keywords
+    the constructor does not take.
+
+    Args:
+        registry: The known constructors by name.
+        name: The name the user gave.
+        kwargs: The keywords the user gave.
+        unknown: The message for a name not in ``registry`` (it should list the known ones).
+        bad: What was being built, for the message ``"<bad>: <the TypeError>"`` on refused keywords.
+
+    Raises:
+        ConfigurationError: for either mistake.
+    """
+    if name not in registry:
+        raise ConfigurationError(unknown)
+    try:
+        return registry[name](**kwargs)
+    except TypeError as exc:
+        raise ConfigurationError(f"{bad}: {exc}") from None

@@ -46,7 +46,10 @@ def _runtime(store, member: str, members: tuple[str, ...]):  # noqa: ANN001, ANN
     from lightning_parcae.runtime.elastic import ElasticRuntime
     from lightning_parcae.runtime.liveness import Liveness
 
-    er = ElasticRuntime(_Owner(), store_url="unused", token=None, member=member)  # type: ignore[arg-type]
+    from lightning_parcae.training.strategy import ParcaeStrategy
+
+    options = ParcaeStrategy(elastic=False).elastic_options  # the planning options at the strategy's defaults
+    er = ElasticRuntime(_Owner(), store_url="unused", token=None, member=member, **options)  # type: ignore[arg-type]
     er.store, er.coord = store, Coordinator(store)
     er.live = Liveness(lambda: store, member, poll_s=0.01)
     er.live.set_generation(4, [])

@@ -35,7 +35,7 @@ from typing import Callable, ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
-from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.errors import ConfigurationError, build_by_name
 
 __all__ = [
     "Forecast",
@@ -589,12 +589,8 @@ def make_predictor(name: str, **kw: int) -> Predictor:
     Raises:
         ConfigurationError: Unknown name (the message lists the known ones) or bad arguments.
     """
-    if name not in PREDICTORS:
-        raise ConfigurationError(f"unknown predictor {name!r}; known: {', '.join(PREDICTORS)}")
-    try:
-        return PREDICTORS[name](**kw)
-    except TypeError as e:
-        raise ConfigurationError(f"predictor {name!r}: {e}") from None
+    return build_by_name(PREDICTORS, name, kw, unknown=f"unknown predictor {name!r}; known: {', '.join(PREDICTORS)}",
+                         bad=f"predictor {name!r}")
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,10 @@ class ElasticRuntime:
         token: Job token (records are signed) or None.
         member: This process's member id (stable across generations).
         joining: Start as a standby that waits to be admitted (a process added to a running job).
+
+        The planning options below have no defaults here: they are the strategy's (``ParcaeStrategy``'s signature
+        holds the one set of defaults; ``StrategyOptions.elastic_options`` passes them all).
+
         interval_s: Planning interval in wall seconds (0: only ``interval_steps``).
         interval_steps: Planning interval in optimizer steps (0: only ``interval_s``).
         look_ahead: Intervals the liveput optimizer plans over.
@@ -120,16 +124,16 @@ class ElasticRuntime:
         store_url: str,
         token: Optional[str],
         member: str,
+        interval_s: float,
+        interval_steps: int,
+        look_ahead: int,
+        predictor: str,
+        heartbeat_s: float,
+        dead_after_s: float,
+        stall_after_s: float,
+        throughput: str,
         joining: bool = False,
-        interval_s: float = 60.0,
-        interval_steps: int = 0,
-        look_ahead: int = 12,
-        predictor: str = "persistence",
-        heartbeat_s: float = 0.2,
-        dead_after_s: float = 3.0,
-        stall_after_s: float = 60.0,
         max_instances: int = 64,
-        throughput: str = "measured",
     ) -> None:
         self.s = strategy
         self.store_url = store_url

@@ -4,8 +4,8 @@ Problem: a process added to a running job (a new spot instance) must not disturb
 builds the model and heartbeats as a standby until a generation includes it, then receives exactly the layers it
 will hold (with their optimizer state) from live holders and the loop state (step, epoch, sample cursor, callbacks,
 replicated parameters) from the leader, and resumes as if it had always been there. The leader's side is
-:meth:`Admission.loop_state`. This module holds those steps for one
-:class:`~lightning_parcae.runtime.elastic.ElasticRuntime` (the protocol's state stays there).
+:meth:`Admission.loop_state`. Its steps
+act for the runtime as a :class:`~lightning_parcae.runtime.part.RuntimePart`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lightning_parcae.planning.migration_plan import MigrationPlan
 from lightning_parcae.runtime.lifecycle import Phase, exit_now
 from lightning_parcae.runtime.liveness import activate
 from lightning_parcae.runtime.migration import exchange
+from lightning_parcae.runtime.part import RuntimePart
 from lightning_parcae.runtime.switching import forget_eval_loaders
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,19 +31,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Admission"]
 
 log = logging.getLogger("lightning_parcae.elastic")
-_exit = exit_now
 
 
-class Admission:
-    """The joining half of one process's live-reconfiguration protocol.
-
-    Args:
-        rt: The :class:`~lightning_parcae.runtime.elastic.ElasticRuntime` it acts for (not imported here: the
-            runtime owns this part without an import cycle).
-    """
-
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+class Admission(RuntimePart):
+    """The joining half of one process's live-reconfiguration protocol."""
 
     def join_wait(self) -> dict[str, Any]:
         """Standby: register, heartbeat, and wait until a generation admits this member; receive its state.
@@ -71,13 +63,13 @@ class Admission:
                 self.rt.event("standby_exit", reason="notice")
                 self.rt.life.to(Phase.STOPPED)
                 self.rt.live.stop()
-                _exit(0)
+                exit_now(0)
             if self.rt.store.check(["parcae/finished"]):
                 log.warning("%s: the job finished before this standby was needed; exiting", self.rt.member)
                 self.rt.event("standby_exit", reason="job finished")
                 self.rt.life.to(Phase.STOPPED)
                 self.rt.live.stop()
-                _exit(0)
+                exit_now(0)
             time.sleep(0.05)
 
     def _migrate_in(self, rec: dict[str, Any]) -> None:
@@ -103,7 +95,7 @@ class Admission:
             log.warning("%s: %s", self.rt.member, reason)
             self.rt.event("join_failed", reason=reason)
             self.rt.life.to(Phase.FENCED, reason="join failed")
-            _exit(RELEASED_EXIT)
+            exit_now(RELEASED_EXIT)
         dist.destroy_process_group()
         self.rt._enter(rec)
         pg = self.rt.coord.get("parcae/pgroups", timeout_s=None) if self.rt.coord else None

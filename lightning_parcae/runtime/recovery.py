@@ -4,8 +4,8 @@ Problem: a member can vanish in the middle of a step. Every survivor must then (
 is applied or discarded -- the same answer everywhere, also for members that read it late -- (2) wait until every
 old member has announced itself or is dead, (3) agree on one next generation of survivors only and migrate to it,
 and, when some stage lost every replica, (4) stop loudly for a restart from the last checkpoint. A member that was
-declared dead while silent and wakes up must fence itself. This module holds those steps for one
-:class:`~lightning_parcae.runtime.elastic.ElasticRuntime` (the protocol's state stays there).
+declared dead while silent and wakes up must fence itself. Its steps
+act for the runtime as a :class:`~lightning_parcae.runtime.part.RuntimePart`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lightning_parcae.planning.migration_plan import StageLostError, plan_migrat
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import Phase, exit_now
 from lightning_parcae.runtime.liveness import SilenceClock, hb_key
+from lightning_parcae.runtime.part import RuntimePart
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
@@ -29,19 +30,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Recovery"]
 
 log = logging.getLogger("lightning_parcae.elastic")
-_exit = exit_now
 
 
-class Recovery:
-    """The failure half of one process's live-reconfiguration protocol.
-
-    Args:
-        rt: The :class:`~lightning_parcae.runtime.elastic.ElasticRuntime` it acts for (not imported here: the
-            runtime owns this part without an import cycle).
-    """
-
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+class Recovery(RuntimePart):
+    """The failure half of one process's live-reconfiguration protocol."""
 
     def propose_fallback(self, step: int, reason: str, checkpoint: bool = False) -> dict[str, Any]:
         assert self.rt.coord is not None and self.rt.layout is not None
@@ -131,7 +123,7 @@ class Recovery:
             print(msg, file=sys.stderr, flush=True)
             self.rt.event("fenced", reason=msg)
             self.rt.life.to(Phase.FENCED, reason="not in the survivors' generation")
-            _exit(FENCED_EXIT)
+            exit_now(FENCED_EXIT)
         self.rt.switching.switch(trainer, rec)
 
     def fallback(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
@@ -146,7 +138,7 @@ class Recovery:
             print(msg, file=sys.stderr, flush=True)
             self.rt.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step), checkpoint=saved)
             self.rt.life.to(Phase.FALLBACK, reason=rec.get("reason"))
-            _exit(FALLBACK_EXIT)
+            exit_now(FALLBACK_EXIT)
         msg = (f"PARCAE FALLBACK at step {trainer.global_step}: {rec.get('reason')}. No live process holds some "
                "layers, so the job must restart from the last checkpoint; the steps since that checkpoint are lost "
                "and will be recomputed.")
@@ -154,7 +146,7 @@ class Recovery:
         print(msg, file=sys.stderr, flush=True)
         self.rt.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step))
         self.rt.life.to(Phase.FALLBACK, reason=rec.get("reason"))
-        _exit(FALLBACK_EXIT)
+        exit_now(FALLBACK_EXIT)
 
     def _save_before_leaving(self, trainer: "pl.Trainer") -> Optional[str]:
         """Collective save of ``run_dir/ckpt/last.ckpt`` (every member must call it); None without a run dir."""

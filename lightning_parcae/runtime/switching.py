@@ -5,9 +5,8 @@ restarting, (1) leave generation g's process groups (destroy them, or abandon th
 shutdown would block on an operation stuck on a dead peer), (2) meet in a *transition world* that includes the
 members leaving and the ones joining, (3) send and receive exactly the layers (and, for joiners, the loop state)
 the migration plan names, (4) leave if the new generation does not include it, else rebuild its groups, stage and
-optimizers for the new layout, and (5) fall back to the checkpoint when the new groups cannot be built. This module
-holds those steps for one :class:`~lightning_parcae.runtime.elastic.ElasticRuntime` (the protocol's state stays
-there).
+optimizers for the new layout, and (5) fall back to the checkpoint when the new groups cannot be built. Its steps
+act for the runtime as a :class:`~lightning_parcae.runtime.part.RuntimePart`.
 """
 
 from __future__ import annotations
@@ -21,14 +20,13 @@ from lightning_parcae.contract import RELEASED_EXIT
 from lightning_parcae.planning.migration_plan import MigrationPlan
 from lightning_parcae.runtime.lifecycle import Phase, exit_now, exit_without_destructors_at_shutdown
 from lightning_parcae.runtime.migration import exchange, layer_payload
+from lightning_parcae.runtime.part import RuntimePart
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
 __all__ = ["Switch", "forget_eval_loaders"]
 
-_exit = exit_now
-_exit_without_destructors_at_shutdown = exit_without_destructors_at_shutdown
 
 
 def forget_eval_loaders(trainer: "pl.Trainer") -> None:
@@ -43,16 +41,8 @@ def forget_eval_loaders(trainer: "pl.Trainer") -> None:
         loop._combined_loader = None
 
 
-class Switch:
-    """The generation change of one process's live-reconfiguration protocol.
-
-    Args:
-        rt: The :class:`~lightning_parcae.runtime.elastic.ElasticRuntime` it acts for (not imported here: the
-            runtime owns this part without an import cycle).
-    """
-
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+class Switch(RuntimePart):
+    """The generation change of one process's live-reconfiguration protocol."""
 
     def teardown_groups(self, failed: bool = False) -> None:
         """Leave the current generation's groups: destroy them, or after a failure abandon them (see
@@ -63,7 +53,7 @@ class Switch:
         if failed:
             assert self.rt.live is not None
             self.rt.live.park(s.groups.abandon())
-            _exit_without_destructors_at_shutdown()
+            exit_without_destructors_at_shutdown()
         else:
             s.groups.destroy()
 
@@ -120,7 +110,7 @@ class Switch:
             leaving_reason = "notice" if self.rt.live.noticed.is_set() else "released"
             self.rt.event("left", kind=rec["kind"], reason=leaving_reason, transfer_s=t_transfer - t_groups)
             self.rt.life.to(Phase.FENCED, reason=leaving_reason)
-            _exit(0 if leaving_reason == "notice" else RELEASED_EXIT)
+            exit_now(0 if leaving_reason == "notice" else RELEASED_EXIT)
         received: dict[int, Any] = {}
         for blob in inbox.values():
             received.update(blob.get("layers", {}))

@@ -58,7 +58,7 @@ from datetime import datetime, timezone
 from types import FrameType, TracebackType
 from typing import Any
 
-from lightning_parcae.errors import ConfigurationError, NoticeSourceError
+from lightning_parcae.errors import ConfigurationError, NoticeSourceError, build_by_name
 
 __all__ = [
     "Notice",
@@ -859,12 +859,9 @@ def make_notice_source(spec: str, **kw: Any) -> NoticeSource:
         kw = {k: v for k, v in kw.items() if k in params}
         log.info("notice source: auto-detected %s", chosen)
         return _SOURCES[chosen](**kw)
-    if name not in _SOURCES:
-        raise ConfigurationError(f"unknown notice source {spec!r}; known: {', '.join([*_SOURCES, 'auto'])}")
-    try:
-        return _SOURCES[name](**kw)
-    except TypeError as exc:
-        raise ConfigurationError(f"bad options for the {name!r} notice source: {exc}") from None
+    return build_by_name(_SOURCES, name, kw,
+                         unknown=f"unknown notice source {spec!r}; known: {', '.join([*_SOURCES, 'auto'])}",
+                         bad=f"bad options for the {name!r} notice source")
 
 
 # ---------------------------------------------------------------------------------------------------------------

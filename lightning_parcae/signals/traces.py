@@ -337,18 +337,27 @@ def _strip_header(path: str, lines: list[tuple[int, str]]) -> list[tuple[int, st
     return lines
 
 
-def _read_events(path: str, text: str) -> tuple[list[tuple[float, int, int]], float]:
+def _timed_rows(path: str, text: str, what: str, layout: str) -> Iterator[tuple[int, float, list[str]]]:
+    """The data rows of a CSV trace as (line, time in s, fields), checked: at least one row, ``layout``'s number
+    of fields each, times not going backwards (``what`` names the rows in the error for an empty file)."""
     lines = _strip_header(path, _data_lines(text))
     if not lines:
-        raise _fail(path, None, "no events (expected rows 't_ms,add|remove,node')")
-    present: set[str] = set()
-    changes = []
+        raise _fail(path, None, f"no {what} (expected rows {layout!r})")
+    n = len(layout.split(","))
     last = 0.0
     for line, s in lines:
         fields = [f.strip() for f in s.split(",")]
-        if len(fields) != 3:
-            raise _fail(path, line, f"expected 3 fields 't_ms,add|remove,node', got {len(fields)}: {s!r}")
-        t = _time_s(path, line, fields[0], last)
+        if len(fields) != n:
+            raise _fail(path, line, f"expected {n} fields {layout!r}, got {len(fields)}: {s!r}")
+        last = _time_s(path, line, fields[0], last)
+        yield line, last, fields
+
+
+def _read_events(path: str, text: str) -> tuple[list[tuple[float, int, int]], float]:
+    present: set[str] = set()
+    changes = []
+    last = 0.0
+    for line, t, fields in _timed_rows(path, text, "events", "t_ms,add|remove,node"):
         last = t
         op, node = fields[1], fields[2]
         if not node:
@@ -371,17 +380,10 @@ def _read_events(path: str, text: str) -> tuple[list[tuple[float, int, int]], fl
 
 
 def _read_counts(path: str, text: str) -> tuple[list[tuple[float, int, int]], float]:
-    lines = _strip_header(path, _data_lines(text))
-    if not lines:
-        raise _fail(path, None, "no rows (expected rows 't_ms,count')")
     changes = []
     prev = 0
     last = 0.0
-    for line, s in lines:
-        fields = [f.strip() for f in s.split(",")]
-        if len(fields) != 2:
-            raise _fail(path, line, f"expected 2 fields 't_ms,count', got {len(fields)}: {s!r}")
-        t = _time_s(path, line, fields[0], last)
+    for line, t, fields in _timed_rows(path, text, "rows", "t_ms,count"):
         last = t
         n = _count(path, line, fields[1], "instance count")
         d = n - prev

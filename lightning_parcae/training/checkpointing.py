@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -50,6 +51,15 @@ class StrategyCheckpoints:
         self.strategy = strategy
         self.writer: Optional[threading.Thread] = None
         self.local_dump = False  # True while the runtime wants this process's own keys only (no gather)
+
+    @contextmanager
+    def local_state_dump(self) -> Iterator[None]:
+        """Within it, :meth:`module_state_dict` and :meth:`optimizer_state` return this process's own state."""
+        self.local_dump = True
+        try:
+            yield
+        finally:
+            self.local_dump = False
 
     def _replica0_gather(self, obj: Any) -> Optional[list[Any]]:
         """Gather ``obj`` from the stages of replica 0 to global rank 0 (other replicas skip)."""

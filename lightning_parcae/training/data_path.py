@@ -48,6 +48,13 @@ class DataPath:
         self.rerun_step = False
         self.last_step_indices: list[int] = []
 
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """All stages of a pipeline read the same shard: replicas = D, rank = pipeline index (used for predict)."""
+        groups = self.strategy.groups
+        if groups is None:
+            return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": groups.data_parallel, "rank": groups.coords.replica}
+
     def install(self, trainer: "pl.Trainer") -> None:
         """Replace Lightning's sampler injection: every loader is read in global order and sliced per pipeline."""
         connector = trainer._data_connector

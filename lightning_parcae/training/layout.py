@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parcae.errors import ModelLayoutError
-from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.runtime.partition import balance_stages, choose_pipeline_stages, layer_memory_bytes, stage_bounds
 from lightning_parcae.runtime.pipeline import P2P, BlockListProxy, StageProxy
 from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule
@@ -50,6 +49,40 @@ class StageLayout:
         s = self.strategy
         assert s.lightning_module is not None and s.stack_path is not None
         return s.lightning_module.get_submodule(s.stack_path)  # type: ignore[return-value]
+
+    def is_stage_key(self, key: str) -> bool:
+        """Whether a state-dict / optimizer-state key belongs to a layer of the stack (not a replicated part)."""
+        s = self.strategy
+        if s.stack_path:
+            return key.startswith(s.stack_path + ".")
+        return key.split(".", 1)[0] in set(s.layer_names)
+
+    def stage_key_set(self) -> set[str]:
+        """The state-dict keys (global names) of the layers this process holds."""
+        s = self.strategy
+        assert s.stack_path is not None and s._stage is not None
+        return {s.layer_key(k) for k in s._stage.state_dict().keys()}
+
+    def place(self, trainer: "pl.Trainer", joining: bool) -> None:
+        """Set up this process's stage for a Trainer stage, on its device, with replicas equal and metrics bound.
+
+        A joiner builds the stage of the layout that admitted it (its replicas' state arrives with the layout);
+        the first Trainer stage partitions the module; a later one (validate/test after fit) keeps the partition
+        and only connects to the new pipeline group.
+        """
+        s = self.strategy
+        if joining:
+            s._full_stack = self.stack()
+            self.build()
+        elif s._stage is None:
+            s.model_to_device()
+            self.partition_module(trainer)
+        else:
+            s._p2p = P2P(s.root_device, s.groups.pipeline_group)
+        s.model_to_device()
+        if not joining:
+            self.sync_replicas()
+        self.bind_metrics()
 
     def partition_module(self, trainer: "pl.Trainer") -> None:
         s = self.strategy
@@ -187,9 +220,8 @@ class StageLayout:
         assert module is not None and s._full_stack is not None
         rank = layout.members.index(s.elastic_runtime.member)  # type: ignore[union-attr]
         world, d, p = len(layout.members), layout.data_parallel, layout.pipeline_stages
-        s._set_ranks(rank, world)
-        backend = s._process_group_backend or "gloo"
-        s.groups = ProcessGroups(generation, rank, world, d, p, s._store, backend, s._timeout).build()
+        s.process.set_ranks(rank, world)
+        s.process.build_groups(generation, rank, world, d, p)
         s.partition = list(layout.partition)
         # layers that arrived: load into the full stack (global names are "<stack_path>.<layer>.<param>")
         if not s.whole_model:

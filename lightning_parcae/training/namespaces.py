@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["Namespace", "namespace", "NAMESPACES", "namespace_of", "likely_namespace"]
+from lightning_parcae.errors import ForeignTrainerError
+
+__all__ = ["Namespace", "namespace", "NAMESPACES", "namespace_of", "likely_namespace", "check_trainer"]
 
 NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
 _FABRIC = {"pytorch_lightning": "lightning_fabric", "lightning.pytorch": "lightning.fabric"}
@@ -92,3 +94,18 @@ def likely_namespace() -> str:
     if "lightning.pytorch" in sys.modules and "pytorch_lightning" not in sys.modules:
         return "lightning.pytorch"
     return "pytorch_lightning"
+
+
+def check_trainer(trainer: Any, ns_name: str = "pytorch_lightning") -> None:
+    """Refuse a Trainer of the other Lightning namespace (or anything that is not a Trainer of ``ns_name``).
+
+    Raises:
+        ForeignTrainerError: naming the import to use instead.
+    """
+    found = namespace_of(trainer)
+    if found != ns_name or not isinstance(trainer, namespace(ns_name).pl.Trainer):
+        hint = IMPORT_HINT.get(found or "", "a Lightning Trainer")
+        raise ForeignTrainerError(
+            f"this ParcaeStrategy was built for {ns_name}, but got a {type(trainer).__name__} from "
+            f"{type(trainer).__module__!r}. With that Trainer use {hint}"
+        )

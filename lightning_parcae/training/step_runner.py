@@ -53,6 +53,20 @@ class StepRunner:
         self.pending_grads: Optional[list[Optional[Tensor]]] = None
         self.sync_grads = True
 
+    def check_supported(self, module: Any) -> None:
+        """Refuse what the pipeline step cannot run: manual optimization, 16-mixed precision with a GradScaler.
+
+        Raises:
+            ConfigurationError: naming what to use instead.
+        """
+        if not module.automatic_optimization:
+            raise ConfigurationError("ParcaeStrategy supports automatic optimization only")
+        if getattr(self.strategy.precision_plugin, "scaler", None) is not None:
+            raise ConfigurationError(
+                "16-mixed precision with a GradScaler is not supported by ParcaeStrategy; use precision='bf16-mixed' "
+                "or '32-true'"
+            )
+
     def call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
                    given: Optional[Tensor] = None) -> Any:
         s = self.strategy

@@ -1,0 +1,249 @@
+"""Process setup: how one worker process becomes a rank of the job, for every Trainer stage it runs.
+
+Problem: a worker may be started by Lightning itself, by ``parcae run`` / ``parcae agent`` or torchrun (ranks taken
+as given), or join a job that is already training (its rank and shape come from the generation that admits it);
+and a script may run several Trainer stages (``fit`` then ``validate``...) whose process groups must not collide
+with the fit's, which may have migrated. This part sets the global rank and world size, creates the coordination
+store, builds the process groups of a fresh generation (or waits as a joiner and builds the admitting
+generation's), and installs the launcher's hooks on the Trainer: resume from the fallback checkpoint and the run
+callback. The store, backend and collective timeout it chose are kept here for later rebuilds.
+
+The strategy owns one :class:`ProcessSetup` and forwards Lightning's ``set_world_ranks`` / ``setup_environment``
+to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+from lightning_parcae.contract import GENERATION_BASE_ENV, RUN_DIR_ENV
+from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.runtime.groups import ProcessGroups
+from lightning_parcae.training import environment as launcher_env
+from lightning_parcae.training.namespaces import check_trainer
+
+__all__ = ["ProcessSetup", "resume_once"]
+
+_FIT = "fit"  # TrainerFn value (both namespaces)
+
+log = logging.getLogger(__name__)
+
+_GENERATION = [0]
+
+
+def _next_generation() -> int:
+    """A fresh generation number per Trainer run in this process (the base store may be reused)."""
+    _GENERATION[0] += 1
+    return _GENERATION[0] - 1
+
+
+def resume_once(trainer: Any, path_for: Callable[[Any], Any]) -> None:
+    """Make the Trainer's next checkpoint restore read ``path_for(<the path it was given>)``, once.
+
+    Args:
+        trainer: The Trainer whose checkpoint connector is patched (its ``resume_start``).
+        path_for: Maps the ``ckpt_path`` Lightning resumes from (``None`` when none was given) to the one to read.
+    """
+    connector = trainer._checkpoint_connector
+    original = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None, **kwargs: Any) -> None:
+        connector.resume_start = original  # type: ignore[method-assign]
+        original(path_for(checkpoint_path), **kwargs)
+
+    connector.resume_start = resume_start  # type: ignore[method-assign]
+
+
+class ProcessSetup:
+    """Ranks, store and process-group generations of one strategy (see the module docstring).
+
+    Args:
+        strategy: The owning ParcaeStrategy (its options, cluster environment, groups, layout state and runtime).
+
+    Attributes:
+        store: The coordination store (``None`` until the first ``setup_environment``).
+        backend: The process-group backend (``None``: chosen by device at the first ``setup_environment``).
+        timeout: The collective timeout (shortened under live reconfiguration).
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.store: Optional[dist.Store] = None
+        self.backend: Optional[str] = strategy.options.process_group_backend
+        self.timeout: timedelta = strategy.options.timeout
+        self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
+        self._post_fit_stages = 0
+
+    def lightning_launcher(self) -> Any:
+        """Lightning's launcher for ``start_method``: ``popen`` re-runs the script per process, else multiprocessing."""
+        s = self.strategy
+        assert s.cluster_environment is not None
+        if s.options.start_method == "popen":
+            return s._ns.SubprocessScriptLauncher(s.cluster_environment, s.num_processes, s.num_nodes)
+        return s._ns.MultiProcessingLauncher(s, start_method=s.options.start_method)
+
+    def device(self) -> Any:
+        """This process's device: entry ``LOCAL_RANK`` of the strategy's devices.
+
+        Raises:
+            ConfigurationError: when there are no devices yet, or fewer than ``LOCAL_RANK + 1``.
+        """
+        s = self.strategy
+        devices = s.parallel_devices
+        if not devices:
+            raise ConfigurationError("ParcaeStrategy has no devices yet: pass it to a Trainer before use")
+        rank = s.local_rank
+        if rank >= len(devices):
+            raise ConfigurationError(
+                f"this process has LOCAL_RANK={rank} but the Trainer was given {len(devices)} device(s); start "
+                f"{len(devices)} process(es) per machine or give the Trainer devices={rank + 1} or more"
+            )
+        return devices[rank]
+
+    def set_world_ranks(self) -> None:
+        """Derive global rank / world size from node rank, local rank and process count.
+
+        Under live reconfiguration the launcher's (or agent's, or torchrun's) ``RANK`` / ``WORLD_SIZE`` are taken
+        as given, so a script started with ``devices=1`` on each of N machines needs no ``num_nodes=N``. In a later
+        Trainer stage after an elastic fit, the ranks of the fit's last generation are kept.
+        """
+        s = self.strategy
+        er = s.elastic_runtime
+        if er is not None and er.layout is not None and er.member in er.layout.members:
+            # a later Trainer stage (validate/test after an elastic fit): the ranks of the fit's last generation,
+            # not the launcher's start-up RANK/WORLD_SIZE (a joiner started as RANK=0 of WORLD_SIZE=1)
+            self.set_ranks(er.layout.members.index(er.member), len(er.layout.members))
+            return
+        if s.cluster_environment is not None:
+            if s.elastic and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                s.cluster_environment.set_global_rank(int(os.environ["RANK"]))
+                s.cluster_environment.set_world_size(int(os.environ["WORLD_SIZE"]))
+            else:
+                s.cluster_environment.set_global_rank(s.node_rank * s.num_processes + s.local_rank)
+                s.cluster_environment.set_world_size(s.num_nodes * s.num_processes)
+        rank_zero_only.rank = s.global_rank
+
+    def set_ranks(self, rank: int, world: int) -> None:
+        """Make this process rank ``rank`` of ``world`` (cluster environment and rank-zero logging)."""
+        s = self.strategy
+        if s.cluster_environment is not None:
+            s.cluster_environment.set_global_rank(rank)
+            s.cluster_environment.set_world_size(world)
+        rank_zero_only.rank = rank
+
+    def build_groups(self, generation: int, rank: int, world: int, data_parallel: int, stages: int) -> None:
+        """Build generation ``generation``'s process groups on the store and make them the strategy's."""
+        s = self.strategy
+        s.groups = ProcessGroups(generation, rank, world, data_parallel, stages, self.store, self.backend or "gloo",
+                                 self.timeout).build()
+
+    def before_environment(self) -> None:
+        """Before Lightning's own environment setup: refuse a foreign Trainer, install the launcher's resume."""
+        s = self.strategy
+        if s.lightning_module is not None and getattr(s.lightning_module, "_trainer", None) is not None:
+            check_trainer(s.lightning_module._trainer, s._ns_name)
+            self._install_launcher_resume(s.lightning_module._trainer)
+
+    def setup_environment(self) -> None:
+        """After Lightning's own environment setup: ranks, the store and this Trainer stage's process groups."""
+        s = self.strategy
+        if s.elastic_runtime is not None and s.groups is not None and s.groups.built:
+            # validate/test/predict after fit: the job runs on the generation fit ended in (its members, ranks and
+            # groups); the launch's RANK / WORLD_SIZE and a rebuilt "generation 1" would be stale after any change
+            return
+        s.set_world_ranks()
+        world = s.world_size
+        self.backend = self.backend or ("nccl" if s.root_device.type == "cuda" else "gloo")
+        if s.elastic and s.elastic_runtime is None:
+            from lightning_parcae.runtime.elastic import ElasticRuntime  # noqa: PLC0415
+
+            s.elastic_runtime = ElasticRuntime.from_env(s, **s.options.elastic_options)
+            self.store = s.elastic_runtime.connect()
+            self.timeout = min(self.timeout, timedelta(minutes=5))
+            if s.elastic_runtime.joining:  # its shape comes from the generation that admits it
+                self.timeout = s.elastic_runtime.stall_timeout  # everyone it meets is already running
+                self._join()
+                return
+        p = len(s.partition) if s.partition else (s.pipeline_stages_option or 1)
+        if world % p:
+            raise ConfigurationError(
+                f"pipeline_stages={p} does not divide devices x nodes = {world}; D = devices / P must be whole"
+            )
+        if self.store is None and world == 1:
+            self.store = dist.HashStore()
+        elif self.store is None:
+            assert s.cluster_environment is not None
+            self.store = dist.TCPStore(
+                s.cluster_environment.main_address,
+                s.cluster_environment.main_port,
+                world,
+                s.global_rank == 0,
+                timeout=self.timeout,
+            )
+        if s.groups is not None:  # a previous Trainer stage of this strategy left its generation up
+            s.groups.destroy()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        er = s.elastic_runtime
+        after_fit = er is not None and er.layout is not None
+        if after_fit:
+            # validate/test/predict after an elastic fit: the members may have migrated (and joined) during fit,
+            # so per-process Trainer-run counters disagree and low numbers are taken by the fit's generations.
+            # Every member agrees on the fit's last generation; later Trainer stages count on from there.
+            if self._fit_generation is None:
+                self._fit_generation = int(er.generation)
+            self._post_fit_stages += 1
+            generation = self._fit_generation + self._post_fit_stages
+        else:
+            generation = int(os.environ.get(GENERATION_BASE_ENV, "0")) + _next_generation()
+        self.build_groups(generation, s.global_rank, world, world // p, p)
+        if er is not None and not after_fit:
+            er.boot_register(generation, s.global_rank)
+
+    def _join(self) -> None:
+        """A joiner: wait as a standby until admitted, receive state, build the admitting generation's groups."""
+        s = self.strategy
+        er = s.elastic_runtime
+        assert er is not None
+        rec = er.join_wait()
+        layout = er.layout
+        assert layout is not None
+        rank = layout.members.index(er.member)
+        self.set_ranks(rank, len(layout.members))
+        s.partition = list(layout.partition)
+        s.stack_path = rec["stack_path"]
+        s.layer_names = list(rec["layer_names"])
+        if s.stack_path == "":  # the job trains a model without a cuttable stack: P stays 1
+            s.max_pipeline_stages = 1
+        s.layer_times = list(rec.get("layer_times") or [])
+        self.build_groups(int(rec["generation"]), rank, len(layout.members), layout.data_parallel,
+                          layout.pipeline_stages)
+
+    def _install_launcher_resume(self, trainer: Any) -> None:
+        """Under ``parcae run``: a ``fit`` without ``ckpt_path`` resumes from the launcher's checkpoint
+        (``PARCAE_RESUME_CKPT``, set on a fallback relaunch); a ``ckpt_path`` the script gives wins."""
+        path = launcher_env.launcher_resume_path() if launcher_env.under_launcher() else None
+        if path is None or trainer.state.fn != _FIT:
+            return
+
+        def path_for(checkpoint_path: Any) -> Any:
+            if checkpoint_path is None:
+                log.info("resuming from the launcher's checkpoint %s", path)
+            return checkpoint_path if checkpoint_path is not None else path
+
+        resume_once(trainer, path_for)
+
+    def add_launcher_callbacks(self, trainer: Any) -> None:
+        """Under ``parcae run``: periodic checkpoints, the agreed stop of the restart fallback and progress/end
+        events (:class:`~lightning_parcae.training.callbacks.ParcaeRunCallback`), unless the script added its own."""
+        from lightning_parcae.training.callbacks import ParcaeRunCallbackMixin, callback_class  # noqa: PLC0415
+
+        if not os.environ.get(RUN_DIR_ENV) or any(isinstance(cb, ParcaeRunCallbackMixin) for cb in trainer.callbacks):
+            return
+        trainer.callbacks.append(callback_class("run", self.strategy._ns_name)())
