@@ -13,6 +13,7 @@ The strategy owns one :class:`Collectives` and forwards Lightning's calls to it.
 from __future__ import annotations
 
 import logging
+import pickle
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -107,12 +108,33 @@ class Collectives:
             self.guarded(lambda: dist.barrier(async_op=True), "barrier")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Broadcast a picklable object from global rank ``src``."""
+        """Broadcast a picklable object from global rank ``src``.
+
+        Under live reconfiguration it is guarded like the other collectives: Lightning broadcasts during its
+        set-up (``log_dir``, checkpoint paths) and in ``ModelCheckpoint``, and ``broadcast_object_list`` blocks
+        without an abort. Regression: a member lost (or silent) while the others were in such a broadcast crashed
+        them with gloo's "Connection closed by peer" -- or, for a silent one, left them waiting for the 30-minute
+        group timeout. A broadcast a lost peer interrupted returns this rank's own ``obj`` (the values Lightning
+        broadcasts are the same on every rank) and the next step boundary recovers in place.
+        """
         if not dist.is_initialized() or dist.get_world_size() == 1 or self.solo:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        er = self.strategy.elastic_runtime
+        if er is None or er.live is None:
+            box = [obj]
+            dist.broadcast_object_list(box, src)
+            return box[0]
+        device = torch.device("cpu") if "gloo" in str(dist.get_backend()) else self.strategy.root_device
+        mine = dist.get_rank() == src
+        payload = pickle.dumps(obj) if mine else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+        if not self.guarded(lambda: dist.broadcast(size, src, async_op=True), "broadcast (size)"):
+            return obj
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if mine
+                else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+        if not self.guarded(lambda: dist.broadcast(data, src, async_op=True), "broadcast"):
+            return obj
+        return obj if mine else pickle.loads(data.cpu().numpy().tobytes())  # noqa: S301 -- our own job's ranks
 
 
 def op_name(reduce_op: Any) -> str:

@@ -74,11 +74,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--out", default="final.ckpt")
+    parser.add_argument("--precision", default="32-true", help="Lightning's precision, e.g. 64-true")
     args = parser.parse_args()
     L.seed_everything(0)
     trainer = L.Trainer(
         strategy="parcae",
         accelerator="cpu",
+        precision=args.precision,
         max_steps=args.max_steps,
         val_check_interval=100,
         logger=CSVLogger("logs"),
