@@ -30,7 +30,6 @@ import time
 from typing import Any, Optional, Sequence
 
 from lightning_parcae.contract import (
-    ENV_PREFIX,
     RUN_DIR_ENV,
     RESUME_ENV,
     STORE_ENV,
@@ -43,6 +42,7 @@ from lightning_parcae.contract import (
     FENCED_EXIT,
 )
 from lightning_parcae.errors import ConfigurationError, ParcaeError
+from lightning_parcae.launch.processes import worker_environment
 
 __all__ = ["main", "build_parser", "worker_env"]
 
@@ -89,20 +89,16 @@ def worker_env(base: dict[str, str], *, store: str, token: Optional[str], member
         world: Initial world size (ignored when joining).
         run_dir: Run directory, if any.
     """
-    env = {k: v for k, v in base.items() if not k.startswith(ENV_PREFIX) or k == RESUME_ENV}
-    env.update({
-        ELASTIC_ENV: "1", STORE_ENV: store, MEMBER_ENV: member, JOIN_ENV: "1" if join else "0",
-        "RANK": str(0 if join else rank), "WORLD_SIZE": str(1 if join else world), "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1", "NODE_RANK": str(0 if join else rank), "GROUP_RANK": str(0 if join else rank),
-        "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": env.get("MASTER_PORT", "29500"),
-    })
+    parcae = {ELASTIC_ENV: "1", STORE_ENV: store, MEMBER_ENV: member, JOIN_ENV: "1" if join else "0"}
     if token:
-        env[JOB_TOKEN_ENV] = token
+        parcae[JOB_TOKEN_ENV] = token
     if run_dir:
-        env[RUN_DIR_ENV] = run_dir
-    from lightning_parcae.training.environment import with_boot_path  # noqa: PLC0415
-
-    return with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
+        parcae[RUN_DIR_ENV] = run_dir
+    return worker_environment(base, rank=0 if join else rank, world=1 if join else world, local_rank=0,
+                              local_world=1, node_rank=0 if join else rank,
+                              master_addr=base.get("MASTER_ADDR", "127.0.0.1"),
+                              master_port=base.get("MASTER_PORT", "29500"), parcae=parcae, keep=(RESUME_ENV,),
+                              shared_machine=False)
 
 
 class Agent:

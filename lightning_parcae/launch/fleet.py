@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from lightning_parcae.contract import (
-    ENV_PREFIX,
     RUN_DIR_ENV,
     RESUME_ENV,
     STORE_ENV,
@@ -37,8 +36,7 @@ from lightning_parcae.contract import (
     RELEASED_EXIT,
     FENCED_EXIT,
 )
-from lightning_parcae.launch.processes import POLL_S, initial_members, free_port, Worker
-from lightning_parcae.training.environment import with_boot_path
+from lightning_parcae.launch.processes import POLL_S, Worker, free_port, initial_members, worker_environment
 
 __all__ = ["Fleet"]
 
@@ -85,13 +83,8 @@ class Fleet:
         """Start one worker process for ``instance``: an initial member of a (re)launch, or a joiner."""
         cfg = self.rt.cfg
         member = self.member_name(instance)
-        base = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         slot = self.device_slot(instance)
-        env = {
-            **base,
-            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(slot),
-            "LOCAL_WORLD_SIZE": str(max(cfg.max_instances, slot + 1)),
-            "GROUP_RANK": "0", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        parcae = {
             ELASTIC_ENV: "1", STORE_ENV: self.rt.store_url, JOB_TOKEN_ENV: self.rt.token,
             MEMBER_ENV: member, JOIN_ENV: "1" if join else "0", RUN_DIR_ENV: str(cfg.run_dir),
             GENERATION_ENV: str(self.rt.launch), GENERATION_BASE_ENV: str(1000 * self.rt.launch),
@@ -100,10 +93,10 @@ class Fleet:
             # every instance of this one-machine cluster shares its cores (the measured model's contention term)
             SHARED_CORES_ENV: str(self.rt.shared_units),
         }
-        env.setdefault("OMP_NUM_THREADS", "1")
-        with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
         if cfg.stall_timeout_s:
-            env[STALL_ENV] = f"{cfg.stall_timeout_s:g}"
+            parcae[STALL_ENV] = f"{cfg.stall_timeout_s:g}"
+        env = worker_environment(os.environ, rank=rank, world=world, local_rank=slot,
+                                 local_world=max(cfg.max_instances, slot + 1), master_port=free_port(), parcae=parcae)
         ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
         if resume and ckpt.exists():
             env[RESUME_ENV] = str(ckpt)

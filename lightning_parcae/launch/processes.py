@@ -1,7 +1,11 @@
-"""The launcher's worker processes: the record of one, free ports, the modes, the first generation's size.
+"""The launcher's worker processes: the record of one, their environment, free ports, the modes, the first
+generation's size.
 
-Problem: the parts of ``parcae run`` (:mod:`.run`, :mod:`.fleet`, :mod:`.relaunch`, :mod:`.console`) all handle
-worker processes and need the same few facts about them; they live here, below those parts.
+Problem: the parts of ``parcae run`` (:mod:`.run`, :mod:`.fleet`, :mod:`.relaunch`, :mod:`.console`) and
+``parcae agent`` all start or handle worker processes and need the same few facts about them; they live here,
+below those parts. In particular the worker's environment is built by one function: it was built in three places
+with three rules (the restart fallback kept any stray ``PARCAE_*`` variable of the launcher's own environment, such
+as a ``PARCAE_MEMBER`` or ``PARCAE_RUN_DIR`` left in the user's shell).
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
-__all__ = ["ELASTIC", "RESTART_FALLBACK", "POLL_S", "initial_members", "free_port", "Worker"]
+from lightning_parcae.contract import ENV_PREFIX
+
+__all__ = ["ELASTIC", "RESTART_FALLBACK", "POLL_S", "initial_members", "free_port", "worker_environment", "Worker"]
 
 ELASTIC = "elastic"
 """Mode: membership changes are live reconfigurations in place (the default)."""
@@ -42,6 +48,38 @@ def initial_members(n: int, pipeline_stages: str) -> tuple[int, int]:
     while (2 * d) * max(p, 1) <= n:
         d *= 2
     return d * max(p, 1), p
+
+
+def worker_environment(base: Mapping[str, str], *, rank: int, world: int, local_rank: int, local_world: int,
+                       master_port: int | str, parcae: Mapping[str, str], node_rank: int = 0,
+                       master_addr: str = "127.0.0.1", keep: tuple[str, ...] = (),
+                       shared_machine: bool = True) -> dict[str, str]:
+    """The environment of one worker process: the torchrun-compatible variables plus Parcae's own.
+
+    Args:
+        base: The launcher's (or agent's) environment. Every ``PARCAE_*`` variable in it is dropped except those
+            named in ``keep``: the worker contract comes from ``parcae`` only.
+        rank, world: ``RANK`` / ``WORLD_SIZE`` (a joiner: 0 / 1; ranks change in place later).
+        local_rank, local_world: ``LOCAL_RANK`` (this process's device slot) / ``LOCAL_WORLD_SIZE``.
+        master_port: ``MASTER_PORT``.
+        parcae: The ``PARCAE_*`` variables of this worker (see :mod:`lightning_parcae.contract`).
+        node_rank: ``NODE_RANK`` / ``GROUP_RANK``.
+        master_addr: ``MASTER_ADDR``.
+        keep: ``PARCAE_*`` names of ``base`` to pass through (the agent's ``PARCAE_RESUME_CKPT``).
+        shared_machine: The workers share one machine's cores (``parcae run``): ``OMP_NUM_THREADS=1`` unless set.
+    """
+    from lightning_parcae.training.environment import with_boot_path  # noqa: PLC0415
+
+    env = {k: v for k, v in base.items() if not k.startswith(ENV_PREFIX) or k in keep}
+    env.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(node_rank), "NODE_RANK": str(node_rank),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+    })
+    env.update(parcae)
+    if shared_machine:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
 
 
 def free_port(host: str = "127.0.0.1") -> int:

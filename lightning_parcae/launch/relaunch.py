@@ -20,7 +20,6 @@ from lightning_parcae.contract import (
     RESUME_ENV,
     STORE_ENV,
     JOB_TOKEN_ENV,
-    JOIN_ENV,
     GENERATION_ENV,
     GENERATION_BASE_ENV,
     PIPELINE_ENV,
@@ -28,8 +27,7 @@ from lightning_parcae.contract import (
     ELASTIC_ENV,
     STALL_ENV,
 )
-from lightning_parcae.launch.processes import initial_members, free_port, Worker
-from lightning_parcae.training.environment import with_boot_path
+from lightning_parcae.launch.processes import Worker, free_port, initial_members, worker_environment
 
 __all__ = ["Relaunch"]
 
@@ -75,24 +73,19 @@ class Relaunch:
         port = free_port()
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        base = {k: v for k, v in os.environ.items() if k not in (RESUME_ENV, ELASTIC_ENV, JOIN_ENV)}
         self.rt.workers = []
         for rank in range(workers):
-            env = {
-                **base,
-                "RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(workers), "GROUP_RANK": "0", "NODE_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            parcae = {
                 STORE_ENV: self.rt.store_url, JOB_TOKEN_ENV: self.rt.token, RUN_DIR_ENV: str(cfg.run_dir),
                 GENERATION_ENV: str(self.rt.generation), GENERATION_BASE_ENV: str(1000 * self.rt.generation),
                 PIPELINE_ENV: cfg.pipeline_stages, MODE_ENV: cfg.mode, ELASTIC_ENV: "0",
             }
-            env.setdefault("OMP_NUM_THREADS", "1")
-            with_boot_path(env)  # strategy="parcae" resolves without an import of lightning_parcae
             if cfg.stall_timeout_s:
-                env[STALL_ENV] = f"{cfg.stall_timeout_s:g}"
+                parcae[STALL_ENV] = f"{cfg.stall_timeout_s:g}"
             if ckpt.exists():
-                env[RESUME_ENV] = str(ckpt)
+                parcae[RESUME_ENV] = str(ckpt)
+            env = worker_environment(os.environ, rank=rank, world=workers, local_rank=rank, local_world=workers,
+                                     master_port=port, parcae=parcae)
             log_path = logs / f"gen{self.rt.generation}_rank{rank}.log"
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(cfg.command, env=env, stdout=log, stderr=subprocess.STDOUT,
