@@ -60,6 +60,9 @@ def main() -> None:
     parser.add_argument("--step-delay", type=float, default=0.0, help="sleep per step at D = 1, divided by D (stands in for compute; slows the demo down)")
     parser.add_argument("--interval-s", type=float, default=float(os.environ.get("PARCAE_INTERVAL_S", "60")),
                         help="live reconfiguration: planning interval in seconds (default $PARCAE_INTERVAL_S, or 60)")
+    parser.add_argument("--throughput", choices=["measured", "profile"], default="measured",
+                        help="how the runtime prices shapes: by measured step times (default) or by the per-layer "
+                        "profile formula only (the step delay is invisible to it: D = 2 always looks 2x faster)")
     parser.add_argument("--crash", action="store_true", help="fail at start (used by the tests)")
     args = parser.parse_args()
     if args.crash:
@@ -70,7 +73,8 @@ def main() -> None:
     train = DataLoader(synthetic(2048, 1), batch_size=args.batch_size, shuffle=True, generator=gen)
     p = None if args.pipeline_stages == "auto" else int(args.pipeline_stages)
     # elastic: on when the launcher sets PARCAE_ELASTIC=1; the leader plans D x P once per (scaled) trace interval
-    strategy = ParcaeStrategy(pipeline_stages=p, micro_batches=args.micro_batches, interval_s=args.interval_s)
+    strategy = ParcaeStrategy(pipeline_stages=p, micro_batches=args.micro_batches, interval_s=args.interval_s,
+                              throughput=args.throughput)
     run_cb = ParcaeRunCallback(every_n_steps=args.ckpt_every)
     callbacks: list[pl.Callback] = [run_cb]
     if args.step_delay > 0:

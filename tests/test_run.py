@@ -308,7 +308,11 @@ def test_main_migrates_in_place_if_trace_removes_and_adds(tmp_path: Path, capsys
     rc = main(["--instances", "2", "--trace", str(trace), "--time-scale", "10", "--grace", "120",
                "--run-dir", str(run_dir), "--progress-every", "5", "--",
                sys.executable, EXAMPLE, "--max-steps", "300", "--step-delay", "0.06", "--ckpt-every", "100",
-               "--interval-s", "0.5"])
+               "--interval-s", "0.5", "--throughput", "profile"])
+    # --throughput profile: this test is about the mechanics of an in-place shrink and grow. With the default
+    # measured pricing, 2x1 is measured only a few steps before the notice (often not at all on a loaded machine)
+    # and the runtime, by its rules, does not leave the measured 1x1 for an unmeasured 2x1 without an exploration
+    # interval -- so under load the test failed on a correct decision (the measured policy has tests of its own).
     out, err = capsys.readouterr()
     assert rc == 0, err + out
     report = json.loads((run_dir / "report.json").read_text())
