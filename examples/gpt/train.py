@@ -42,9 +42,14 @@ def _env_defaults(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    args = _env_defaults(sys.argv[1:])
-    sys.argv = sys.argv[:1]  # the options are passed as ``args`` (LightningCLI warns if both are given)
+    argv = list(sys.argv)
+    args = _env_defaults(argv[1:])
+    sys.argv = argv[:1]  # the options are passed as ``args`` (LightningCLI warns if both are given)
     cli = LightningCLI(GPT, StdlibText, run=False, save_config_callback=None, args=args)
+    # Regression: without a launcher, ParcaeStrategy starts the other ranks by re-running ``sys.argv`` (like
+    # Lightning's DDP); with the truncated argv rank 1 ran without --config -- default Trainer, no max_steps -- and
+    # the two-process test trained past its 30 steps until its timeout. The children re-apply the defaults above.
+    sys.argv = argv
     trainer = cli.trainer
     trainer.fit(cli.model, cli.datamodule, ckpt_path=resume_path())
     if trainer.is_global_zero:
