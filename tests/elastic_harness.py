@@ -102,7 +102,8 @@ class ElasticJob:
             m = r.get("member")
             if m is not None:
                 per[m] = max(per.get(m, 0), r["step"])
-        running = [m for m in per if m in self.procs and self.procs[m].poll() is None]
+        running = [m for m in per if m in self.procs and self.procs[m].poll() is None
+                   and not _stopped(self.procs[m].pid)]
         return min((per[m] for m in running), default=self.max_step())
 
     def wait_step(self, step: int, timeout: float = 120.0) -> None:
@@ -153,6 +154,15 @@ class ElasticJob:
 
     def finals(self) -> dict[str, dict[str, torch.Tensor]]:
         return {f.stem[len("final_"):]: torch.load(f, weights_only=True) for f in self.out.glob("final_*.pt")}
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP): a frozen member records nothing until it wakes, so waiting for it to
+    reach a step would wait for ever (regression: the fencing test froze a member and then waited for step 9)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def reference(out: Path, args: list[str]) -> dict[str, torch.Tensor]:
