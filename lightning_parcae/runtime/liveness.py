@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from lightning_parcae.errors import PeerLostError
+from lightning_parcae.runtime import steptime
 
 __all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key"]
 
@@ -161,6 +162,12 @@ class Liveness:
         while this thread watches the abort flag. On abort the helper (possibly stuck forever on a dead peer) is
         abandoned with the work and a fresh one serves the next generation.
         """
+        if steptime.ON:
+            with steptime.span("wait: " + what):
+                return self._wait(work, what)
+        return self._wait(work, what)
+
+    def _wait(self, work: Any, what: str) -> None:
         if self.aborted.is_set():
             self.park(work)
             raise PeerLostError(f"{what} abandoned: generation {self.generation} aborted ({self.reason})")
@@ -170,6 +177,8 @@ class Liveness:
                 self.park(work)
                 self._retire_waiter()
                 raise PeerLostError(f"{what} abandoned: generation {self.generation} aborted ({self.reason})")
+        if steptime.ON and box.t_done:
+            steptime.add("wait handoff (waiter done -> caller awake)", time.perf_counter() - box.t_done)
         if box.error is not None:
             self.park(work)
             reason = f"{self.member}: {what} failed: {str(box.error).splitlines()[0][:200]}"
@@ -298,6 +307,7 @@ class _Box:
         self.work = work
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
+        self.t_done = 0.0
 
 
 class _Waiter:
@@ -320,6 +330,8 @@ class _Waiter:
                 box.work.wait()
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiting thread
                 box.error = exc
+            if steptime.ON:
+                box.t_done = time.perf_counter()
             box.done.set()
 
 

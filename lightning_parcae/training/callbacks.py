@@ -49,6 +49,7 @@ from lightning_parcae.contract import (
     WRONG_TOKEN_EXIT,
 )
 from lightning_parcae.events import append_event
+from lightning_parcae.runtime import steptime
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -91,6 +92,7 @@ class ParcaeRunCallbackMixin:
         self._agreed_stop = False
         self._t0 = time.time()
         self._last_progress = 0.0
+        self._step_t: Optional[float] = None
         self._last_step_t: Optional[float] = None
         self._window: list[tuple[float, int]] = []
         self._samples_per_step = 0
@@ -182,6 +184,16 @@ class ParcaeRunCallbackMixin:
         """Agree on a stop, checkpoint every K steps, and emit progress."""
         if not self.active:
             return
+        if steptime.ON:
+            t = time.perf_counter()
+            if self._step_t is not None:
+                steptime.add("step", t - self._step_t)
+            self._step_t = t
+            with steptime.span("callback.run"):
+                return self._batch_end(trainer, outputs, batch)
+        return self._batch_end(trainer, outputs, batch)
+
+    def _batch_end(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> None:
         global_batch = getattr(trainer.strategy, "global_batch", None)
         if global_batch:  # the global batch stays fixed while D changes under live reconfiguration
             self._samples_per_step = int(global_batch)
@@ -219,6 +231,9 @@ class ParcaeRunCallbackMixin:
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Save and report the end of training (a finished run, not a stop for restart)."""
+        if steptime.ON and self.run_dir is not None:
+            append_event(self.run_dir, {"source": "worker", "event": "step_timing", "rank": trainer.global_rank,
+                                        "elastic": _elastic(trainer) is not None, "parts": steptime.summary()})
         if not self.active or self._agreed_stop:
             return
         self._save(trainer, "end")
@@ -293,6 +308,12 @@ class ParcaeElasticCallbackMixin:
         er = _elastic(trainer)
         if er is None:
             return
+        if steptime.ON:
+            with steptime.span("callback.elastic"):
+                return self._batch_end(trainer, pl_module, er)
+        return self._batch_end(trainer, pl_module, er)
+
+    def _batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, er: Any) -> None:
         er.boundary(trainer)
         now = time.time()
         b = getattr(trainer.strategy, "global_batch", None) or 0
