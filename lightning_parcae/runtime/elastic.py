@@ -389,7 +389,8 @@ class ElasticRuntime:
         flags[0] = proposal
         flags[1 + self.rank] = 1.0 if self.live.noticed.is_set() else 0.0
         try:
-            guarded(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
+            guarded(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), "step agreement",
+                    collective=True)
         except PeerLostError:
             self.recover(trainer)
             return

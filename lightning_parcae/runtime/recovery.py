@@ -79,7 +79,7 @@ class Recovery:
     def _forget_commit(self, step: int) -> None:
         """Delete a finished step's commit keys (everyone has passed it), so the store does not grow per step."""
         base = Coordinator.commit_key(self.rt.generation, step)
-        for key in (base, base + "/done", base + "/decision"):
+        for key in (base, base + "/decision"):
             try:
                 self.rt.store.delete_key(key)
             except Exception:  # noqa: BLE001 -- a store without delete (older etcd v2 API) just keeps them
