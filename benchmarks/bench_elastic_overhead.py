@@ -116,19 +116,21 @@ def report(job: str, rows: list[dict[str, Any]]) -> None:
         print(f"  step ms (implied)   {1000 * b / ms:11.1f}  {1000 * b / me:9.1f}    {ms / me:.3f}")
     print(f"  runs: non-elastic {', '.join(f'{x:.0f}' for x in st)}; elastic {', '.join(f'{x:.0f}' for x in el)}")
     for label, elastic in (("non-elastic", False), ("elastic", True)):
-        parts: dict[tuple[int, str], list[float]] = {}
+        parts: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for x in rows:
             if x["elastic"] != elastic:
                 continue
             for rank, t in x["timing"].items():
                 steps = max(1, t.get("step", {}).get("n", 1))
                 for name, v in t.items():
-                    parts.setdefault((int(rank), name), []).append(1000.0 * v["total_s"] / steps)
+                    parts.setdefault((int(rank), name), []).append((1000.0 * v["total_s"] / steps, v["n"] / steps))
         if not parts:
             continue
-        print(f"  {label} step parts, ms per step (median over runs):")
+        print(f"  {label} step parts (median over runs):            ms/step  calls/step")
         for (rank, name), vals in sorted(parts.items()):
-            print(f"    rank {rank}  {name:34s} {statistics.median(vals):8.2f}")
+            ms_ = statistics.median(v[0] for v in vals)
+            calls = statistics.median(v[1] for v in vals)
+            print(f"    rank {rank}  {name[:42]:42s} {ms_:8.2f}  {calls:8.2f}")
 
 
 if __name__ == "__main__":

@@ -423,6 +423,10 @@ def guarded_wait(work: Any, what: str = "collective", collective: bool = False) 
     """
     live = _ACTIVE[0]
     if live is None:
+        if steptime.ON:
+            with steptime.span("wait: " + what):
+                work.wait()
+            return
         work.wait()
     else:
         live.wait(work, what, sliced=collective and _gloo())
