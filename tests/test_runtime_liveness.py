@@ -96,6 +96,126 @@ def test_guarded_wait_aborts_the_generation_if_the_operation_itself_fails(url: s
         a.stop()
 
 
+class _DoneWork:
+    """A finished operation: ``is_completed()`` is true; ``wait`` records the thread it ran on (or fails)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.waited_on: list[str] = []
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        self.waited_on.append(threading.current_thread().name)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_guarded_wait_finishes_a_completed_operation_on_the_calling_thread(url: str, n: int) -> None:
+    """Regression (issue 13, elastic step overhead): every guarded wait was handed to the helper thread, and each
+    hand-off cost a thread switch (~0.3 ms under load) even for operations that had already finished."""
+    a = _live(url, "a").start()
+    activate(a)
+    try:
+        a.set_generation(3, [])
+        works = [_DoneWork() for _ in range(n)]
+        for w in works:
+            guarded_wait(w, "pipeline send")
+        assert all(w.waited_on == [threading.current_thread().name] for w in works)
+        assert a._waiter_thread is None  # the helper was never needed
+        pending = _BlockingWork()  # one that has not finished still goes through the abortable helper
+        threading.Timer(0.1, pending.release.set).start()
+        guarded_wait(pending, "pipeline receive")
+        assert a._waiter_thread is not None
+    finally:
+        activate(None)
+        a.stop()
+
+
+@pytest.mark.parametrize("message", ["Connection closed by peer [127.0.0.1]:1234", ""])
+def test_guarded_wait_aborts_the_generation_if_a_completed_operation_failed(url: str, message: str) -> None:
+    a = _live(url, "a").start()
+    activate(a)
+    try:
+        a.set_generation(4, [])
+        with pytest.raises(PeerLostError, match="gradient all-reduce failed"):
+            guarded_wait(_DoneWork(RuntimeError(message)), "gradient all-reduce")
+        assert a.aborted.is_set()
+        assert connect_store(url, token=None).check([abort_key(4)])
+        with pytest.raises(PeerLostError, match="aborted"):  # and nothing runs in the aborted generation after it
+            guarded_wait(_DoneWork(), "pipeline send")
+    finally:
+        activate(None)
+        a.stop()
+
+
+class _SlicedWork:
+    """A gloo-like collective: ``wait(timeout)`` raises "Operation timed out!" until it is released."""
+
+    def __init__(self, slices_before_done: int, error: Exception | None = None) -> None:
+        self.left = slices_before_done
+        self.error = error
+        self.timeouts: list[object] = []
+        self.threads: set[str] = set()
+
+    def is_completed(self) -> bool:
+        return self.left <= 0
+
+    def wait(self, timeout: object = None) -> bool:
+        self.threads.add(threading.current_thread().name)
+        if self.left > 0:
+            if timeout is None:
+                raise AssertionError("a plain wait() on a pending collective would block")
+            self.left -= 1
+            self.timeouts.append(timeout)
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+@pytest.mark.parametrize("slices", [1, 3, 10])
+def test_liveness_waits_a_collective_in_slices_on_the_calling_thread(url: str, slices: int) -> None:
+    a = _live(url, "a").start()
+    try:
+        a.set_generation(5, [])
+        work = _SlicedWork(slices)
+        a.wait(work, "step agreement", sliced=True)
+        assert len(work.timeouts) == slices and work.threads == {threading.current_thread().name}
+        assert a._waiter_thread is None and not a.aborted.is_set()
+    finally:
+        a.stop()
+
+
+@pytest.mark.parametrize("slices", [0, 2])
+def test_liveness_aborts_if_a_sliced_collective_failed(url: str, slices: int) -> None:
+    a = _live(url, "a").start()
+    try:
+        a.set_generation(6, [])
+        with pytest.raises(PeerLostError, match="gradient all-reduce failed: Connection closed"):
+            a.wait(_SlicedWork(slices, RuntimeError("Connection closed by peer")), "gradient all-reduce", sliced=True)
+        assert a.aborted.is_set() and connect_store(url, token=None).check([abort_key(6)])
+    finally:
+        a.stop()
+
+
+def test_liveness_abandons_a_sliced_collective_if_the_generation_is_aborted(url: str) -> None:
+    a = _live(url, "a").start()
+    try:
+        a.set_generation(7, [])
+        work = _SlicedWork(10**9)  # a peer that never comes
+        threading.Timer(0.2, lambda: a.abort("peer x lost")).start()
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match="peer x lost"):
+            a.wait(work, "step agreement", sliced=True)
+        assert time.monotonic() - t0 < 5.0 and work in a._parked
+    finally:
+        a.stop()
+
+
 def test_guarded_wait_returns_if_no_liveness_is_active() -> None:
     work = _BlockingWork()
     work.release.set()

@@ -15,7 +15,7 @@ protocol needs:
     Members waiting to join, in arrival order (``add`` gives each its slot).
 ``parcae/commit/<g>/<step>``
     Two-phase step: every member adds 1 once its gradients are reduced; the step may be applied once the count
-    equals the generation's world size (``.../done`` is set by the last one). After a failure the count decides,
+    equals the generation's world size (the last one sets ``.../decision``). After a failure the count decides,
     for everyone alike, whether the interrupted step was complete (apply it) or not (discard it).
 ``parcae/recover/<g>/<member>``
     Survivors of an aborted generation ``g`` announce themselves here.
@@ -135,12 +135,8 @@ class Coordinator:
         return f"parcae/commit/{g}/{step}"
 
     def commit_arrive(self, g: int, step: int, world: int) -> bool:
-        """Count this member in; True if it was the last (then ``.../done`` is set)."""
-        n = int(self.store.add(self.commit_key(g, step), 1))
-        if n >= world:
-            self.store.set(self.commit_key(g, step) + "/done", "1")
-            return True
-        return False
+        """Count this member in; True if it was the last (it then fixes the decision, see :mod:`.recovery`)."""
+        return int(self.store.add(self.commit_key(g, step), 1)) >= world
 
     def commit_count(self, g: int, step: int) -> int:
         """Members counted in for ``step`` of generation ``g``."""

@@ -66,6 +66,7 @@ from lightning_parcae.events import append_event
 from lightning_parcae.planning.migration_plan import Layout, MigrationPlan
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import Lifecycle, Phase
+from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.joining import Admission
@@ -360,12 +361,15 @@ class ElasticRuntime:
         assert self.live is not None and self.coord is not None and self.layout is not None
         step = int(trainer.global_step)
         self.live.step = step
-        self.chooser.record_step(step)
+        with steptime.span("boundary.chooser"):
+            self.chooser.record_step(step)
         try:
-            self._boundary(trainer, step)
+            with steptime.span("boundary"):
+                self._boundary(trainer, step)
         finally:
             # the next step is timed from here: planning, agreement and migrations are not step time
-            self.chooser.mark_step(self.generation, int(trainer.global_step))
+            with steptime.span("boundary.chooser"):
+                self.chooser.mark_step(self.generation, int(trainer.global_step))
 
     def _boundary(self, trainer: "pl.Trainer", step: int) -> None:
         assert self.live is not None and self.coord is not None and self.layout is not None
@@ -375,10 +379,12 @@ class ElasticRuntime:
         proposal = 0
         # a joiner restored from this step's state would skip the validation the members run right after it
         # (Lightning fast-forwards a validation pending at a train-batch-end checkpoint): admit no one here
-        admit = not self.validation_follows(trainer)
+        with steptime.span("boundary.validation_follows"):
+            admit = not self.validation_follows(trainer)
         if self.is_leader and admit and self._interval_due(step):
             self.life.to(Phase.PLANNING, reason="interval")
-            rec = self.chooser.decide(trainer, reason="interval", leaving=())
+            with steptime.span("boundary.plan"):
+                rec = self.chooser.decide(trainer, reason="interval", leaving=())
             proposal = int(rec["generation"]) if rec else 0
             if not rec:
                 self.life.to(Phase.TRAINING)
@@ -387,7 +393,8 @@ class ElasticRuntime:
         flags[0] = proposal
         flags[1 + self.rank] = 1.0 if self.live.noticed.is_set() else 0.0
         try:
-            guarded(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), "step agreement")
+            guarded(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), "step agreement",
+                    collective=True)
         except PeerLostError:
             self.recover(trainer)
             return

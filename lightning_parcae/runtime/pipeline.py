@@ -361,14 +361,15 @@ class P2P:
         h = self._header(t) if t is not None and dist.get_rank() == src else torch.empty(
             2 + _MAX_NDIM, dtype=torch.int64, device=self.device
         )
-        guarded(lambda: dist.broadcast(h, src, group=self.group, async_op=True), "pipeline broadcast")
+        guarded(lambda: dist.broadcast(h, src, group=self.group, async_op=True), "pipeline broadcast", collective=True)
         shape, dtype = self._parse(h)
         if dist.get_rank() == src:
             assert t is not None
             data = t.detach().contiguous()
         else:
             data = torch.empty(shape, dtype=dtype, device=self.device)
-        guarded(lambda: dist.broadcast(data, src, group=self.group, async_op=True), "pipeline broadcast")
+        guarded(lambda: dist.broadcast(data, src, group=self.group, async_op=True), "pipeline broadcast",
+                collective=True)
         return data
 
 

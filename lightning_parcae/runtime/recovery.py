@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning_parcae.contract import FALLBACK_EXIT, FENCED_EXIT
 from lightning_parcae.errors import PeerLostError
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
+from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import Phase, exit_now
 from lightning_parcae.runtime.liveness import SilenceClock, hb_key
@@ -51,6 +52,10 @@ class Recovery(RuntimePart):
 
     def commit(self, step: int) -> None:
         """Two-phase step: count in and wait until everyone did (or the generation aborts)."""
+        with steptime.span("commit"):
+            self._commit(step)
+
+    def _commit(self, step: int) -> None:
         assert self.rt.coord is not None and self.rt.layout is not None and self.rt.live is not None
         key = Coordinator.commit_key(self.rt.generation, step) + "/decision"
         if self.rt.coord.commit_arrive(self.rt.generation, step, len(self.rt.layout.members)):
@@ -66,7 +71,7 @@ class Recovery(RuntimePart):
     def _forget_commit(self, step: int) -> None:
         """Delete a finished step's commit keys (everyone has passed it), so the store does not grow per step."""
         base = Coordinator.commit_key(self.rt.generation, step)
-        for key in (base, base + "/done", base + "/decision"):
+        for key in (base, base + "/decision"):
             try:
                 self.rt.store.delete_key(key)
             except Exception:  # noqa: BLE001 -- a store without delete (older etcd v2 API) just keeps them

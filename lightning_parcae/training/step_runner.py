@@ -248,7 +248,8 @@ class StepRunner:
                 continue  # counted once, on stage 0
             sq += p.grad.detach().float().pow(2).sum()
         if g.pipeline_stages > 1:
-            guarded(lambda: dist.all_reduce(sq, group=g.pipeline_group, async_op=True), "gradient-norm all-reduce")
+            guarded(lambda: dist.all_reduce(sq, group=g.pipeline_group, async_op=True), "gradient-norm all-reduce",
+                    collective=True)
         total = sq.sqrt()
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
         for p in params:
@@ -277,7 +278,7 @@ def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> N
     for same in by_dtype.values():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce")
+        guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce", collective=True)
         if scale != 1.0:
             flat.mul_(scale)
         offset = 0
