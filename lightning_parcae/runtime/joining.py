@@ -90,17 +90,26 @@ class Admission(RuntimePart):
             # Regression (chaos seeds 18, 24): members were lost while a planned generation that admitted this
             # standby was being entered; its transition world never formed, the members fell back to the
             # checkpoint -- and this standby died with the rendezvous error (exit 1), which failed the whole job.
-            # A standby has nothing to hand over: it leaves as "released" and the launcher starts a fresh one.
-            reason = f"could not join generation {rec['generation']}: {str(exc).splitlines()[0][:160]}"
-            log.warning("%s: %s", self.rt.member, reason)
-            self.rt.event("join_failed", reason=reason)
-            self.rt.life.to(Phase.FENCED, reason="join failed")
-            exit_now(RELEASED_EXIT)
+            self.give_up(int(rec["generation"]), exc)
         dist.destroy_process_group()
         self.rt._enter(rec)
         pg = self.rt.coord.get("parcae/pgroups", timeout_s=None) if self.rt.coord else None
         self.rt.group_of = [dict(m) for m in pg["map"]] if pg else []
         self.rt.stats["join_transfer_s"] = time.monotonic() - t0
+
+    def give_up(self, generation: int, exc: BaseException) -> None:
+        """The admission into ``generation`` failed (a member lost while it formed): leave as "released".
+
+        A standby has nothing to hand over, so it exits ``RELEASED_EXIT`` and the launcher starts a fresh one;
+        an exit 1 would fail the whole job. Used for a failed transition world and state transfer, and for a
+        failure to build the admitting generation's process groups (regression: chaos seed 60, a member killed
+        while a standby was admitted -- the joiner's ``new_group`` timed out and it exited 1).
+        """
+        reason = f"could not join generation {generation}: {(str(exc).splitlines() or [''])[0][:160]}"
+        log.warning("%s: %s", self.rt.member, reason)
+        self.rt.event("join_failed", reason=reason)
+        self.rt.life.to(Phase.FENCED, reason="join failed")
+        exit_now(RELEASED_EXIT)
 
     def joined(self, trainer: "pl.Trainer") -> None:
         """Called by the strategy once the joiner's stage, optimizers and loop state are in place."""

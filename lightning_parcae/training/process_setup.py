@@ -222,8 +222,11 @@ class ProcessSetup:
         if s.stack_path == "":  # the job trains a model without a cuttable stack: P stays 1
             s.max_pipeline_stages = 1
         s.layer_times = list(rec.get("layer_times") or [])
-        self.build_groups(int(rec["generation"]), rank, len(layout.members), layout.data_parallel,
-                          layout.pipeline_stages)
+        try:
+            self.build_groups(int(rec["generation"]), rank, len(layout.members), layout.data_parallel,
+                              layout.pipeline_stages)
+        except RuntimeError as exc:  # a member lost while the admitting generation formed
+            er.admission.give_up(int(rec["generation"]), exc)
 
     def _install_launcher_resume(self, trainer: Any) -> None:
         """Under ``parcae run``: a ``fit`` without ``ckpt_path`` resumes from the launcher's checkpoint
