@@ -130,6 +130,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------------------ two-phase step
     @staticmethod
+    def verdict_key(g: int) -> str:
+        """Survivors' one verdict on a planned generation ``g`` that a loss overtook: "abandon" or "keep"."""
+        return f"parcae/verdict/{g}"
+
+    @staticmethod
     def commit_key(g: int, step: int) -> str:
         """Counter of members that finished reducing the gradients of ``step`` in generation ``g``."""
         return f"parcae/commit/{g}/{step}"

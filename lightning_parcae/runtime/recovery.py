@@ -36,9 +36,12 @@ log = logging.getLogger("lightning_parcae.elastic")
 class Recovery(RuntimePart):
     """The failure half of one process's live-reconfiguration protocol."""
 
-    def propose_fallback(self, step: int, reason: str, checkpoint: bool = False) -> dict[str, Any]:
+    def propose_fallback(self, step: int, reason: str, checkpoint: bool = False,
+                         generation: Optional[int] = None) -> dict[str, Any]:
+        """Propose a stop for a restart from the checkpoint as the next generation (or ``generation``)."""
         assert self.rt.coord is not None and self.rt.layout is not None
-        rec = {"generation": self.rt.generation + 1, "kind": "fallback", "step": step, "reason": reason,
+        target = self.rt.generation + 1 if generation is None else generation
+        rec = {"generation": target, "kind": "fallback", "step": step, "reason": reason,
                "layout": self.rt.layout.to_json(), "time": time.time(), "checkpoint": checkpoint}
         return self.rt.coord.propose(rec)
 
@@ -105,22 +108,16 @@ class Recovery(RuntimePart):
             time.sleep(0.05)
         dead = [m for m in old.members if m not in alive]
         self.rt.event("recovering", survivors=alive, dead=dead, reason=reason, wait_s=time.monotonic() - t0)
-        existing = self.rt.coord.generation(g + 1)
-        if existing is None:
-            shape = self.rt.chooser.choose(len(old.members), len(alive), observe=False)
-            if shape is None:
-                rec = self.propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(alive)}")
-            else:
-                try:
-                    plan = plan_migration(old, alive, shape, self.rt.chooser.partition_for(shape[1]), self.rt._layer_bytes(),
-                                          senders=alive)
-                    rec = self.rt.coord.propose(self.rt._record(g + 1, plan.new, plan, plan.kind.value,
-                                                          int(trainer.global_step), alive=alive,
-                                                          reason=f"recovery: {reason}", dead=dead))
-                except StageLostError as exc:
-                    rec = self.propose_fallback(int(trainer.global_step), f"{reason}: {exc}")
-        else:
-            rec = existing
+        step = int(trainer.global_step)
+        rec = self._survivors_generation(g + 1, step, alive, dead, reason)
+        if self.abandoned(rec, dead):
+            # Regression (chaos seed 44): a member was SIGKILLed at the step where the leader had just proposed
+            # the interval's planned generation g+1 (6 members, 2x3 -> 6x1). The survivors adopted that record --
+            # the dead member in it -- waited 15 s for its process-group key and fell back to the checkpoint,
+            # although every stage still had a live replica. The planned record is abandoned instead and the
+            # survivors' generation takes the next number.
+            self.rt.event("abandoned", generation=g + 1, dead=[m for m in dead if m in rec.get("transition", ())])
+            rec = self._survivors_generation(g + 2, step, alive, dead, reason)
         if self.rt.member not in rec.get("transition", old.members):
             # e.g. a process that hung (SIGSTOP, a frozen VM) past the heartbeat timeout and then woke up
             msg = f"{self.rt.member} is not a member of generation {g + 1} (declared dead while silent); exiting"
@@ -130,6 +127,40 @@ class Recovery(RuntimePart):
             self.rt.life.to(Phase.FENCED, reason="not in the survivors' generation")
             exit_now(FENCED_EXIT)
         self.rt.switching.switch(trainer, rec)
+
+    def _survivors_generation(self, target: int, step: int, alive: list[str], dead: list[str],
+                              reason: str) -> dict[str, Any]:
+        """Generation ``target``'s record: the one already proposed, else the survivors' shape (or a fallback)."""
+        assert self.rt.layout is not None and self.rt.coord is not None
+        existing = self.rt.coord.generation(target)
+        if existing is not None:
+            return existing
+        old = self.rt.layout
+        shape = self.rt.chooser.choose(len(old.members), len(alive), observe=False)
+        if shape is None:
+            return self.propose_fallback(step, f"{reason}: no shape fits {len(alive)}", generation=target)
+        try:
+            plan = plan_migration(old, alive, shape, self.rt.chooser.partition_for(shape[1]), self.rt._layer_bytes(),
+                                  senders=alive)
+        except StageLostError as exc:
+            return self.propose_fallback(step, f"{reason}: {exc}", generation=target)
+        return self.rt.coord.propose(self.rt._record(target, plan.new, plan, plan.kind.value, step, alive=alive,
+                                                     reason=f"recovery: {reason}", dead=dead))
+
+    def abandoned(self, rec: dict[str, Any], dead: list[str]) -> bool:
+        """Whether the survivors skip ``rec``, a *planned* generation whose transition names a member now dead.
+
+        A record made by survivors (it lists ``dead``) or a fallback binds everyone. A planned one (the leader's
+        interval or notice decision, proposed just before the loss) can never form if a dead member is in it. The
+        survivors' views of who is dead may differ (one waited out a silent member that another then saw announce
+        itself), so the verdict is taken once in the store: the first survivor's "abandon" or "keep" holds for all.
+        """
+        if rec.get("kind") == "fallback" or "dead" in rec:
+            return False
+        assert self.rt.coord is not None
+        proposal = b"abandon" if any(m in dead for m in rec.get("transition", ())) else b"keep"
+        key = Coordinator.verdict_key(int(rec["generation"]))
+        return bytes(self.rt.store.compare_set(key, "", proposal)) == b"abandon"
 
     def fallback(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
         """Some stage has no live replica (or no instance is left): say so loudly and exit for a restart from the
