@@ -484,11 +484,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="replay one trial")
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds to run (e.g. the failures of a batch)")
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one, kept on failure)")
     ap.add_argument("--json", default=None, help="write all results here")
     args = ap.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="parcae-chaos-"))
-    seeds = [args.seed] if args.seed is not None else list(range(args.first_seed, args.first_seed + args.trials))
+    if args.seed is not None:
+        seeds = [args.seed]
+    elif args.seeds:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    else:
+        seeds = list(range(args.first_seed, args.first_seed + args.trials))
     results = []
     for seed in seeds:
         trial = draw(seed)
