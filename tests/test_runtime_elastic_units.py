@@ -163,3 +163,24 @@ def test_sampler_resumes_mid_epoch_with_the_same_order_and_next_epochs() -> None
     joiner.start_at(1, 8, state["rng"], state["now"])
     assert _epoch(joiner_loader, joiner, 1) == rest and len(first + rest) == 32
     assert _epoch(joiner_loader, joiner, 2) == nxt
+
+
+def test_nobody_is_admitted_at_the_step_that_ends_fit() -> None:
+    """Regression (chaos seed 49, under load): a standby admitted at step 22 of ``max_steps=22`` restored a loop
+    that was already done and skipped the end-of-fit collectives the member ran; the code after ``fit`` then ran
+    one collective apart and ``save_checkpoint``'s barrier failed (exit 1). The last step admits no one."""
+    from types import SimpleNamespace
+
+    from lightning_parcae.runtime.elastic import training_ends
+
+    def trainer(step: int, max_steps: int, epoch: int = 0, max_epochs: int = 1000, last_batch: bool = False):  # noqa: ANN202
+        progress = SimpleNamespace(is_last_batch=last_batch)
+        loop = SimpleNamespace(max_epochs=max_epochs, epoch_loop=SimpleNamespace(batch_progress=progress))
+        return SimpleNamespace(global_step=step, max_steps=max_steps, current_epoch=epoch, fit_loop=loop)
+
+    assert training_ends(trainer(22, 22))
+    assert not training_ends(trainer(21, 22))
+    assert not training_ends(trainer(21, -1))  # no step limit, not the last epoch
+    assert training_ends(trainer(40, -1, epoch=1, max_epochs=2, last_batch=True))  # the last epoch's last batch
+    assert not training_ends(trainer(39, -1, epoch=1, max_epochs=2, last_batch=False))
+    assert not training_ends(trainer(20, -1, epoch=0, max_epochs=2, last_batch=True))  # an earlier epoch's end

@@ -380,7 +380,7 @@ class ElasticRuntime:
         # a joiner restored from this step's state would skip the validation the members run right after it
         # (Lightning fast-forwards a validation pending at a train-batch-end checkpoint): admit no one here
         with steptime.span("boundary.validation_follows"):
-            admit = not self.validation_follows(trainer)
+            admit = not self.validation_follows(trainer) and not training_ends(trainer)
         if self.is_leader and admit and self._interval_due(step):
             self.life.to(Phase.PLANNING, reason="interval")
             with steptime.span("boundary.plan"):
@@ -499,3 +499,24 @@ def _json_safe(x: Any) -> Any:
     if isinstance(x, (str, int, float, bool)) or x is None:
         return x
     return str(x)
+
+
+def training_ends(trainer: "pl.Trainer") -> bool:
+    """Whether the step that just ended is the last one ``fit`` trains (``max_steps`` or the last epoch's end).
+
+    Regression (chaos seed 49, under load): a standby admitted at step 22 of ``max_steps=22`` restored a loop
+    that was already done, so its ``fit`` ended without the end-of-fit collectives the member still ran; the
+    member's guard gave up on them ("recovering at the next step boundary" -- there is none), and the code after
+    ``fit`` ran one collective apart: ``save_checkpoint``'s barrier failed, exit 1. Nobody is admitted (and
+    no interval plan is made) at the last step: no step would use the new shape.
+    """
+    max_steps = getattr(trainer, "max_steps", -1)
+    if max_steps is not None and max_steps >= 0 and int(trainer.global_step) >= max_steps:
+        return True
+    try:
+        loop = trainer.fit_loop
+        max_epochs = loop.max_epochs
+        last_epoch = max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
+        return bool(last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
+    except Exception:  # noqa: BLE001 -- Lightning internals: when in doubt, do not hold admissions back
+        return False
