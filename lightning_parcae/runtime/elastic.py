@@ -378,7 +378,8 @@ class ElasticRuntime:
             return
         proposal = 0
         # a joiner restored from this step's state would skip the validation the members run right after it
-        # (Lightning fast-forwards a validation pending at a train-batch-end checkpoint): admit no one here
+        # (Lightning fast-forwards a validation pending at a train-batch-end checkpoint), or the end of fit if this
+        # is the last step: admit no one here
         with steptime.span("boundary.validation_follows"):
             admit = not self.validation_follows(trainer) and not training_ends(trainer)
         if self.is_leader and admit and self._interval_due(step):

@@ -120,7 +120,8 @@ class Recovery(RuntimePart):
             rec = self._survivors_generation(g + 2, step, alive, dead, reason)
         if self.rt.member not in rec.get("transition", old.members):
             # e.g. a process that hung (SIGSTOP, a frozen VM) past the heartbeat timeout and then woke up
-            msg = f"{self.rt.member} is not a member of generation {g + 1} (declared dead while silent); exiting"
+            msg = (f"{self.rt.member} is not a member of generation {rec['generation']} (declared dead while "
+                   "silent); exiting")
             log.warning(msg)
             print(msg, file=sys.stderr, flush=True)
             self.rt.event("fenced", reason=msg)
@@ -157,7 +158,6 @@ class Recovery(RuntimePart):
         """
         if rec.get("kind") == "fallback" or "dead" in rec:
             return False
-        assert self.rt.coord is not None
         proposal = b"abandon" if any(m in dead for m in rec.get("transition", ())) else b"keep"
         key = Coordinator.verdict_key(int(rec["generation"]))
         return bytes(self.rt.store.compare_set(key, "", proposal)) == b"abandon"
