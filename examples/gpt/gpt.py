@@ -27,6 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
+from lightning_parcae.testing.emulated_device import emulated_compute
+
 __all__ = ["GPT", "StdlibText", "stdlib_bytes"]
 
 VOCAB = 256  # bytes
@@ -105,22 +107,24 @@ class StdlibText(pl.LightningDataModule):
 class Embed(nn.Module):
     """Token + learned position embedding."""
 
-    def __init__(self, d_model: int, seq_len: int) -> None:
+    def __init__(self, d_model: int, seq_len: int, device_ms: float = 0.0) -> None:
         super().__init__()
+        self.device_ms = device_ms
         self.tok = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))[None]
+        return emulated_compute(self.tok(idx) + self.pos(torch.arange(t, device=idx.device))[None], self.device_ms)
 
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: causal self-attention and an MLP, each with a residual."""
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, device_ms: float = 0.0) -> None:
         super().__init__()
         self.n_heads = n_heads
+        self.device_ms = device_ms
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -133,19 +137,20 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.ln2(x))
+        return emulated_compute(x + self.mlp(self.ln2(x)), self.device_ms)
 
 
 class Head(nn.Module):
     """Final LayerNorm and the projection to byte logits."""
 
-    def __init__(self, d_model: int) -> None:
+    def __init__(self, d_model: int, device_ms: float = 0.0) -> None:
         super().__init__()
+        self.device_ms = device_ms
         self.ln = nn.LayerNorm(d_model)
         self.out = nn.Linear(d_model, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.ln(x))
+        return emulated_compute(self.out(self.ln(x)), self.device_ms)
 
 
 class GPT(pl.LightningModule):
@@ -158,16 +163,25 @@ class GPT(pl.LightningModule):
         seq_len: Longest sequence (position embeddings).
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
+        device_ms_per_sample: Emulated accelerator (:mod:`lightning_parcae.testing.emulated_device`): each block's
+            forward also takes this many modelled milliseconds per sample (backward twice as long; the embedding a
+            quarter, the head half of a block's). 0 (default): the real CPU compute only. Used with
+            ``parcae run --emulated-devices`` so that one small machine behaves like instances with an
+            accelerator each.
     """
 
     def __init__(self, n_blocks: int = 8, d_model: int = 64, n_heads: int = 4, seq_len: int = 64,
-                 lr: float = 3e-3, weight_decay: float = 0.01) -> None:
+                 lr: float = 3e-3, weight_decay: float = 0.01, device_ms_per_sample: float = 0.0) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
+        if device_ms_per_sample < 0:
+            raise ValueError(f"device_ms_per_sample={device_ms_per_sample} must be >= 0 (0 turns the emulated "
+                             "accelerator off)")
         self.save_hyperparameters()
-        self.layers = nn.Sequential(Embed(d_model, seq_len), *[Block(d_model, n_heads) for _ in range(n_blocks)],
-                                    Head(d_model))
+        ms = float(device_ms_per_sample)
+        self.layers = nn.Sequential(Embed(d_model, seq_len, 0.25 * ms),
+                                    *[Block(d_model, n_heads, ms) for _ in range(n_blocks)], Head(d_model, 0.5 * ms))
         self.val_ppl = Perplexity()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

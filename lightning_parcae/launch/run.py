@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oversubscribe", action="store_true",
                    help="allow more instances than this machine hosts well (one per GPU, two per CPU core): for "
                    "tests of the protocol with many small workers")
+    p.add_argument("--emulated-devices", action="store_true",
+                   help="the script emulates one accelerator per instance (its compute is modelled time, e.g. "
+                   "examples/gpt's device_ms_per_sample; see lightning_parcae.testing.emulated_device), so the "
+                   "instances do not share this machine's cores: the runtime's throughput model gets no CPU "
+                   "contention term (PARCAE_SHARED_CORES=0)")
     p.add_argument("--progress-every", type=float, default=2.0, help="seconds between progress lines")
     p.add_argument("--no-plot", action="store_true", help="skip report.png")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command, e.g. python train.py")
@@ -142,6 +147,7 @@ class RunConfig:
     mode: str = ELASTIC
     max_restarts: int = 3
     stall_timeout_s: Optional[float] = None
+    emulated_devices: bool = False
     schedule: list[int] = field(default_factory=list)
     """Instances during each (scaled) replay interval; empty for a static cluster."""
     trace_counts: list[int] = field(default_factory=list)
@@ -212,11 +218,14 @@ def _config(argv: Sequence[str]) -> RunConfig:
     if max_inst < 1:
         raise ConfigurationError(f"--max-instances must be >= 1, got {max_inst}")
     cap = host_capacity()
+    if ns.emulated_devices:  # emulated accelerators sleep through most of a step: four per core stay uncontended
+        cap = max(cap, 4 * (os.cpu_count() or 1))
     need = max(ns.instances, max_inst) if ns.trace is None else max_inst
     if need > cap and not ns.oversubscribe:
         raise ConfigurationError(
             f"more instances than the machine can host: {need} requested, this machine hosts at most {cap} (one per "
-            "GPU, or two per CPU core); lower --instances/--max-instances (or pass --oversubscribe)"
+            "GPU, or two per CPU core; four per core with --emulated-devices); lower --instances/--max-instances (or "
+            "pass --oversubscribe)"
         )
     if ns.pipeline_stages != "auto" and not (ns.pipeline_stages.isdigit() and int(ns.pipeline_stages) >= 1):
         raise ConfigurationError(f"--pipeline-stages must be a positive integer or 'auto', got {ns.pipeline_stages!r}")
@@ -227,6 +236,7 @@ def _config(argv: Sequence[str]) -> RunConfig:
         store_host=ns.store_host, store_url=ns.store, store_timeout_s=ns.store_timeout,
         startup_timeout_s=ns.startup_timeout, progress_every_s=ns.progress_every, plot=not ns.no_plot,
         mode=ns.mode, max_restarts=ns.max_restarts, stall_timeout_s=ns.stall_timeout,
+        emulated_devices=ns.emulated_devices,
     )
     if ns.trace is not None:
         cfg.trace_counts, cfg.schedule = _load_schedule(ns.trace, ns.interval, max_inst)
@@ -394,7 +404,10 @@ class Launcher:
     # ------------------------------------------------------------------------------------------------ elastic
     @functools.cached_property
     def shared_units(self) -> int:
-        """Processing units the workers of this one-machine cluster share: GPUs, else CPU cores."""
+        """Processing units the workers of this one-machine cluster share: GPUs, else CPU cores (0 with
+        ``--emulated-devices``: each instance has its own emulated accelerator, nothing is shared)."""
+        if self.cfg.emulated_devices:
+            return 0
         capacity = host_capacity()
         cores = os.cpu_count() or 1
         return cores if capacity == 2 * cores else capacity

@@ -340,10 +340,20 @@ class MeasuredThroughput(ThroughputModel):
                     max_cost_fraction: float = 0.05) -> Optional[Shape]:
         """An unmeasured shape worth one interval's try, or None.
 
-        Explore only when the current shape is measured, the interval is long compared with two migrations
-        (there and possibly back: ``2 * move_cost_s <= max_cost_fraction * interval_s``), and an unmeasured shape
-        on ``n`` instances could be faster: its fitted throughput times ``1 + uncertainty`` beats the current
-        measurement. The most promising such shape (largest optimistic throughput) is returned.
+        Explore only when the current shape is measured, the time the job expects to stay at ``n`` instances is
+        long compared with two migrations (there and possibly back: ``2 * move_cost_s <= max_cost_fraction *
+        interval_s``), and an unmeasured shape on ``n`` instances could be faster: its fitted throughput times
+        ``1 + uncertainty`` beats the current measurement. The most promising such shape (largest optimistic
+        throughput) is returned.
+
+        Args:
+            n: Instances the next interval has.
+            current: The running shape.
+            interval_s: How long the job expects to run at ``n`` instances: the runtime passes its planning
+                interval times the intervals its forecast keeps the count (a try measured in one interval pays
+                back over all of them).
+            move_cost_s: Typical in-place migration time of this job.
+            max_cost_fraction: Largest share of ``interval_s`` that the two migrations may cost.
         """
         cur = self.measured(*current)
         if cur is None or interval_s <= 0 or 2.0 * move_cost_s > max_cost_fraction * interval_s:

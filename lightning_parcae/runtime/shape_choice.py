@@ -61,6 +61,8 @@ class ShapeChooser:
         self._optimizer: Optional[LiveputOptimizer] = None
         self._predictor: Any = None
         self._request_done: Any = None
+        self._stay_intervals = 1
+        """Planning intervals the last forecast kept the instance count (the horizon an exploration pays back in)."""
         # (generation, step, time, first in its generation) at the last step boundary
         self._step_mark: Optional[tuple[int, int, float, bool]] = None
         self._warmup = 0
@@ -127,6 +129,13 @@ class ShapeChooser:
             decision, scenarios, weights = decide_with_forecast(self._optimizer, pred, cur, now)
             shape = decision.next_shape
             median = scenarios[len(scenarios) // 2] if scenarios else []
+            # how long the forecast keeps this count: the time an exploration's gain can pay back in
+            stay = 1
+            for iv in median[: max(0, self.rt.look_ahead - 1)]:
+                if int(iv[0] + iv[1] - iv[2]) != n_next:
+                    break
+                stay += 1
+            self._stay_intervals = stay
             self.rt.stats["predicted_N"] = [int(n_next)] + [int(iv[0] + iv[1] - iv[2]) for iv in median[:1]]
             self.rt.stats["decision"] = {"reactive": list(decision.reactive), "departs": decision.departs,
                                       "expected_gain": float(decision.expected_gain),
@@ -148,7 +157,8 @@ class ShapeChooser:
                        measured_chosen=measured.measured(*shape))
             shape = cur
         elif by_measurement and shape == cur and observe:
-            explore = measured.exploration(n_next, cur, self.rt.interval_s, self._move_cost_s())
+            # an exploration pays back over the intervals the forecast keeps this count, not just the next one
+            explore = measured.exploration(n_next, cur, self.rt.interval_s * self._stay_intervals, self._move_cost_s())
             if explore is not None:
                 self.rt.event("explore", current=list(cur), chosen=list(explore),
                            measured_current=measured.measured(*cur), fitted=measured.throughput(*explore),
@@ -184,7 +194,9 @@ class ShapeChooser:
             return None
         factor = 1.0 + s.optimizer_state_factor
         min_p = min_stages_for_memory(self._stage_memory(), s.max_stage_memory_bytes)
-        prior = PipelineThroughput(list(s.layer_times or [1.0] * len(s.layer_names)), s.global_batch,
+        # the strategy profiles layers in seconds (time.perf_counter); the throughput model and profile.json are in ms
+        layer_ms = [1000.0 * float(t) for t in s.layer_times] if s.layer_times else [1.0] * len(s.layer_names)
+        prior = PipelineThroughput(layer_ms, s.global_batch,
                                    s.micro_batches, s.max_pipeline_stages, min_p=min_p)
         cores = int(os.environ.get(SHARED_CORES_ENV) or 0) or None
         model = MeasuredThroughput(prior, layer_bytes=[b / factor for b in self.rt._layer_bytes()], cores=cores)
