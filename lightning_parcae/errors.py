@@ -22,6 +22,7 @@ __all__ = [
     "CoordinationError",
     "NoticeSourceError",
     "PeerLostError",
+    "RendezvousError",
     "build_by_name",
 ]
 
@@ -74,6 +75,11 @@ class PeerLostError(ParcaeError, RuntimeError):
     Raised out of a guarded wait (see :mod:`lightning_parcae.runtime.liveness`) so that the step in flight is
     discarded on every survivor and the job recovers under a new generation.
     """
+
+
+class RendezvousError(ParcaeError, RuntimeError):
+    """The process groups of a generation could not be formed within the bound: a member never arrived at the
+    rendezvous, or one arrived and vanished before every connection to it was made."""
 
 
 def build_by_name(registry: Mapping[str, Callable[..., _T]], name: Any, kwargs: Mapping[str, Any], *,

@@ -134,3 +134,67 @@ def test_groups_on_cuda_give_cpu_tensors_gloo_and_cuda_tensors_nccl() -> None:
 
     assert device_backends("nccl") == "cpu:gloo,cuda:nccl"
     assert device_backends("gloo") == "gloo"
+
+
+_BOUND_S = 3.0
+"""The progress watchdog's bound in the test below (gloo's pair connect would wait 5x this before the fix)."""
+
+
+def _build_worker(rank: int, port: int, out: str) -> None:
+    import time
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=60))
+    if rank == 0:
+        # rank 0 comes last (a survivor still busy with its transfers): rank 2 then has published its address and
+        # waits for rank 0's before connecting to anyone -- the moment the test kills it
+        time.sleep(1.0)
+    t0 = time.monotonic()
+    result: dict = {"rank": rank}
+    try:  # generation 1 of D=3 x P=1, built with the watchdog's bound (as a recovery generation is)
+        ProcessGroups(1, rank, 3, 3, 1, store, timeout=timedelta(seconds=_BOUND_S)).build()
+        result["raised"] = False
+    except Exception as exc:  # noqa: BLE001 -- RuntimeError / DistStoreError / RendezvousError, by where it failed
+        result["raised"], result["error"] = True, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    result["waited_s"] = time.monotonic() - t0
+    torch.save(result, f"{out}/build{rank}.pt")
+    os._exit(0)  # groups of a failed rendezvous: no destructors
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_groups_build_fails_within_the_bound_if_a_member_dies_after_publishing_its_address(tmp_path: object) -> None:
+    """Regression (chaos seed 64, under load): a second member was SIGKILLed while the survivors built the recovery
+    generation's groups -- after it had published its gloo address, before every survivor had connected to it.
+    One survivor got through; the three others stayed in ``connectFullMesh`` with no timeout firing for 43 s,
+    until the launcher killed them: gloo waits *5 times* the group timeout for a pair's first connection (75 s for
+    the 15 s watchdog). Every survivor must now fail within the watchdog's bound (and fall back or recover)."""
+    import signal
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    host = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_build_worker, args=(r, port, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    # the address rank 2 publishes inside init_process_group (torch 2.13: group "0", device "cpu" 0, key "<rank>");
+    # kill it the moment it is there -- before (or while) it connects to the others
+    key = "gen/1//0//cpu//0/2"
+    deadline = time.monotonic() + 90.0
+    while not host.check([key]):
+        assert time.monotonic() < deadline, f"rank 2 never published its gloo address ({key!r})"
+    os.kill(procs[2].pid, signal.SIGKILL)
+    for p in procs[:2]:
+        p.join(timeout=6 * _BOUND_S + 30.0)
+    alive = [p.pid for p in procs[:2] if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"survivors {alive} still blocked in the build long after the {_BOUND_S} s bound"
+    results = [torch.load(f"{tmp_path}/build{r}.pt") for r in range(2)]
+    assert all(r["raised"] for r in results), results
+    # the bound plus start-up slack on a loaded machine -- not gloo's 5x
+    assert all(r["waited_s"] < 2 * _BOUND_S for r in results), results

@@ -13,15 +13,24 @@ ranks ``0 .. P-1`` and global rank 0 is stage 0 of replica 0.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.errors import ConfigurationError, PeerLostError, RendezvousError
 
-__all__ = ["Coords", "ProcessGroups", "coords_of", "device_backends", "rank_of"]
+__all__ = ["Coords", "ProcessGroups", "await_arrivals", "connect_timeout", "coords_of", "device_backends",
+           "rank_of", "GLOO_CONNECT_FACTOR"]
+
+GLOO_CONNECT_FACTOR = 5
+"""gloo waits this many times a group's timeout for the first connection of each pair (``tcp::Pair::waitUntil``:
+"use a longer timeout when waiting for initial connect"), once the peer's address is in the store."""
+
+Aborted = Callable[[], Optional[str]]
+"""Returns why the generation being built was aborted (a peer declared dead), or None while it is not."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,57 @@ def device_backends(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+def connect_timeout(bound: timedelta) -> timedelta:
+    """The gloo timeout to build groups with so that building them fails within ``bound``.
+
+    Regression (chaos seed 64, under load): a member was SIGKILLed while the survivors built a recovery generation's
+    groups, after it had published its address and connected to one survivor only. That survivor got through; the
+    other three waited in ``connectFullMesh`` for their connection to the dead member -- which gloo bounds by
+    ``GLOO_CONNECT_FACTOR`` (5) times the group timeout, i.e. 75 s for the 15 s watchdog -- with no timeout firing
+    until the launcher killed them 43 s later. Building with ``bound / 5`` (and raising the groups' operation
+    timeout back to ``bound`` once they are built) keeps every wait of the build within ``bound``.
+    """
+    return bound / GLOO_CONNECT_FACTOR
+
+
+def await_arrivals(store: dist.Store, rank: int, world: int, bound: timedelta, aborted: Optional[Aborted] = None,
+                   what: str = "rendezvous", poll_s: float = 0.02) -> None:
+    """Every rank of a rendezvous records its arrival under ``store`` and waits until all ``world`` have arrived.
+
+    Members reach the build of a new generation at different times (one still receives its layers while another
+    is done). The gloo rendezvous that follows is built with :func:`connect_timeout` -- a fifth of the bound -- so
+    the arrival skew is absorbed here instead, within the full bound, and abortably: a member declared dead by the
+    heartbeats ends the wait at once.
+
+    Args:
+        store: The rendezvous's (prefixed) store.
+        rank: This process's rank in the rendezvous.
+        world: Number of ranks.
+        bound: The longest wait (the progress watchdog's bound; the start-up timeout for generation 0).
+        aborted: Polled while waiting; a reason ends the wait.
+        what: Label for errors.
+        poll_s: Polling period.
+
+    Raises:
+        PeerLostError: ``aborted`` gave a reason.
+        RendezvousError: Some rank did not arrive within ``bound`` (the message names them).
+    """
+    store.set(f"arrived/{rank}", "1")
+    keys = [f"arrived/{r}" for r in range(world)]
+    deadline = time.monotonic() + bound.total_seconds()
+    while True:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            return
+        reason = aborted() if aborted is not None else None
+        if reason:
+            raise PeerLostError(f"{what} abandoned while ranks {missing} had not arrived: {reason}")
+        if time.monotonic() >= deadline:
+            raise RendezvousError(f"{what}: ranks {missing} of {world} did not arrive within "
+                                  f"{bound.total_seconds():g} s")
+        time.sleep(poll_s)
+
+
 class ProcessGroups:
     """The world and its pipeline / data subgroups for one generation.
 
@@ -85,7 +145,8 @@ class ProcessGroups:
         pipeline_stages: P.
         store: the base store shared by all processes (e.g. a ``TCPStore``); it outlives generations.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA).
-        timeout: collective timeout.
+        timeout: collective timeout, and the bound of :meth:`build` (arrivals, then connections).
+        aborted: Polled while waiting for the other ranks to arrive (see :func:`await_arrivals`).
 
     Raises:
         ConfigurationError: if ``D * P != world``.
@@ -101,6 +162,7 @@ class ProcessGroups:
         store: dist.Store,
         backend: str = "gloo",
         timeout: timedelta = timedelta(minutes=30),
+        aborted: Optional[Aborted] = None,
     ) -> None:
         _check_shape(world, data_parallel, pipeline_stages)
         self.generation = generation
@@ -111,6 +173,7 @@ class ProcessGroups:
         self.store = store
         self.backend = backend
         self.timeout = timeout
+        self.aborted = aborted
         self.coords = coords_of(rank, pipeline_stages)
         self._pipeline_groups: list[Any] = []
         self._data_groups: list[Any] = []
@@ -155,8 +218,17 @@ class ProcessGroups:
     def build(self) -> "ProcessGroups":
         """Initialize the world under ``gen/<generation>/`` and create all subgroups (collective: all ranks call).
 
+        Every wait is bounded by ``timeout``: the ranks first meet in :func:`await_arrivals` (abortable), then
+        connect with :func:`connect_timeout` (gloo waits 5x its timeout for a pair's first connection), and the
+        groups' operations get ``timeout`` back once they are built.
+
         Returns:
             ``self``, for chaining.
+
+        Raises:
+            PeerLostError: ``aborted`` reported a reason while waiting for the other ranks.
+            RendezvousError: A rank did not arrive within ``timeout``.
+            RuntimeError: gloo's rendezvous failed (a rank arrived, then vanished before connecting).
         """
         if dist.is_initialized():
             raise ConfigurationError(
@@ -164,15 +236,19 @@ class ProcessGroups:
                 f"generation {self.generation}"
             )
         prefixed = dist.PrefixStore(f"gen/{self.generation}/", self.store)
+        await_arrivals(prefixed, self.rank, self.world, self.timeout, self.aborted,
+                       what=f"process groups of generation {self.generation}")
+        connect = connect_timeout(self.timeout)
         dist.init_process_group(
-            backend=device_backends(self.backend), store=prefixed, rank=self.rank, world_size=self.world, timeout=self.timeout
+            backend=device_backends(self.backend), store=prefixed, rank=self.rank, world_size=self.world, timeout=connect
         )
         # new_group is collective over the world: every rank creates every group in the same order.
-        self._pipeline_groups = [dist.new_group(self.pipeline_ranks(r), timeout=self.timeout)
+        self._pipeline_groups = [dist.new_group(self.pipeline_ranks(r), timeout=connect)
                                  for r in range(self.data_parallel)]
-        self._data_groups = [dist.new_group(self.data_ranks(s), timeout=self.timeout)
+        self._data_groups = [dist.new_group(self.data_ranks(s), timeout=connect)
                              for s in range(self.pipeline_stages)]
         self._built = True
+        self.set_op_timeout(self.timeout)
         return self
 
     def set_op_timeout(self, timeout: timedelta) -> None:
@@ -248,6 +324,7 @@ class ProcessGroups:
             self.store,
             self.backend,
             self.timeout,
+            self.aborted,
         )
         return nxt.build()
 

@@ -112,6 +112,11 @@ class Liveness:
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        """Whether the heartbeat thread runs (started and not stopped): only then can :attr:`aborted` be set."""
+        return self._thread is not None and not self._stop.is_set()
+
     def stop(self) -> None:
         """Stop the thread (the last heartbeat stays in the store and goes stale)."""
         self._stop.set()

@@ -141,7 +141,15 @@ class ProcessSetup:
         """Build generation ``generation``'s process groups on the store and make them the strategy's."""
         s = self.strategy
         s.groups = ProcessGroups(generation, rank, world, data_parallel, stages, self.store, self.backend or "gloo",
-                                 self.timeout).build()
+                                 self.timeout, aborted=self._aborted).build()
+
+    def _aborted(self) -> Optional[str]:
+        """Why the generation being built was aborted by the heartbeats (None: it was not, or no live reconfiguration)."""
+        er = self.strategy.elastic_runtime
+        live = er.live if er is not None else None
+        if live is None or not live.running or not live.aborted.is_set():
+            return None
+        return live.reason or f"generation {live.generation} aborted"
 
     def before_environment(self) -> None:
         """Before Lightning's own environment setup: refuse a foreign Trainer, install the launcher's resume."""
