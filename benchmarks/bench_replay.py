@@ -6,8 +6,11 @@ checkpoint on every change) and than a static cluster of the minimum count -- on
 bundled AWS segments time-compressed -- and does the simulator, fed the run's own fitted profile
 (``run_dir/profile.json``), forecast those numbers?
 
-The job is the GPT example (``examples/gpt``: 8 blocks, byte-level on the stdlib's source, a 4 MB per-instance
-memory budget so P >= 2). Per segment:
+The job is the GPT example (``examples/gpt``: 8 blocks, byte-level on the stdlib's source, a per-instance memory
+budget below the whole model's training memory, so P >= 2). ``--job emulated`` (default) runs ``spot.yaml`` on one
+emulated accelerator per instance (``parcae run --emulated-devices``: modelled kernel time dominates a step, so
+shapes differ as on separate machines; :mod:`lightning_parcae.testing.emulated_device`); ``--job cpu`` runs
+``config.yaml`` on the real CPU compute, where every instance shares the machine's two cores. Per segment:
 
 * ``parcae``   -- ``parcae run --trace SEG`` (look-ahead 12, persistence predictor, measured throughput);
 * ``reactive`` -- the same with look-ahead 1 (``look_ahead: 1`` of the strategy): each interval takes the best shape for the
@@ -47,8 +50,15 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 PARCAE = [PY, "-m", "lightning_parcae.launch.run"]
-TRAIN = [PY, str(ROOT / "examples" / "gpt" / "train.py"), "--config", str(ROOT / "examples" / "gpt" / "config.yaml"),
-         "--trainer.max_steps", "1000000", "--trainer.limit_val_batches", "0"]
+JOBS = {
+    # the README's main job: one emulated accelerator per instance (examples/gpt/spot.yaml, parcae run --emulated-devices)
+    "emulated": ([PY, str(ROOT / "examples" / "gpt" / "train.py"), "--config", str(ROOT / "examples" / "gpt" / "spot.yaml"),
+                  "--trainer.max_steps", "1000000"], ["--emulated-devices"]),
+    # real CPU compute only: every instance shares the machine's cores
+    "cpu": ([PY, str(ROOT / "examples" / "gpt" / "train.py"), "--config", str(ROOT / "examples" / "gpt" / "config.yaml"),
+             "--trainer.max_steps", "1000000", "--trainer.limit_val_batches", "0"], []),
+}
+TRAIN, LAUNCH_EXTRA = JOBS["emulated"]
 SEGMENTS = ["hh_55_65", "hl_15_25", "lh_80_90", "ll_10_11"]
 POLICIES = ["parcae", "reactive", "restart", "static"]
 
@@ -69,7 +79,8 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 def launch(args: list[str], run_dir: Path, seconds: float, train_extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Run ``parcae run ARGS`` for ``seconds`` after its first event (then SIGINT: it stops every worker)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [*PARCAE, *args, "--run-dir", str(run_dir), "--progress-every", "30", "--no-plot", "--", *TRAIN, *train_extra]
+    cmd = [*PARCAE, *args, *LAUNCH_EXTRA, "--run-dir", str(run_dir), "--progress-every", "30", "--no-plot", "--", *TRAIN,
+           *train_extra]
     with open(run_dir / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         t0 = time.time()
@@ -187,12 +198,17 @@ def main() -> int:
     ap.add_argument("--static-seconds", type=float, default=35.0, help="seconds per static shape measurement")
     ap.add_argument("--shapes", default="1x2,2x2,1x3,1x4", help="shapes measured statically (DxP)")
     ap.add_argument("--out", default="bench_replay_out", help="output folder (runs, results.json, replay.png)")
+    ap.add_argument("--job", choices=sorted(JOBS), default="emulated",
+                    help="emulated (default): examples/gpt/spot.yaml on one emulated accelerator per instance; cpu: "
+                    "examples/gpt/config.yaml on the shared CPU cores")
     a = ap.parse_args()
+    global TRAIN, LAUNCH_EXTRA
+    TRAIN, LAUNCH_EXTRA = JOBS[a.job]
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
-    results: dict[str, Any] = {"time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "cores": os.cpu_count(), "static": {}, "segments": {}}
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
     for sh in shapes:
@@ -327,7 +343,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{seg} (N {min(r['schedule'])}..{max(r['schedule'])})", fontsize=9)
         ax.set_ylabel("samples trained")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"bench_replay: GPT example, bundled segments at {results['time_scale']:g}x", fontsize=10)
+    fig.suptitle(f"bench_replay: GPT example ({results.get('job', 'cpu')}), bundled segments at "
+                 f"{results['time_scale']:g}x", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

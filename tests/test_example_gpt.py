@@ -19,12 +19,14 @@ from lightning_parcae.planning.measured import min_stages_for_memory  # noqa: E4
 from lightning_parcae.runtime.partition import balance_stages, layer_memory_bytes  # noqa: E402
 
 CONFIG = yaml.safe_load((ROOT / "examples" / "gpt" / "config.yaml").read_text())
+SPOT = yaml.safe_load((ROOT / "examples" / "gpt" / "spot.yaml").read_text())
 
 
-def test_whole_model_exceeds_the_instance_budget_but_two_stages_fit():
+@pytest.mark.parametrize("config", [CONFIG, SPOT], ids=["config.yaml", "spot.yaml"])
+def test_whole_model_exceeds_the_instance_budget_but_two_stages_fit(config):
     """The configured budget forces P >= 2 (the GPT-1.5B-on-16-GB regime), and a 2-stage split exists."""
-    model = GPT(**CONFIG["model"])
-    budget = CONFIG["trainer"]["strategy"]["init_args"]["max_stage_memory_bytes"]
+    model = GPT(**config["model"])
+    budget = config["trainer"]["strategy"]["init_args"]["max_stage_memory_bytes"]
     memory = [layer_memory_bytes(layer) for layer in model.layers]
     assert isinstance(model.layers, __import__("torch").nn.Sequential) and len(model.layers) >= 10  # embed, 8, head
     assert sum(memory) > budget
@@ -62,3 +64,24 @@ def test_trains_pipelined_with_validation(tmp_path: Path):
     assert "finished at step 30: D=1 P=2" in out.stdout
     val = float(out.stdout.rsplit("val_loss=", 1)[1].split()[0])
     assert val < 5.0  # from ln(256) = 5.55 at initialisation
+
+
+def test_emulated_accelerator_time_is_per_sample_and_weighted_by_layer():
+    """spot.yaml's emulated device: every block models ``device_ms_per_sample`` per sample (the embedding a quarter,
+    the head half of it); 0 is off, negative is a clear error."""
+    import torch  # noqa: PLC0415
+
+    model = GPT(**SPOT["model"])
+    ms = SPOT["model"]["device_ms_per_sample"]
+    assert ms > 0 and [layer.device_ms for layer in model.layers] == [0.25 * ms] + [ms] * 8 + [0.5 * ms]
+    assert all(layer.device_ms == 0 for layer in GPT(**CONFIG["model"]).layers)
+    with pytest.raises(ValueError, match="device_ms_per_sample"):
+        GPT(device_ms_per_sample=-1.0)
+    block = model.layers[1]
+    x = torch.randn(10, 8, SPOT["model"]["d_model"])
+    import time  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        block(x)
+    assert time.perf_counter() - t0 >= 10 * ms / 1000.0

@@ -186,6 +186,13 @@ def test_exploration_only_when_unsure_and_interval_is_long():
     assert cand is not None and cand != (1, 1) and model.measured(*cand) is None
     assert model.exploration(4, (1, 1), interval_s=2.0, move_cost_s=0.2) is None  # short interval: no try
     assert make().exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None  # current not measured
+    # a try that could at best tie (optimistic gain within the margin) is not worth its two migrations
+    best = max((s for s in model.candidates(4) if model.measured(*s) is None),
+               key=lambda s: model.throughput(*s) * (1.0 + model.uncertainty(*s)))
+    hi = model.throughput(*best) * (1.0 + model.uncertainty(*best))
+    model.margin = hi / model.measured(1, 1) - 1.0 + 1e-6
+    assert model.exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None
+    model.margin = 0.1
     # once everything reachable is measured there is nothing to explore
     feed(model, model.candidates(4), rng, 0.0, **machine)
     assert model.exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None

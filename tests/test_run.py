@@ -28,6 +28,7 @@ from lightning_parcae.launch.run import (
     RunFailed,
     _config,
     build_parser,
+    host_capacity,
     initial_members,
     main,
     scale_counts,
@@ -71,6 +72,19 @@ def test_main_rejects_if_no_command(capsys: pytest.CaptureFixture[str], tmp_path
 def test_main_rejects_if_more_instances_than_host(capsys: pytest.CaptureFixture[str]) -> None:
     err = _err(capsys, ["--instances", "100000", "--", "python", "x.py"])
     assert "more instances than the machine can host" in err
+
+
+def test_emulated_devices_share_nothing_and_host_four_per_core(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --emulated-devices the workers' throughput model gets no CPU contention term (each instance has its own
+    emulated accelerator) and the machine hosts four instances per core instead of two."""
+    cores = os.cpu_count() or 1
+    argv = ["--instances", str(4 * cores), "--", "python", "x.py"]
+    cfg = _config(["--emulated-devices", *argv])
+    assert cfg.emulated_devices and Launcher(cfg, out=open(os.devnull, "w")).shared_units == 0
+    plain = _config(["--instances", "1", "--", "python", "x.py"])
+    assert not plain.emulated_devices and Launcher(plain, out=open(os.devnull, "w")).shared_units >= 1
+    if host_capacity() < 4 * cores:  # a CPU machine: 4 per core is over its plain capacity
+        assert "four per core with --emulated-devices" in _err(capsys, argv)
 
 
 def test_main_rejects_if_instances_not_positive(capsys: pytest.CaptureFixture[str]) -> None:

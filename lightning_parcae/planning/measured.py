@@ -343,8 +343,9 @@ class MeasuredThroughput(ThroughputModel):
         Explore only when the current shape is measured, the time the job expects to stay at ``n`` instances is
         long compared with two migrations (there and possibly back: ``2 * move_cost_s <= max_cost_fraction *
         interval_s``), and an unmeasured shape on ``n`` instances could be faster: its fitted throughput times
-        ``1 + uncertainty`` beats the current measurement. The most promising such shape (largest optimistic
-        throughput) is returned.
+        ``1 + uncertainty`` beats the current measurement by more than :attr:`margin` (the margin a measured shape
+        must win by to be moved to: a try that could at best tie is not worth its two migrations). The most
+        promising such shape (largest optimistic throughput) is returned.
 
         Args:
             n: Instances the next interval has.
@@ -358,7 +359,7 @@ class MeasuredThroughput(ThroughputModel):
         cur = self.measured(*current)
         if cur is None or interval_s <= 0 or 2.0 * move_cost_s > max_cost_fraction * interval_s:
             return None
-        best, best_hi = None, cur
+        best, best_hi = None, cur * (1.0 + self.margin)
         for s in self.candidates(n):
             if self.measured(*s) is not None:
                 continue
