@@ -117,6 +117,13 @@ class Liveness:
         """Whether the heartbeat thread runs (started and not stopped): only then can :attr:`aborted` be set."""
         return self._thread is not None and not self._stop.is_set()
 
+    def abort_reason(self) -> Optional[str]:
+        """Why the current generation was aborted (a peer declared dead), or None while it runs (or the heartbeat
+        thread does not)."""
+        if not self.running or not self.aborted.is_set():
+            return None
+        return self.reason or f"generation {self.generation} aborted"
+
     def stop(self) -> None:
         """Stop the thread (the last heartbeat stays in the store and goes stale)."""
         self._stop.set()

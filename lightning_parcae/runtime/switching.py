@@ -60,10 +60,7 @@ class Switch(RuntimePart):
 
     def aborted(self) -> Optional[str]:
         """Why the generation being entered was aborted (a participant declared dead), or None."""
-        live = self.rt.live
-        if live is None or not live.running or not live.aborted.is_set():
-            return None
-        return live.reason or f"generation {live.generation} aborted"
+        return self.rt.live.abort_reason() if self.rt.live is not None else None
 
     def init_transition(self, rec: dict[str, Any]) -> None:
         """Meet the transition world of ``rec`` (every process that sends or receives), within the watchdog's bound.

@@ -147,9 +147,7 @@ class ProcessSetup:
         """Why the generation being built was aborted by the heartbeats (None: it was not, or no live reconfiguration)."""
         er = self.strategy.elastic_runtime
         live = er.live if er is not None else None
-        if live is None or not live.running or not live.aborted.is_set():
-            return None
-        return live.reason or f"generation {live.generation} aborted"
+        return live.abort_reason() if live is not None else None
 
     def before_environment(self) -> None:
         """Before Lightning's own environment setup: refuse a foreign Trainer, install the launcher's resume."""
