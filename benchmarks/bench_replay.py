@@ -120,7 +120,8 @@ def summarize(ev: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     restarts = [e for e in ev if e.get("event") == "restart_done" and e["time"] <= end]
     lost["restart"] = sum(float(e.get("lost_s", 0.0)) for e in restarts)
     shapes = [(int(e["D"]), int(e["P"]), int(e["N"])) for e in sorted(seen.values(), key=lambda m: m["time"])]
-    return {"samples": int(samples), "startup_s": round(first - start, 2), "lost_s": {k: round(v, 3) for k, v in lost.items()},
+    explores = sum(1 for e in ev if e.get("event") == "explore" and e["time"] <= end)
+    return {"samples": int(samples), "startup_s": round(first - start, 2), "explorations": explores, "lost_s": {k: round(v, 3) for k, v in lost.items()},
             "migrations": {k: sum(1 for m in seen.values() if m["kind"] == k) for k in {m["kind"] for m in seen.values()}},
             "restarts": len(restarts), "shapes": shapes,
             "restart_lost_s": [float(e.get("lost_s", 0.0)) for e in restarts]}
@@ -291,6 +292,8 @@ def markdown(results: dict[str, Any]) -> str:
             ratio = f"{fc / s['samples']:.2f}" if fc and s["samples"] else "-"
             lost = ", ".join(f"{k} {v:.1f}" for k, v in s["lost_s"].items() if v) or "0"
             migs = ", ".join(f"{k} {v}" for k, v in s["migrations"].items()) or "-"
+            if s.get("explorations"):
+                migs += f" ({s['explorations']} explorations)"
             lines.append(f"| {seg} | {pol} | {s['samples']} | {s['samples'] / ideal if ideal else 0:.0%} | "
                          f"{fc or 0:.0f} | {ratio} | {s['startup_s']} | {migs}; restarts {s['restarts']} | {lost} |")
     lines.append("")
