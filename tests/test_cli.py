@@ -32,9 +32,27 @@ def test_cli_simulate_slices_hours_if_start_and_end_given(capsys: pytest.Capture
     assert "30 intervals" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("seg,cap", [("hh_55_65", 4), ("lh_80_90", 6), ("ll_10_11", 3)])
+def test_cli_simulate_scales_the_trace_like_parcae_run_if_max_instances_given(
+        seg: str, cap: int, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--max-instances`` replays the trace as ``parcae run --max-instances`` does (same counts per interval), so a
+    run's profile.json can be priced on the cluster it ran on."""
+    from lightning_parcae.launch.run import _load_schedule
+
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", seg, "--model-table", "bert", "--policy", "ideal", "--max-instances",
+                 str(cap), "--report", str(report)]) == 0
+    assert f"up to {cap} instances" in capsys.readouterr().out
+    from lightning_parcae.signals.traces import bundled_trace_path, load_trace, scaled
+
+    counts = list(scaled(load_trace(str(bundled_trace_path(seg)), interval_s=60.0), cap).counts())
+    assert counts == _load_schedule(seg, 60.0, cap)[1]
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
+        (["simulate", "--max-instances", "0", "--policy", "ideal"], "--max-instances 0"),
         (["simulate", "--trace", "/nonexistent/trace.csv"], "/nonexistent/trace.csv"),
         (["simulate", "--model-table", "gpt-9000"], "gpt-9000"),
         (["simulate", "--policy", "ideal,magic"], "magic"),

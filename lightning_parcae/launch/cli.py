@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-table", default=None, help=f"a bundled profiled table: {', '.join(reference_models())} (default: gpt-1.5b)")
     g.add_argument("--profile", default=None, help="a per-layer profile JSON (see docs/planner.md)")
     s.add_argument("--policy", default=_POLICY_DEFAULT, help=f"comma-separated policies (default: {_POLICY_DEFAULT})")
+    s.add_argument("--max-instances", type=int, default=None,
+                   help="scale the trace's counts so that its peak is this many instances, as `parcae run "
+                   "--max-instances` replays it (e.g. to price a run's profile.json on the cluster it ran on)")
     s.add_argument("--look-ahead", type=int, default=12, help="intervals the parcae policies plan over (default 12)")
     s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence (default), arima, artifact, hazard, ensemble")
     s.add_argument("--cost-model", default="artifact", choices=["artifact", "default"], help="artifact: the Parcae artifact's accounting (needs --model-table); default: our runtime's costs")
@@ -119,6 +122,12 @@ def _simulate(a: argparse.Namespace) -> int:
         trace = trace.slice(a.start_hour * 3600.0, None if a.end_hour is None else a.end_hour * 3600.0)
         if len(trace) == 0:
             raise ConfigurationError(f"--start-hour {a.start_hour} / --end-hour {a.end_hour} select no interval of {a.trace}")
+    if a.max_instances is not None:
+        from lightning_parcae.signals.traces import scaled
+
+        if a.max_instances < 1:
+            raise ConfigurationError(f"--max-instances {a.max_instances}: scale the trace to at least 1 instance")
+        trace = scaled(trace, a.max_instances)
     cm = load_cost_model(a.cost_model, model=None if a.profile else model, profile_path=a.profile)
     policies = [x.strip() for x in a.policy.split(",") if x.strip()]
     settings = {"model": model if not a.profile else a.profile, "cost_model": a.cost_model, "trace": a.trace}

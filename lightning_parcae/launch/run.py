@@ -53,6 +53,7 @@ from lightning_parcae.launch.fleet import Fleet
 from lightning_parcae.launch.relaunch import Relaunch
 from lightning_parcae.events import append_event
 from lightning_parcae.errors import ConfigurationError, CoordinationError, ParcaeError
+from lightning_parcae.signals.traces import scale_counts
 
 __all__ = ["build_parser", "main", "RunConfig", "Launcher", "host_capacity", "scale_counts", "initial_members",
            "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
@@ -172,22 +173,6 @@ def host_capacity() -> int:
     except Exception:  # noqa: BLE001
         gpus = 0
     return gpus if gpus > 0 else 2 * (os.cpu_count() or 1)
-
-
-def scale_counts(counts: Sequence[int], peak: int, cap: int) -> list[int]:
-    """Map trace counts to instance counts: proportional, so that ``peak`` becomes ``cap``; 0 stays 0.
-
-    Args:
-        counts: Instances in each trace interval.
-        peak: The trace's largest count.
-        cap: Instances the largest count maps to.
-
-    Returns:
-        One count per interval, each in ``[0, cap]``; a non-zero count maps to at least 1.
-    """
-    if peak <= 0:
-        return [0 for _ in counts]
-    return [0 if c <= 0 else max(1, min(cap, int(round(c * cap / peak)))) for c in counts]
 
 
 def _config(argv: Sequence[str]) -> RunConfig:

@@ -40,6 +40,8 @@ __all__ = [
     "Trace",
     "TRACE_FORMATS",
     "from_counts",
+    "scale_counts",
+    "scaled",
     "load_trace",
     "bundled_trace_path",
     "BUNDLED_TRACES",
@@ -248,6 +250,38 @@ def from_counts(
         d = int(values[k]) - int(values[k - 1])
         intervals.append(Interval(k - 1, (k - 1) * interval_s, interval_s, int(values[k - 1]), max(d, 0), max(-d, 0)))
     return Trace(tuple(intervals), interval_s, source)
+
+
+def scale_counts(counts: Sequence[int], peak: int, cap: int) -> list[int]:
+    """Map trace counts to instance counts: proportional, so that ``peak`` becomes ``cap``; 0 stays 0.
+
+    Args:
+        counts: Instances in each trace interval.
+        peak: The trace's largest count.
+        cap: Instances the largest count maps to.
+
+    Returns:
+        One count per interval, each in ``[0, cap]``; a non-zero count maps to at least 1.
+    """
+    if peak <= 0:
+        return [0 for _ in counts]
+    return [0 if c <= 0 else max(1, min(cap, int(round(c * cap / peak)))) for c in counts]
+
+
+def scaled(trace: Trace, cap: int) -> Trace:
+    """``trace`` with its counts scaled so that its peak becomes ``cap`` (as ``parcae run --max-instances`` replays it).
+
+    Each interval keeps only the net change of the scaled counts (an interval that gained and lost instances
+    becomes one net change).
+
+    Raises:
+        ConfigurationError: ``cap < 1``.
+    """
+    if cap < 1:
+        raise ConfigurationError(f"cap={cap}: scale to at least 1 instance")
+    counts = scale_counts([int(c) for c in trace.counts()], trace.max_n, cap)
+    start = scale_counts([trace[0].prev_n], trace.max_n, cap)[0] if len(trace) else 0
+    return from_counts(counts, interval_s=trace.interval_s, start_n=start, source=f"{trace.source} (peak scaled to {cap})")
 
 
 def bundled_trace_path(name: str = "p3") -> pathlib.Path:
