@@ -199,6 +199,8 @@ def main() -> int:
     ap.add_argument("--static-seconds", type=float, default=35.0, help="seconds per static shape measurement")
     ap.add_argument("--shapes", default="1x2,2x2,1x3,1x4", help="shapes measured statically (DxP)")
     ap.add_argument("--out", default="bench_replay_out", help="output folder (runs, results.json, replay.png)")
+    ap.add_argument("--static-from", default=None,
+                    help="results.json of an earlier run: take its static shape measurements instead of measuring")
     ap.add_argument("--job", choices=sorted(JOBS), default="emulated",
                     help="emulated (default): examples/gpt/spot.yaml on one emulated accelerator per instance; cpu: "
                     "examples/gpt/config.yaml on the shared CPU cores")
@@ -212,6 +214,9 @@ def main() -> int:
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "cores": os.cpu_count(), "static": {}, "segments": {}}
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
+    if a.static_from:  # re-run some segments or policies against an earlier run's static measurements
+        results["static"] = dict(json.loads(Path(a.static_from).read_text())["static"])
+        shapes = []
     for sh in shapes:
         thr = measure_static(sh, out, a.static_seconds)  # type: ignore[arg-type]
         results["static"][f"{sh[0]}x{sh[1]}"] = thr
@@ -244,7 +249,9 @@ def main() -> int:
                 if n_min in static_runs:  # the same static cluster already ran for another segment of this length
                     r["runs"][pol] = static_runs[n_min]
                     continue
-                ev = launch(["--instances", str(n_min), "--pipeline-stages", "2", "--restart-fallback"], run_dir,
+                # the best statically measured shape for the minimum count (P=2 on 3 instances would idle one)
+                best_p = best_by_n[n_min][0].split("x")[1] if n_min in best_by_n else "2"
+                ev = launch(["--instances", str(n_min), "--pipeline-stages", best_p, "--restart-fallback"], run_dir,
                             seconds)
             else:
                 raise SystemExit(f"unknown policy {pol!r}: use {', '.join(POLICIES)}")
