@@ -168,6 +168,17 @@ def measure_static(shape: tuple[int, int], out: Path, seconds: float) -> float:
     return float(statistics.median(rates)) if rates else 0.0
 
 
+def _after(res: Any, startup_s: float) -> float:
+    """Samples of a simulated policy result trained after ``startup_s`` seconds (interpolated within an interval)."""
+    iv, cum = res.interval_s, res.cumulative
+    if not cum or startup_s <= 0:
+        return float(res.samples)
+    k = min(int(startup_s // iv), len(cum) - 1)
+    before_k = cum[k - 1] if k > 0 else 0.0
+    before = before_k + min(1.0, (startup_s - k * iv) / iv) * (cum[k] - before_k)
+    return float(res.samples - before)
+
+
 def forecast(profile_path: Path, schedule: list[int], wall_interval: float, startup_s: float,
              restart_s: Optional[float], n_min: int) -> dict[str, float]:
     """The simulator's forecast of each policy from the Parcae run's fitted profile."""
@@ -180,8 +191,10 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
     cm.c = replace(cm.c, restart_ms=1000.0 * startup_s, checkpoint_ms=0.0)
     trace = from_counts(schedule, interval_s=wall_interval, start_n=0)
     iv = [(x.prev_n, x.n_in, x.n_out) for x in trace]
-    out = {"parcae": run_policy("parcae", cm, iv, wall_interval, look_ahead=12).samples,
-           "reactive": run_policy("parcae", cm, iv, wall_interval, look_ahead=1).samples}
+    # the in-place policies price only their migrations: the job's own start-up (nothing trains before it) is
+    # charged here (regression: without it the forecast of every in-place run was ~1.5 start-ups of samples high)
+    out = {"parcae": _after(run_policy("parcae", cm, iv, wall_interval, look_ahead=12), startup_s),
+           "reactive": _after(run_policy("parcae", cm, iv, wall_interval, look_ahead=1), startup_s)}
     cm_r = load_cost_model("default", profile_path=str(profile_path))
     cm_r.c = replace(cm_r.c, restart_ms=1000.0 * (restart_s if restart_s is not None else startup_s), checkpoint_ms=0.0)
     out["restart"] = run_policy("throughput", cm_r, iv, wall_interval).samples
@@ -204,11 +217,15 @@ def main() -> int:
     ap.add_argument("--job", choices=sorted(JOBS), default="emulated",
                     help="emulated (default): examples/gpt/spot.yaml on one emulated accelerator per instance; cpu: "
                     "examples/gpt/config.yaml on the shared CPU cores")
+    ap.add_argument("--reforecast", action="store_true",
+                    help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
     a = ap.parse_args()
     global TRAIN, LAUNCH_EXTRA
     TRAIN, LAUNCH_EXTRA = JOBS[a.job]
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if a.reforecast:
+        return reforecast(out)
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -279,6 +296,25 @@ def main() -> int:
                 r["profile_shapes"] = {k: v["samples_per_s"] for k, v in json.load(f)["shapes"].items()}
         results["segments"][seg] = r
         (out / "results.json").write_text(json.dumps(results, indent=1))
+    print_table(results)
+    plot(results, out / "replay.png")
+    (out / "results.md").write_text(markdown(results))
+    return 0
+
+
+def reforecast(out: Path) -> int:
+    """Recompute every segment's forecast from its saved Parcae profile; rewrite results.json, results.md, the plot."""
+    results = json.loads((out / "results.json").read_text())
+    wall_interval = 60.0 / float(results["time_scale"])
+    for seg, r in results["segments"].items():
+        prof = out / seg / "parcae" / "profile.json"
+        if not prof.exists():
+            continue
+        restart_lost = r["runs"].get("restart", {}).get("restart_lost_s") or []
+        startup = r["runs"].get("parcae", {}).get("startup_s", 0.0)
+        r["forecast"] = forecast(prof, r["schedule"], wall_interval, startup,
+                                 statistics.mean(restart_lost) if restart_lost else None, r["n_min"])
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     plot(results, out / "replay.png")
     (out / "results.md").write_text(markdown(results))
