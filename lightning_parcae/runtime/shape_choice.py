@@ -61,8 +61,6 @@ class ShapeChooser:
         self._optimizer: Optional[LiveputOptimizer] = None
         self._predictor: Any = None
         self._request_done: Any = None
-        self._stay_intervals = 1
-        """Planning intervals the last forecast kept the instance count (the horizon an exploration pays back in)."""
         # (generation, step, time, first in its generation) at the last step boundary
         self._step_mark: Optional[tuple[int, int, float, bool]] = None
         self._warmup = 0
@@ -120,6 +118,7 @@ class ShapeChooser:
                 self.rt.coord.append_history(n_next)
         cur = (self.rt.layout.data_parallel, self.rt.layout.pipeline_stages)
         thr = measured if by_measurement else measured.prior
+        stay = 1  # planning intervals the forecast keeps n_next (1 if planning fails)
         # prices change as steps are measured: drop the optimizer's per-count cache of candidate throughputs
         self._optimizer._targets_cache.clear()
         try:
@@ -130,12 +129,10 @@ class ShapeChooser:
             shape = decision.next_shape
             median = scenarios[len(scenarios) // 2] if scenarios else []
             # how long the forecast keeps this count: the time an exploration's gain can pay back in
-            stay = 1
             for iv in median[: max(0, self.rt.look_ahead - 1)]:
                 if int(iv[0] + iv[1] - iv[2]) != n_next:
                     break
                 stay += 1
-            self._stay_intervals = stay
             self.rt.stats["predicted_N"] = [int(n_next)] + [int(iv[0] + iv[1] - iv[2]) for iv in median[:1]]
             self.rt.stats["decision"] = {"reactive": list(decision.reactive), "departs": decision.departs,
                                       "expected_gain": float(decision.expected_gain),
@@ -158,7 +155,7 @@ class ShapeChooser:
             shape = cur
         elif by_measurement and shape == cur and observe:
             # an exploration pays back over the intervals the forecast keeps this count, not just the next one
-            explore = measured.exploration(n_next, cur, self.rt.interval_s * self._stay_intervals, self._move_cost_s())
+            explore = measured.exploration(n_next, cur, self.rt.interval_s * stay, self._move_cost_s())
             if explore is not None:
                 self.rt.event("explore", current=list(cur), chosen=list(explore),
                            measured_current=measured.measured(*cur), fitted=measured.throughput(*explore),
