@@ -390,3 +390,50 @@ def test_live_reactive_takes_throughputs_shapes_with_cheaper_migrations_if_gener
     live = run_policy("live-reactive", gpt, iv)
     assert live.shapes == thr.shapes
     assert live.samples >= thr.samples
+
+
+# ------------------------------------------------------------------------------ relaunch (parcae run --restart-fallback)
+
+
+def _pipeline_cm(restart_s: float = 3.0) -> DefaultCostModel:
+    from dataclasses import replace
+
+    from lightning_parcae.planning.costmodel import MigrationConstants
+    from lightning_parcae.planning.measured import PipelineThroughput
+
+    thr = PipelineThroughput([1.0] + [4.0] * 8 + [2.0], 48, 4, max_p=4, min_p=2)
+    c = replace(MigrationConstants(), restart_ms=1000.0 * restart_s, group_base_ms=0.0, group_per_process_ms=0.0)
+    return DefaultCostModel(thr, [1.0] * 10, c)
+
+
+def test_relaunch_keeps_its_pipeline_depth_and_idles_what_does_not_fit() -> None:
+    """The launcher's restart fallback keeps ``--pipeline-stages``: on 3 instances at P = 2 it runs 1x2 with one
+    idle, where ``throughput`` (which re-picks P) runs 1x3 -- the forecast must price what the launcher runs."""
+    cm = _pipeline_cm()
+    iv = from_counts([4, 4, 3, 3, 3, 2, 2], interval_s=10.0, start_n=0).as_tuples()
+    res = run_policy("relaunch", cm, iv, 10.0, pipeline_stages=2)
+    assert res.shapes == [(2, 2), (2, 2), (1, 2), (1, 2), (1, 2), (1, 2), (1, 2)]
+    assert cm.throughput.best(3) == (1, 3) and run_policy("throughput", cm, iv, 10.0).shapes[2] == (1, 3)
+    # default depth: the best shape's for the first count
+    assert run_policy("relaunch", cm, iv, 10.0).shapes[0] == cm.throughput.best(4)
+
+
+def test_relaunch_starts_over_if_a_change_comes_during_a_relaunch() -> None:
+    """Regression: the artifact's accounting adds a second restart when a change lands during an unfinished one;
+    the launcher instead kills the relaunching generation and starts again, so the loss is one restart from the
+    latest change. With restarts of 15 s and changes 10 s apart, the concurrent rule forecast the job idle for
+    the whole trace (0.82 of the measured restart runs); this one lets it train after the last change."""
+    cm = _pipeline_cm(restart_s=15.0)
+    iv = from_counts([4, 3, 4, 4, 4, 4], interval_s=10.0, start_n=0).as_tuples()
+    res = run_policy("relaunch", cm, iv, 10.0, pipeline_stages=2, startup_ms=5000.0)
+    # interval 0: 5 s start-up then 5 s of 2x2; change at 10 s -> 15 s lost (1: 10, 2: 5 more) but the change at
+    # 20 s restarts it: lost until 35 s; trains from 35 s in interval 3
+    assert res.lost_ms[:4] == [5000.0, 10000.0, 10000.0, 5000.0]
+    thr = cm.throughput.throughput(2, 2)
+    assert math.isclose(res.samples, thr * (5.0 + 5.0 + 10.0 + 10.0), rel_tol=1e-9)
+
+
+def test_relaunch_raises_if_pipeline_stages_is_not_positive() -> None:
+    cm = _pipeline_cm()
+    with pytest.raises(ConfigurationError, match="pipeline_stages must be >= 1"):
+        run_policy("relaunch", cm, [(0, 4, 0)], 10.0, pipeline_stages=0)

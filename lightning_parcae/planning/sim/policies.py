@@ -12,6 +12,13 @@ Policies:
   restart, a checkpoint save + load and every stage's state each time.
 * ``restart`` -- torchrun-like: one fixed shape chosen at the start; every event restarts from a checkpoint;
   while fewer instances than the shape needs are present it trains nothing.
+* ``relaunch`` -- ``parcae run --restart-fallback`` as the launcher implements it: a fixed pipeline depth
+  (option ``pipeline_stages``; default: the depth of the best shape for the first interval's count) and the widest
+  D that fits (instances beyond D x P idle); every change of count stops the whole job and relaunches it, paying
+  ``restart_ms`` (a measured restart's whole loss: downtime plus the steps redone since the last checkpoint); a
+  change during an unfinished relaunch starts it over (the launcher kills the relaunching generation), it does not
+  add a second one as the artifact's accounting does. Option ``startup_ms``: the first launch's cost (default:
+  a restart's).
 * ``parcae`` -- the liveput optimizer (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`): at the start
   of interval k it knows that interval's arrivals and preemptions (the same knowledge ``throughput`` reacts to --
   the artifact scores ``throughput`` with the count *after* interval k's events) and forecasts only the
@@ -206,6 +213,50 @@ def _restart(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **
     return res
 
 
+def _fixed_depth_shape(thr: object, n: int, p: int) -> Optional[Shape]:
+    """The widest allowed (d, p) on ``n`` instances at depth ``p`` (None if not even d = 1 fits)."""
+    for d in range(n // p if p > 0 else 0, 0, -1):
+        if thr.throughput(d, p) > 0:  # type: ignore[attr-defined]
+            return (d, p)
+    return None
+
+
+def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *,
+              pipeline_stages: Optional[int] = None, startup_ms: Optional[float] = None, **_: object) -> PolicyResult:
+    res = PolicyResult("relaunch", interval_s)
+    thr = cm.throughput
+    interval_ms = 1000.0 * interval_s
+    p = int(pipeline_stages) if pipeline_stages else 0
+    if pipeline_stages is not None and p < 1:
+        raise ConfigurationError(f"relaunch: pipeline_stages must be >= 1, got {pipeline_stages!r}")
+    remain, started = 0.0, False
+    for i, (prev, n_in, n_out) in enumerate(intervals):
+        n = prev + n_in - n_out
+        if not p:
+            best = thr.best(n)
+            if best is None:
+                _record(res, n, (0, 0), 0.0, 0.0, 0.0)
+                continue
+            p = best[1]
+        shape = _fixed_depth_shape(thr, n, p)
+        if shape is None:  # too few instances for one pipeline: the job waits (its state is in the checkpoint)
+            _record(res, n, (0, 0), 0.0, 0.0, 0.0)
+            remain = 0.0
+            continue
+        cost = 0.0
+        if not started or n_in + n_out > 0:
+            if not started and startup_ms is not None:
+                cost = float(startup_ms)
+            else:
+                cost = cm.restart_ms(shape[0], shape[1], "add" if n_in > 0 or not started else "remove")
+            remain = cost  # a relaunch under way is abandoned and started over
+            started = True
+        work_s = max(0.0, interval_s - remain / 1000.0)
+        lost = min(interval_ms, remain)
+        remain = max(0.0, remain - interval_ms)
+        _record(res, n, shape, thr.throughput(*shape) * work_s, cost, lost)
+    return res
+
 
 def _liveput(
     cm: MigrationCostModel,
@@ -264,6 +315,7 @@ POLICIES: Dict[str, Callable[..., PolicyResult]] = {
     "ideal": _ideal,
     "throughput": _throughput,
     "restart": _restart,
+    "relaunch": _relaunch,
     "parcae": lambda cm, iv, s, **kw: _liveput(cm, iv, s, oracle=False, **kw),
     "parcae-oracle": lambda cm, iv, s, **kw: _liveput(cm, iv, s, oracle=True, **kw),
     "live-reactive": lambda cm, iv, s, **kw: _liveput(cm, iv, s, reactive=True, **kw),
@@ -279,7 +331,7 @@ def run_policy(name: str, cm: MigrationCostModel, intervals: Intervals, interval
         cm: The cost model (with its throughput model).
         intervals: ``(prev_n, n_in, n_out)`` per interval.
         interval_s: Interval length.
-        **options: ``look_ahead``, ``predictor``, ``max_instances`` (the cluster size, bounding forecasts; default
+        **options: ``pipeline_stages`` and ``startup_ms`` for ``relaunch``; ``look_ahead``, ``predictor``, ``max_instances`` (the cluster size, bounding forecasts; default
             none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default 0.5) and
             ``levels`` (scenario quantiles) for the parcae policies.
 
