@@ -15,6 +15,7 @@ from lightning_parcae.planning.measured import (
     load_cost_model,
     MeasuredThroughput,
     PipelineThroughput,
+    exploration_value,
     load_measured_profile,
     min_stages_for_memory,
 )
@@ -186,16 +187,34 @@ def test_exploration_only_when_unsure_and_interval_is_long():
     assert cand is not None and cand != (1, 1) and model.measured(*cand) is None
     assert model.exploration(4, (1, 1), interval_s=2.0, move_cost_s=0.2) is None  # short interval: no try
     assert make().exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None  # current not measured
-    # a try that could at best tie (optimistic gain within the margin) is not worth its two migrations
-    best = max((s for s in model.candidates(4) if model.measured(*s) is None),
-               key=lambda s: model.throughput(*s) * (1.0 + model.uncertainty(*s)))
-    hi = model.throughput(*best) * (1.0 + model.uncertainty(*best))
-    model.margin = hi / model.measured(1, 1) - 1.0 + 1e-6
+    # a try whose chance of beating the margin is nil is not worth its two migrations
+    model.margin = max(model.throughput(*c) * (1.0 + 8.0 * model.uncertainty(*c))
+                       for c in model.candidates(4) if model.measured(*c) is None) / model.measured(1, 1)
     assert model.exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None
     model.margin = 0.1
     # once everything reachable is measured there is nothing to explore
     feed(model, model.candidates(4), rng, 0.0, **machine)
     assert model.exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None
+
+
+def test_exploration_value_is_negative_if_a_slower_fit_cannot_repay_its_try():
+    """Regression (bench_replay hh_55_65, ll_10_11): at 3 instances the job ran 1x3, measured 199 samples/s; 1x2 was
+    fitted at 176 with a 0.30 uncertainty, and the old rule (176 x 1.30 > 199 x 1.10) tried it -- 3.7 s at 1x2
+    and two migrations, for a shape 19 % slower, in a horizon of 18 s. The expected value of that try is negative."""
+    assert exploration_value(199.0, 176.0, 0.30 * 176.0, trial_s=3.7, horizon_s=18.0, move_cost_s=0.3) < 0
+    # the same belief over a long horizon is worth a try (a 1-in-4 chance of +20 % for 10 minutes)
+    assert exploration_value(199.0, 176.0, 0.30 * 176.0, trial_s=3.7, horizon_s=600.0, move_cost_s=0.3) > 0
+
+
+@pytest.mark.parametrize("horizon", [10.0, 60.0, 600.0])
+def test_exploration_value_grows_with_the_mean_the_spread_and_the_horizon(horizon):
+    v = lambda mean, sigma, h=horizon: exploration_value(100.0, mean, sigma, 2.0, h, 0.2)  # noqa: E731
+    means = [70.0, 90.0, 100.0, 120.0, 150.0]
+    assert all(v(a, 15.0) < v(b, 15.0) for a, b in zip(means, means[1:]))
+    assert v(90.0, 5.0) < v(90.0, 20.0) < v(90.0, 40.0)  # an unsure fit below the current one: spread helps
+    assert v(90.0, 20.0, horizon) < v(90.0, 20.0, 2 * horizon)
+    # certain and slower: the try loses exactly its time difference and two migrations
+    assert exploration_value(100.0, 80.0, 0.0, 2.0, horizon, 0.2) == pytest.approx(-(20.0 * 2.0) - 100.0 * 0.2 * 2)
 
 
 def test_uncertainty_shrinks_with_nearby_measurements():
