@@ -185,7 +185,8 @@ def test_exploration_only_when_unsure_and_interval_is_long():
     feed(model, [(1, 1)], rng, 0.0, **machine)
     cand = model.exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2)
     assert cand is not None and cand != (1, 1) and model.measured(*cand) is None
-    assert model.exploration(4, (1, 1), interval_s=2.0, move_cost_s=0.2) is None  # short interval: no try
+    # a horizon shorter than the try and two migrations (steps here are ~20-36 ms): no try
+    assert model.exploration(4, (1, 1), interval_s=0.3, move_cost_s=0.2) is None
     assert make().exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None  # current not measured
     # a try whose chance of beating the margin is nil is not worth its two migrations
     model.margin = max(model.throughput(*c) * (1.0 + 8.0 * model.uncertainty(*c))
