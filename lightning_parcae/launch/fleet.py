@@ -11,6 +11,7 @@ fails. This module is that manager for one :class:`~lightning_parcae.launch.run.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import time
@@ -51,6 +52,7 @@ class Fleet:
     def __init__(self, rt: Any) -> None:
         self.rt = rt
         self._slots: dict[int, int] = {}  # instance -> device slot (LOCAL_RANK), see device_slot
+        self._victim_rng = random.Random(int(getattr(rt.cfg, "seed", 0)))  # --victims random
 
     def member_name(self, instance: int) -> str:
         c = self.rt._incarnations.get(instance, -1) + 1
@@ -166,7 +168,10 @@ class Fleet:
 
     def _removal_order(self, ids: list[int]) -> list[int]:
         """Instances in the order the trace removes them: those not training in the job (standbys, including
-        members released by a shape change and restarted) before members, newest first within each.
+        members released by a shape change and restarted) before members; within each, newest first
+        (``--victims newest``) or in a seeded random order (``--victims random``: a spot provider does not pick
+        by age, so a drop can take any stage -- two at once can leave a stage short, the case an inter-stage
+        migration repairs).
 
         Regression: a member released by a 4 -> 2 shape change restarts as a standby under its *old* instance
         number, so "newest first" noticed an older training member while the restarted standby (still importing,
@@ -179,10 +184,15 @@ class Fleet:
             w = self.rt.instances.get(k)
             return w is not None and self.rt.phases.get(w.member) in busy
 
+        if getattr(self.rt.cfg, "victims", "newest") == "random":
+            shuffled = sorted(ids)
+            self._victim_rng.shuffle(shuffled)
+            rank = {k: i for i, k in enumerate(shuffled)}
+            return sorted(ids, key=lambda k: (member(k), rank[k]))
         return sorted(ids, key=lambda k: (member(k), -k))
 
     def change(self, target: int) -> None:
-        """The trace moved to ``target`` instances: notice the newest ones, or start joiners."""
+        """The trace moved to ``target`` instances: notice some (:meth:`_removal_order`), or start joiners."""
         ids = sorted(self.rt.instances)
         cur = len(ids)
         running = self.rt.launch >= 0 and not self.rt._need_launch and self.rt._fallback is None

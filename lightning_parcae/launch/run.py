@@ -58,6 +58,9 @@ from lightning_parcae.signals.traces import scale_counts
 __all__ = ["build_parser", "main", "RunConfig", "Launcher", "host_capacity", "scale_counts", "initial_members",
            "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
+VICTIM_ORDERS = ("newest", "random")
+"""``--victims``: which training members a trace's drop removes (idle standbys always go first)."""
+
 _DEFAULT_TIME_SCALE = 20.0  # a 1-hour segment of 60-s intervals replays in 3 minutes
 
 
@@ -91,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=60.0, help="trace interval length in trace seconds (default 60)")
     p.add_argument("--grace", type=float, default=120.0,
                    help="preemption notice period in trace seconds, divided by --time-scale (default 120, AWS)")
+    p.add_argument("--victims", choices=VICTIM_ORDERS, default="newest",
+                   help="which instances a trace's drop removes (always idle standbys first, then training "
+                   "members): 'newest' (default; reproducible) or 'random' (seeded by --seed: the provider picks, "
+                   "as a spot market does, so losses fall on any stage)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --victims random (default 0)")
     p.add_argument("--max-instances", type=int, default=None,
                    help="the trace's peak count is scaled down to this many instances (default --instances)")
     p.add_argument("--pipeline-stages", default="1",
@@ -149,6 +157,8 @@ class RunConfig:
     max_restarts: int = 3
     stall_timeout_s: Optional[float] = None
     emulated_devices: bool = False
+    victims: str = "newest"
+    seed: int = 0
     schedule: list[int] = field(default_factory=list)
     """Instances during each (scaled) replay interval; empty for a static cluster."""
     trace_counts: list[int] = field(default_factory=list)
@@ -221,7 +231,7 @@ def _config(argv: Sequence[str]) -> RunConfig:
         store_host=ns.store_host, store_url=ns.store, store_timeout_s=ns.store_timeout,
         startup_timeout_s=ns.startup_timeout, progress_every_s=ns.progress_every, plot=not ns.no_plot,
         mode=ns.mode, max_restarts=ns.max_restarts, stall_timeout_s=ns.stall_timeout,
-        emulated_devices=ns.emulated_devices,
+        emulated_devices=ns.emulated_devices, victims=ns.victims, seed=ns.seed,
     )
     if ns.trace is not None:
         cfg.trace_counts, cfg.schedule = _load_schedule(ns.trace, ns.interval, max_inst)
