@@ -703,3 +703,25 @@ def test_repartition_greedy_gives_same_transfer_row_by_row_and_batched_if_random
             batched = cm._greedy_batch(p, p2, surv)
             single = np.array([cm._greedy_batch(p, p2, surv[i : i + 1])[0] for i in range(len(surv))])
             assert np.array_equal(batched, single), (p, p2)
+
+
+@pytest.mark.parametrize("n, shape, target", [(3, (1, 3), (1, 2)), (3, (1, 2), (1, 2)), (4, (1, 4), (1, 3)),
+                                               (4, (2, 2), (1, 2))])
+def test_preemption_notice_prices_a_lost_stage_as_a_copy_not_a_restart(n, shape, target) -> None:
+    """Regression (bench_replay forecasts): the replay gives every drop a notice and the runtime hands the leaver's
+    state over, but the cost model priced a 1x3 losing any instance as a checkpoint restart, so the forecast kept
+    1x2 on 3 instances "for safety" where the job ran 1x3. With ``preemption_notice`` no preemption restarts."""
+    from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants
+    from lightning_parcae.planning.liveput import expected_transition_cost
+    from lightning_parcae.planning.measured import PipelineThroughput
+
+    thr = PipelineThroughput([1.0] + [4.0] * 8 + [2.0], 48, 4, max_p=4, min_p=1)
+    c = MigrationConstants(restart_ms=10_000.0)
+    sudden = expected_transition_cost(DefaultCostModel(thr, [1e5] * 10, c), n, shape, 0, 1, target).mean
+    noticed = expected_transition_cost(DefaultCostModel(thr, [1e5] * 10, c, preemption_notice=True), n, shape, 0, 1,
+                                       target).mean
+    assert math.isfinite(noticed) and noticed < 0.25 * c.restart_ms  # a copy (and a join of the spare), no restart
+    if shape[0] == 1:  # the only replica of the lost member's stage: a restart (in expectation) without a notice
+        assert sudden > 0.5 * c.restart_ms
+    else:  # two replicas: a stage is never lost, the notice changes nothing
+        assert noticed == pytest.approx(sudden)

@@ -359,3 +359,28 @@ def test_load_trace_records_native_interval_if_times_fall_on_a_grid(tmp_path: Pa
     assert load_trace(tmp_path / "odd.csv").native_interval_s is None  # event times on no minute grid
     (tmp_path / "two.csv").write_text("0,4\n600000,6\n")
     assert load_trace(tmp_path / "two.csv").native_interval_s is None  # two times prove no grid
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_usable_counts_delay_arrivals_not_departures(k: int) -> None:
+    """A joiner needs ~4.4 s (process start, admission) before it trains: the simulator let it train from its
+    interval's start and forecast the in-place runs up to 9 % high on segments with arrivals."""
+    from lightning_parcae.signals.traces import usable_counts
+
+    counts = [3, 3, 4, 4, 4, 4, 2, 2, 3, 2, 2, 2]
+    out = usable_counts(counts, k)
+    assert all(u <= c for u, c in zip(out, counts)) and len(out) == len(counts)
+    # departures at once
+    assert out[6] == 2
+    # the arrival at interval 2 counts from interval 2 + k
+    assert out[2 + k] == 4 and all(out[i] == 3 for i in range(2, 2 + k))
+    # an arrival that leaves within the delay is never used
+    assert out[8] == (3 if k == 0 else 2)
+    assert usable_counts(counts, 0) == counts
+
+
+def test_usable_counts_raise_if_delay_is_negative() -> None:
+    from lightning_parcae.signals.traces import usable_counts
+
+    with pytest.raises(ConfigurationError, match="join_delay_intervals=-1"):
+        usable_counts([1, 2], -1)

@@ -890,20 +890,28 @@ class DefaultCostModel(MigrationCostModel):
     * repartition: the group rebuild plus the largest per-process missing volume (each process receives only
       the layers it lacks, all in parallel); a layer no survivor holds forces the checkpoint restart.
 
+    With ``preemption_notice=True`` every preempted instance hands its state over before it leaves (AWS gives two
+    minutes; ``parcae run`` replays every drop as a notice and the runtime acts on it): a stage whose replicas all
+    leave is copied from them instead of restarting, so no preemption forces the checkpoint restart.
+
     Args:
         throughput: Throughput model of the job.
         layer_params: Parameters of each layer (used for stage volumes and repartition overlaps).
         constants: Cost constants.
+        preemption_notice: Preempted instances can still send their state (set before the model is first used:
+            prices are cached).
     """
 
     def __init__(
-        self, throughput: ThroughputModel, layer_params: Sequence[float], constants: MigrationConstants = MigrationConstants()
+        self, throughput: ThroughputModel, layer_params: Sequence[float], constants: MigrationConstants = MigrationConstants(),
+        *, preemption_notice: bool = False,
     ) -> None:
         if not layer_params:
             raise ConfigurationError("layer_params is empty: give the parameter count of each layer")
         self.throughput = throughput
         self.layer_params = [float(x) for x in layer_params]
         self.c = constants
+        self.preemption_notice = bool(preemption_notice)
 
     @functools.lru_cache(maxsize=None)
     def _bounds(self, p: int) -> List[int]:
@@ -941,8 +949,8 @@ class DefaultCostModel(MigrationCostModel):
         need = max(d2 - survivors, 0)
         if need == 0:
             return _NO_TERM, 0.0
-        if survivors == 0:
-            return math.inf, 0.0  # no live holder: checkpoint fallback
+        if survivors == 0 and not self.preemption_notice:
+            return math.inf, 0.0  # no live holder: checkpoint fallback (with a notice the leavers send it)
         return self.transfer_ms(self._stage_bytes(p)[stage]), 0.0
 
     def combine(self, n: int, d: int, p: int, n_in: int, n_out: int, d2: int, m: float, a: float) -> float:
@@ -961,7 +969,7 @@ class DefaultCostModel(MigrationCostModel):
     def repartition_transfer_ms(self, p: int, p2: int, survivors: Tuple[int, ...]) -> float:
         if p == 0:
             return 0.0  # nothing to keep: the job starts from scratch (priced in repartition_rest_ms)
-        if any(r == 0 for r in survivors):
+        if any(r == 0 for r in survivors) and not self.preemption_notice:
             return math.inf
         # every new stage is filled from the survivor that lacks the least, all transfers in parallel
         miss = self._missing_bytes(p, p2)
@@ -972,6 +980,8 @@ class DefaultCostModel(MigrationCostModel):
         if p == 0:
             return np.zeros(len(survivors))
         base = self.repartition_transfer_ms(p, p2, (1,) * p)
+        if self.preemption_notice:
+            return np.full(len(survivors), base)
         return np.where((survivors == 0).any(axis=1), np.inf, base)
 
     def repartition_rest_ms(

@@ -36,6 +36,7 @@ import numpy as np
 from lightning_parcae.errors import ConfigurationError, TraceFormatError
 
 __all__ = [
+    "usable_counts",
     "Interval",
     "Trace",
     "TRACE_FORMATS",
@@ -282,6 +283,32 @@ def scaled(trace: Trace, cap: int) -> Trace:
     counts = scale_counts([int(c) for c in trace.counts()], trace.max_n, cap)
     start = scale_counts([trace[0].prev_n], trace.max_n, cap)[0] if len(trace) else 0
     return from_counts(counts, interval_s=trace.interval_s, start_n=start, source=f"{trace.source} (peak scaled to {cap})")
+
+
+def usable_counts(counts: Sequence[int], join_delay_intervals: int) -> list[int]:
+    """The instances a job can *use* in each interval when a new instance needs time before it is useful.
+
+    A departure is immediate; an arrival becomes usable ``join_delay_intervals`` intervals later (process start,
+    imports, admission at the next planning boundary -- about 4.4 s for ``parcae run``'s joiners, three 1.5 s
+    intervals of a 40x replay). An instance that arrives and leaves within the delay is never used. Computed as
+    the minimum count over the last ``join_delay_intervals + 1`` intervals; the first interval's instances start
+    together, so the job's own start-up is not delayed here.
+
+    Args:
+        counts: Instances present after each interval.
+        join_delay_intervals: Whole intervals an arrival waits (0: usable at once, as the artifact assumes).
+
+    Returns:
+        One usable count per interval, each ``<=`` the present count.
+
+    Raises:
+        ConfigurationError: ``join_delay_intervals < 0``.
+    """
+    k = int(join_delay_intervals)
+    if k < 0:
+        raise ConfigurationError(f"join_delay_intervals={join_delay_intervals}: give 0 or more intervals")
+    c = [int(x) for x in counts]
+    return [min(c[max(0, i - k): i + 1]) for i in range(len(c))]
 
 
 def bundled_trace_path(name: str = "p3") -> pathlib.Path:
