@@ -85,3 +85,43 @@ def test_emulated_accelerator_time_is_per_sample_and_weighted_by_layer():
     with torch.no_grad():
         block(x)
     assert time.perf_counter() - t0 >= 10 * ms / 1000.0
+
+
+def test_every_kind_schedule_is_shaped_as_its_header_says():
+    """examples/gpt/every_kind.csv says what it is: lh_80_90 scaled to 4 instances for its first 20 intervals, then
+    2 x10, 4 x6, 3 x8, 2 x8, 3 x8 -- one drop of two (the only change that can leave a stage short)."""
+    import itertools
+
+    from lightning_parcae.signals.traces import bundled_trace_path, load_trace, scaled
+
+    demo = [int(c) for c in load_trace(ROOT / "examples" / "gpt" / "every_kind.csv").counts()][:60]
+    seg = [int(c) for c in scaled(load_trace(bundled_trace_path("lh_80_90")), 4).counts()]
+    assert demo[:20] == seg[:20]
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(demo)]
+    assert runs == [(3, 11), (4, 9), (2, 10), (4, 6), (3, 8), (2, 8), (3, 8)], runs
+    assert [(a, b) for a, b in zip(demo, demo[1:]) if b < a - 1] == [(4, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_main_job_shows_a_pipeline_and_every_migration_kind(tmp_path: Path):
+    """The README's main command (the trace, the victims, the emulated devices): P >= 2 throughout, at least one
+    repartition, one inter-stage and one intra-stage migration, no restart, the loss falling."""
+    import json
+
+    run_dir = tmp_path / "out"
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_parcae.launch.run", "--instances", "4", "--trace",
+         str(ROOT / "examples" / "gpt" / "every_kind.csv"), "--victims", "random", "--seed", "1", "--time-scale", "30",
+         "--emulated-devices", "--pipeline-stages", "2", "--run-dir", str(run_dir), "--progress-every", "10",
+         "--no-plot", "--", sys.executable, str(ROOT / "examples" / "gpt" / "train.py"), "--config",
+         str(ROOT / "examples" / "gpt" / "spot.yaml")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    kinds = {m["kind"] for m in report["migrations"]}
+    assert {"repartition", "inter-stage", "intra-stage"} <= kinds, (kinds, out.stdout[-3000:])
+    assert report["num_restarts"] == 0
+    assert all(s["P"] >= 2 for s in report["shapes"] if s.get("P")), report["shapes"]
+    losses = [e["loss"] for e in report["events"] if e.get("event") == "progress" and e.get("loss") is not None]
+    assert losses and losses[-1] < losses[0] - 1.0
