@@ -168,6 +168,39 @@ def shape_check(timeline: list[tuple[float, int, int, int]], schedule: list[int]
     return out
 
 
+def shape_time_share(timeline: list, schedule: list[int], wall_interval: float, static: dict[str, float],
+                     best_by_n: dict, seconds: float, step: float = 0.05, join_delay_s: float = 0.0) -> dict[str, Any]:
+    """Share of the training time spent in a shape within 10 % of the best static shape for the instances there
+    at that moment, and the time spent below it, by (shape, N). With ``join_delay_s`` an arriving instance counts
+    once it can be used (its process started and the leader saw it: :func:`join_delays`); with 0 it counts from
+    its interval's start, so the seconds a joiner takes to start count against the shape."""
+    from lightning_parcae.signals.traces import usable_counts  # noqa: PLC0415
+
+    k_delay = int(round(join_delay_s / wall_interval)) if join_delay_s > 0 else 0
+    schedule = usable_counts(schedule, k_delay)
+    if not timeline:
+        return {"share": None, "below": []}
+    best = {int(k): v for k, v in best_by_n.items()}
+    ok = total = 0.0
+    below: dict[tuple[str, int], float] = {}
+    t = float(timeline[0][0])
+    k = 0
+    while t < seconds:
+        while k + 1 < len(timeline) and timeline[k + 1][0] <= t:
+            k += 1
+        d, p = int(timeline[k][1]), int(timeline[k][2])
+        n = schedule[min(int(t / wall_interval), len(schedule) - 1)]
+        mine, b = static.get(f"{d}x{p}"), best.get(n)
+        total += step
+        if mine and b and mine >= 0.9 * b[1]:
+            ok += step
+        else:
+            below[(f"{d}x{p}", n)] = below.get((f"{d}x{p}", n), 0.0) + step
+        t += step
+    return {"share": ok / total if total else None,
+            "below": [{"shape": sh, "N": n, "seconds": round(v, 1)} for (sh, n), v in sorted(below.items())]}
+
+
 def measure_static(shape: tuple[int, int], out: Path, seconds: float) -> float:
     """Samples/s of one shape with nothing moving (median progress rate after the first 5 s of training)."""
     d, p = shape
@@ -382,6 +415,19 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {seg} | {pol} | {s['samples']} | {s['samples'] / ideal if ideal else 0:.0%} | "
                          f"{fc or 0:.0f} | {ratio} | {s['startup_s']} | {migs}; restarts {s['restarts']} | {lost} |")
     lines.append("")
+    for seg, r in results["segments"].items():
+        for pol in ("parcae", "reactive"):
+            tl = r["runs"].get(pol, {}).get("timeline")
+            if tl:
+                iv = 60.0 / float(results["time_scale"])
+                raw = shape_time_share(tl, r["schedule"], iv, results["static"], results["best_by_n"], r["seconds"])
+                sh = shape_time_share(tl, r["schedule"], iv, results["static"], results["best_by_n"], r["seconds"],
+                                      join_delay_s=r.get("join_delay_s") or 0.0)
+                lines.append(f"- {seg}, {pol}: {sh['share']:.1%} of the training time in a shape within 10 % of the "
+                             f"best for the instances it could use (joiners counted after the measured "
+                             f"{r.get('join_delay_s') or 0:.1f} s start), {raw['share']:.1%} counting every "
+                             "instance from its interval's start; below: " + (", ".join(
+                                 f"{b['shape']} at N={b['N']} {b['seconds']} s" for b in sh["below"]) or "none"))
     for seg, r in results["segments"].items():
         checks = r["runs"].get("parcae", {}).get("shape_check", [])
         if checks:
