@@ -288,7 +288,11 @@ def main() -> int:
                     "examples/gpt/config.yaml on the shared CPU cores")
     ap.add_argument("--reforecast", action="store_true",
                     help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
+    ap.add_argument("--combine", default=None, metavar="DIR,DIR,...",
+                    help="print repeat statistics (mean, range, parcae / reactive) over earlier runs' --out folders")
     a = ap.parse_args()
+    if a.combine:
+        return combine([Path(x) for x in a.combine.split(",") if x])
     global TRAIN, LAUNCH_EXTRA
     TRAIN, LAUNCH_EXTRA = JOBS[a.job]
     out = Path(a.out).resolve()
@@ -393,6 +397,35 @@ def reforecast(out: Path) -> int:
     print_table(results)
     plot(results, out / "replay.png")
     (out / "results.md").write_text(markdown(results))
+    return 0
+
+
+def combine(outs: list[Path]) -> int:
+    """Repeat statistics over several runs of the same segments: per segment and policy the samples of each run,
+    their mean and range; parcae / reactive as the ratio of the means and of each pass (a Markdown table)."""
+    runs = [json.loads((o / "results.json").read_text()) for o in outs]
+    segs = list(dict.fromkeys(seg for r in runs for seg in r["segments"]))
+    print("| segment | policy | runs | samples per run | mean | range |")
+    print("|---|---|---|---|---|---|")
+    means: dict[tuple[str, str], float] = {}
+    for seg in segs:
+        for pol in POLICIES:
+            xs = [r["segments"][seg]["runs"][pol]["samples"] for r in runs
+                  if seg in r["segments"] and pol in r["segments"][seg]["runs"]]
+            if not xs:
+                continue
+            m = statistics.mean(xs)
+            means[(seg, pol)] = m
+            print(f"| {seg} | {pol} | {len(xs)} | {', '.join(map(str, xs))} | {m:.0f} | "
+                  f"{(max(xs) - min(xs)) / m:.1%} |")
+    print("\n| segment | parcae / reactive (means) | per pass |")
+    print("|---|---|---|")
+    for seg in segs:
+        if (seg, "parcae") in means and (seg, "reactive") in means:
+            per = [r["segments"][seg]["runs"]["parcae"]["samples"] / r["segments"][seg]["runs"]["reactive"]["samples"]
+                   for r in runs if seg in r["segments"] and {"parcae", "reactive"} <= set(r["segments"][seg]["runs"])]
+            print(f"| {seg} | {means[(seg, 'parcae')] / means[(seg, 'reactive')]:.3f} | "
+                  f"{', '.join(f'{x:.3f}' for x in per)} |")
     return 0
 
 

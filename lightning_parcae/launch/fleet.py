@@ -52,7 +52,7 @@ class Fleet:
     def __init__(self, rt: Any) -> None:
         self.rt = rt
         self._slots: dict[int, int] = {}  # instance -> device slot (LOCAL_RANK), see device_slot
-        self._victim_rng = random.Random(int(getattr(rt.cfg, "seed", 0)))  # --victims random
+        self._victim_rng = random.Random(int(rt.cfg.seed))  # --victims random
 
     def member_name(self, instance: int) -> str:
         c = self.rt._incarnations.get(instance, -1) + 1
@@ -184,7 +184,7 @@ class Fleet:
             w = self.rt.instances.get(k)
             return w is not None and self.rt.phases.get(w.member) in busy
 
-        if getattr(self.rt.cfg, "victims", "newest") == "random":
+        if self.rt.cfg.victims == "random":
             shuffled = sorted(ids)
             self._victim_rng.shuffle(shuffled)
             rank = {k: i for i, k in enumerate(shuffled)}

@@ -148,6 +148,14 @@ def _record(res: PolicyResult, n: int, shape: Shape, samples: float, cost: float
     res.lost_ms.append(lost)
 
 
+def _train_after(res: PolicyResult, n: int, shape: Shape, samples_per_s: float, interval_s: float, remain: float,
+                 cost: float) -> float:
+    """Record one interval that trains ``shape`` for what ``remain`` ms of restart leave of it; returns what of
+    the restart carries over into the next interval (the restart-based policies' accounting)."""
+    _record(res, n, shape, samples_per_s * max(0.0, interval_s - remain / 1000.0), cost, min(1000.0 * interval_s, remain))
+    return max(0.0, remain - 1000.0 * interval_s)
+
+
 def _ideal(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **_: object) -> PolicyResult:
     res = PolicyResult("ideal", interval_s)
     thr = cm.throughput
@@ -161,7 +169,6 @@ def _ideal(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **_:
 def _throughput(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **_: object) -> PolicyResult:
     res = PolicyResult("throughput", interval_s)
     thr = cm.throughput
-    interval_ms = 1000.0 * interval_s
     remain = 0.0
     for i, (prev, n_in, n_out) in enumerate(intervals):
         n = prev + n_in - n_out
@@ -175,17 +182,13 @@ def _throughput(cm: MigrationCostModel, intervals: Intervals, interval_s: float,
             kind = "add" if (n_in > 0 or i == 0) else "remove"
             cost = cm.reactive_restart_ms(shape[0], shape[1], kind, first=(i == 0))
             remain = cost + cm.restart_ms(shape[0], shape[1], kind) if remain > 0 else cost
-        work_s = max(0.0, interval_s - remain / 1000.0)
-        lost = min(interval_ms, remain)
-        remain = max(0.0, remain - interval_ms)
-        _record(res, n, shape, thr.throughput(*shape) * work_s, cost, lost)
+        remain = _train_after(res, n, shape, thr.throughput(*shape), interval_s, remain, cost)
     return res
 
 
 def _restart(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **_: object) -> PolicyResult:
     res = PolicyResult("restart", interval_s)
     thr = cm.throughput
-    interval_ms = 1000.0 * interval_s
     fixed: Optional[Shape] = None
     remain = 0.0
     started = False
@@ -206,10 +209,7 @@ def _restart(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **
             cost = cm.reactive_restart_ms(fixed[0], fixed[1], kind, first=not started)
             remain = cost + cm.restart_ms(fixed[0], fixed[1], kind) if remain > 0 else cost
             started = True
-        work_s = max(0.0, interval_s - remain / 1000.0)
-        lost = min(interval_ms, remain)
-        remain = max(0.0, remain - interval_ms)
-        _record(res, n, fixed, thr.throughput(*fixed) * work_s, cost, lost)
+        remain = _train_after(res, n, fixed, thr.throughput(*fixed), interval_s, remain, cost)
     return res
 
 
@@ -225,12 +225,11 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
               pipeline_stages: Optional[int] = None, startup_ms: Optional[float] = None, **_: object) -> PolicyResult:
     res = PolicyResult("relaunch", interval_s)
     thr = cm.throughput
-    interval_ms = 1000.0 * interval_s
     p = int(pipeline_stages) if pipeline_stages else 0
     if pipeline_stages is not None and p < 1:
         raise ConfigurationError(f"relaunch: pipeline_stages must be >= 1, got {pipeline_stages!r}")
     remain, started = 0.0, False
-    for i, (prev, n_in, n_out) in enumerate(intervals):
+    for prev, n_in, n_out in intervals:
         n = prev + n_in - n_out
         if not p:
             best = thr.best(n)
@@ -251,10 +250,7 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
                 cost = cm.restart_ms(shape[0], shape[1], "add" if n_in > 0 or not started else "remove")
             remain = cost  # a relaunch under way is abandoned and started over
             started = True
-        work_s = max(0.0, interval_s - remain / 1000.0)
-        lost = min(interval_ms, remain)
-        remain = max(0.0, remain - interval_ms)
-        _record(res, n, shape, thr.throughput(*shape) * work_s, cost, lost)
+        remain = _train_after(res, n, shape, thr.throughput(*shape), interval_s, remain, cost)
     return res
 
 
