@@ -168,6 +168,11 @@ def shape_check(timeline: list[tuple[float, int, int, int]], schedule: list[int]
     return out
 
 
+def _delay_intervals(join_delay_s: float, wall_interval: float) -> int:
+    """A measured join delay as whole wall intervals (what :func:`~lightning_parcae.signals.traces.usable_counts` takes)."""
+    return int(round(join_delay_s / wall_interval)) if join_delay_s > 0 else 0
+
+
 def shape_time_share(timeline: list, schedule: list[int], wall_interval: float, static: dict[str, float],
                      best_by_n: dict, seconds: float, step: float = 0.05, join_delay_s: float = 0.0) -> dict[str, Any]:
     """Share of the training time spent in a shape within 10 % of the best static shape for the instances there
@@ -176,8 +181,7 @@ def shape_time_share(timeline: list, schedule: list[int], wall_interval: float, 
     its interval's start, so the seconds a joiner takes to start count against the shape."""
     from lightning_parcae.signals.traces import usable_counts  # noqa: PLC0415
 
-    k_delay = int(round(join_delay_s / wall_interval)) if join_delay_s > 0 else 0
-    schedule = usable_counts(schedule, k_delay)
+    schedule = usable_counts(schedule, _delay_intervals(join_delay_s, wall_interval))
     if not timeline:
         return {"share": None, "below": []}
     best = {int(k): v for k, v in best_by_n.items()}
@@ -247,8 +251,8 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
     # the in-place runs can use an arriving instance only once its process has started and the leader has seen
     # it (join_delays: ~4.4 s, 3 intervals at 40x); the simulator otherwise lets it train from its interval's
     # start (regression: the in-place forecasts were up to 9 % high on the segments with arrivals)
-    k = int(round(join_delay_s / wall_interval)) if join_delay_s > 0 else 0
-    usable = from_counts(usable_counts(schedule, k), interval_s=wall_interval, start_n=0)
+    usable = from_counts(usable_counts(schedule, _delay_intervals(join_delay_s, wall_interval)),
+                         interval_s=wall_interval, start_n=0)
     iv_live = [(x.prev_n, x.n_in, x.n_out) for x in usable]
     # the in-place policies price only their migrations: the job's own start-up (nothing trains before it) is
     # charged here (regression: without it the forecast of every in-place run was ~1.5 start-ups of samples high)
@@ -271,6 +275,17 @@ def _join_delay(seg_dir: Path) -> float:
     """Median arrival-to-usable delay of the segment's in-place runs (0 if no arrival was seen)."""
     d = [x for pol in ("parcae", "reactive") for x in join_delays(read_events(seg_dir / pol))]
     return float(statistics.median(d)) if d else 0.0
+
+
+def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) -> None:
+    """Set ``r["join_delay_s"]`` and ``r["forecast"]`` of one segment from its runs' events and Parcae profile."""
+    restart = r["runs"].get("restart", {})
+    lost = restart.get("restart_lost_s") or []
+    r["join_delay_s"] = _join_delay(seg_dir)
+    r["forecast"] = forecast(seg_dir / "parcae" / "profile.json", r["schedule"], wall_interval,
+                             r["runs"].get("parcae", {}).get("startup_s", 0.0),
+                             statistics.mean(lost) if lost else None, r["n_min"],
+                             restart_startup_s=restart.get("startup_s"), join_delay_s=r["join_delay_s"])
 
 
 def main() -> int:
@@ -362,12 +377,7 @@ def main() -> int:
         r["ideal_after_startup"] = ideal
         prof = out / seg / "parcae" / "profile.json"
         if prof.exists():
-            restart_lost = r["runs"].get("restart", {}).get("restart_lost_s") or []
-            r["forecast"] = forecast(prof, schedule, wall_interval, startup,
-                                     statistics.mean(restart_lost) if restart_lost else None, n_min,
-                                     restart_startup_s=r["runs"].get("restart", {}).get("startup_s"),
-                                     join_delay_s=_join_delay(out / seg))
-            r["join_delay_s"] = _join_delay(out / seg)
+            _segment_forecast(out / seg, r, wall_interval)
             with open(prof) as f:
                 r["profile_shapes"] = {k: v["samples_per_s"] for k, v in json.load(f)["shapes"].items()}
         results["segments"][seg] = r
@@ -386,13 +396,7 @@ def reforecast(out: Path) -> int:
         prof = out / seg / "parcae" / "profile.json"
         if not prof.exists():
             continue
-        restart_lost = r["runs"].get("restart", {}).get("restart_lost_s") or []
-        startup = r["runs"].get("parcae", {}).get("startup_s", 0.0)
-        r["forecast"] = forecast(prof, r["schedule"], wall_interval, startup,
-                                 statistics.mean(restart_lost) if restart_lost else None, r["n_min"],
-                                 restart_startup_s=r["runs"].get("restart", {}).get("startup_s"),
-                                 join_delay_s=_join_delay(out / seg))
-        r["join_delay_s"] = _join_delay(out / seg)
+        _segment_forecast(out / seg, r, wall_interval)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     plot(results, out / "replay.png")

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
+from lightning_parcae.planning.costmodel import MigrationCostModel, Shape, ThroughputModel
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape, settle
@@ -213,10 +213,10 @@ def _restart(cm: MigrationCostModel, intervals: Intervals, interval_s: float, **
     return res
 
 
-def _fixed_depth_shape(thr: object, n: int, p: int) -> Optional[Shape]:
+def _fixed_depth_shape(thr: ThroughputModel, n: int, p: int) -> Optional[Shape]:
     """The widest allowed (d, p) on ``n`` instances at depth ``p`` (None if not even d = 1 fits)."""
     for d in range(n // p if p > 0 else 0, 0, -1):
-        if thr.throughput(d, p) > 0:  # type: ignore[attr-defined]
+        if thr.throughput(d, p) > 0:
             return (d, p)
     return None
 
