@@ -36,7 +36,9 @@ def test_parcae_run_survives_a_kill_from_outside_with_the_undisturbed_parameters
     result = run_trial(trial, tmp_path)
     _check(result)
     assert result["faults"][0]["victims"], result["faults"]
-    assert result["recoveries_s"] and result["restarts"] == 0
+    assert result["recoveries_s"] and result["restarts"] == 0, (
+        f"expected a recovery in place and no restart, got recoveries {result['recoveries_s']} and "
+        f"{result['restarts']} restarts:\n" + Path(result["run_dir"], "parcae_run.log").read_text()[-3000:])
 
 
 @pytest.mark.timeout(480)

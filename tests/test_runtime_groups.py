@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.runtime.groups import Coords, ProcessGroups, coords_of, rank_of
+from lightning_parcae.runtime.groups import Coords, ProcessGroups, coords_of, init_transition_world, rank_of
 
 
 def test_groups_map_ranks_to_replica_and_stage_if_contiguous_pipelines() -> None:
@@ -198,3 +198,60 @@ def test_groups_build_fails_within_the_bound_if_a_member_dies_after_publishing_i
     assert all(r["raised"] for r in results), results
     # the bound plus start-up slack on a loaded machine -- not gloo's 5x
     assert all(r["waited_s"] < 2 * _BOUND_S for r in results), results
+
+
+_SLOW_S = 1.5
+
+
+def _slow_side_worker(rank: int, port: int, out: str, which: str) -> None:
+    """Rank 1 is slow to finish its side of the last connect: it sleeps right after gloo's connect returns (the
+    transition world's ``init_process_group``; the data group, the last ``new_group`` of a D=2 x P=1 build)."""
+    import time
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    if rank == 1:
+        name = "new_group" if which == "build" else "init_process_group"
+        real, calls = getattr(dist, name), []
+
+        def slow(*args: object, **kwargs: object) -> object:
+            r = real(*args, **kwargs)
+            calls.append(1)
+            if name == "init_process_group" or len(calls) == 3:
+                time.sleep(_SLOW_S)
+                store.set("slow_done", str(time.time()))
+            return r
+
+        setattr(dist, name, slow)
+    if which == "build":
+        ProcessGroups(3, rank, 2, 2, 1, store, timeout=timedelta(seconds=20)).build()
+    else:
+        init_transition_world(store, 3, rank, 2, timedelta(seconds=20))
+    returned = time.time()
+    if rank == 0:
+        store.wait(["slow_done"], timedelta(seconds=30))
+        torch.save({"returned": returned, "slow_done": float(store.get("slow_done"))}, f"{out}/{which}.pt")
+        store.set("read", "1")
+        store.wait(["bye"], timedelta(seconds=30))  # rank 0 hosts the store: exit after rank 1 is done with it
+    else:
+        store.wait(["read"], timedelta(seconds=30))
+        store.set("bye", "1")
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["transition", "build"])
+def test_groups_return_only_once_every_rank_is_connected(tmp_path: object, which: str) -> None:
+    """Regression (chaos test ``..._survives_a_kill_from_outside...``, CI, 1 in 8 runs under load): gloo's
+    ``connectFullMesh`` returned on one survivor of a recovery while the other was still completing its side of the
+    pair; the first had nothing to transfer and destroyed the transition world at once, the second's connect failed
+    with "Connection closed by peer", and the job fell back to the checkpoint. The transition world and a
+    generation's groups now return only once every rank's own connect has returned (here rank 1 is held
+    ``_SLOW_S`` after it; rank 0 used to return right away)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_slow_side_worker, args=(port, str(tmp_path), which), nprocs=2, start_method="spawn")
+    r = torch.load(f"{tmp_path}/{which}.pt")
+    assert r["returned"] >= r["slow_done"] - 0.05, f"rank 0 returned {r['slow_done'] - r['returned']:.2f} s before rank 1 was connected"

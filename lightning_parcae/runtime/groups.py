@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from lightning_parcae.errors import ConfigurationError, PeerLostError, RendezvousError
 
-__all__ = ["Coords", "ProcessGroups", "await_arrivals", "connect_timeout", "coords_of", "device_backends",
-           "rank_of", "GLOO_CONNECT_FACTOR"]
+__all__ = ["Coords", "ProcessGroups", "await_arrivals", "await_connected", "connect_timeout", "coords_of",
+           "device_backends", "init_transition_world", "rank_of", "GLOO_CONNECT_FACTOR"]
 
 GLOO_CONNECT_FACTOR = 5
 """gloo waits this many times a group's timeout for the first connection of each pair (``tcp::Pair::waitUntil``:
@@ -97,7 +97,7 @@ def connect_timeout(bound: timedelta) -> timedelta:
 
 
 def await_arrivals(store: dist.Store, rank: int, world: int, bound: timedelta, aborted: Optional[Aborted] = None,
-                   what: str = "rendezvous", poll_s: float = 0.02) -> None:
+                   what: str = "rendezvous", poll_s: float = 0.02, key: str = "arrived") -> None:
     """Every rank of a rendezvous records its arrival under ``store`` and waits until all ``world`` have arrived.
 
     Members reach the build of a new generation at different times (one still receives its layers while another
@@ -113,13 +113,14 @@ def await_arrivals(store: dist.Store, rank: int, world: int, bound: timedelta, a
         aborted: Polled while waiting; a reason ends the wait.
         what: Label for errors.
         poll_s: Polling period.
+        key: Name of the arrival keys (``<key>/<rank>``); one rendezvous may hold several barriers.
 
     Raises:
         PeerLostError: ``aborted`` gave a reason.
         RendezvousError: Some rank did not arrive within ``bound`` (the message names them).
     """
-    store.set(f"arrived/{rank}", "1")
-    keys = [f"arrived/{r}" for r in range(world)]
+    store.set(f"{key}/{rank}", "1")
+    keys = [f"{key}/{r}" for r in range(world)]
     deadline = time.monotonic() + bound.total_seconds()
     while True:
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
@@ -132,6 +133,55 @@ def await_arrivals(store: dist.Store, rank: int, world: int, bound: timedelta, a
             raise RendezvousError(f"{what}: ranks {missing} of {world} did not arrive within "
                                   f"{bound.total_seconds():g} s")
         time.sleep(poll_s)
+
+
+def await_connected(store: dist.Store, rank: int, world: int, bound: timedelta, aborted: Optional[Aborted] = None,
+                    what: str = "rendezvous") -> None:
+    """Return only once every rank's gloo groups of this rendezvous are connected on *its* side too.
+
+    Regression (chaos test ``test_parcae_run_survives_a_kill_from_outside...``, 1 in 8 runs under load; issue 9's
+    "seed 14" and "seed 26"): gloo's ``connectFullMesh`` can return on one rank while its peer is still completing
+    its side of their pair. In a recovery nothing has to move (D = 2 -> 2, every survivor holds the whole model), so
+    a survivor built the transition world, had nothing to send, and destroyed it at once; the other survivor's
+    connect then failed with "Connection closed by peer", the generation could not be entered and the job fell back
+    to the checkpoint (~10 s lost instead of a 3 s recovery in place). Two bare processes doing ``init`` then
+    ``destroy`` failed so in 2 of 5 runs of 1000 rounds on 2 loaded cores (and one run hung in ``connectFullMesh``
+    for over 10 minutes); with this barrier between the two, 0 of 6000 rounds. It is a store barrier, abortable and
+    bounded like :func:`await_arrivals`.
+    """
+    await_arrivals(store, rank, world, bound, aborted, what=f"{what} (connections)", key="connected")
+
+
+def init_transition_world(store: dist.Store, generation: int, rank: int, world: int, bound: timedelta,
+                          aborted: Optional[Aborted] = None) -> None:
+    """Initialize generation ``generation``'s transition world (every process that sends or receives state).
+
+    The participants first wait for each other abortably (:func:`await_arrivals`), then connect with a fifth of
+    ``bound`` (:func:`connect_timeout`: a participant lost in between made the others wait 75 s, chaos seed 64),
+    then wait until every participant is connected (:func:`await_connected`: one with nothing to transfer must not
+    tear the world down while a peer still connects). The transfers then run with the full ``bound``.
+
+    Args:
+        store: The job's base store; the world uses the prefix ``mig/<generation>/``.
+        generation: The generation being entered.
+        rank: This process's index in the transition list.
+        world: Number of participants.
+        bound: The progress watchdog's bound.
+        aborted: Polled while waiting (a participant declared dead ends the wait).
+
+    Raises:
+        PeerLostError: ``aborted`` gave a reason while waiting.
+        RendezvousError: A participant did not arrive or connect within ``bound``.
+        RuntimeError: gloo's rendezvous failed.
+    """
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    what = f"transition world of generation {generation}"
+    prefixed = dist.PrefixStore(f"mig/{generation}/", store)
+    await_arrivals(prefixed, rank, world, bound, aborted, what=what)
+    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=connect_timeout(bound))
+    c10d._set_pg_timeout(bound, None)
+    await_connected(prefixed, rank, world, bound, aborted, what=what)
 
 
 class ProcessGroups:
@@ -219,8 +269,8 @@ class ProcessGroups:
         """Initialize the world under ``gen/<generation>/`` and create all subgroups (collective: all ranks call).
 
         Every wait is bounded by ``timeout``: the ranks first meet in :func:`await_arrivals` (abortable), then
-        connect with :func:`connect_timeout` (gloo waits 5x its timeout for a pair's first connection), and the
-        groups' operations get ``timeout`` back once they are built.
+        connect with :func:`connect_timeout` (gloo waits 5x its timeout for a pair's first connection), wait until
+        every rank is connected (:func:`await_connected`), and the groups' operations get ``timeout`` back.
 
         Returns:
             ``self``, for chaining.
@@ -248,6 +298,8 @@ class ProcessGroups:
         self._data_groups = [dist.new_group(self.data_ranks(s), timeout=connect)
                              for s in range(self.pipeline_stages)]
         self._built = True
+        await_connected(prefixed, self.rank, self.world, self.timeout, self.aborted,
+                        what=f"process groups of generation {self.generation}")
         self.set_op_timeout(self.timeout)
         return self
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_parcae.contract import RELEASED_EXIT
 from lightning_parcae.planning.migration_plan import MigrationPlan
-from lightning_parcae.runtime.groups import await_arrivals, connect_timeout
+from lightning_parcae.runtime.groups import init_transition_world
 from lightning_parcae.runtime.lifecycle import Phase, exit_now, exit_without_destructors_at_shutdown
 from lightning_parcae.runtime.migration import exchange, layer_payload
 from lightning_parcae.runtime.part import RuntimePart
@@ -63,22 +63,11 @@ class Switch(RuntimePart):
         return self.rt.live.abort_reason() if self.rt.live is not None else None
 
     def init_transition(self, rec: dict[str, Any]) -> None:
-        """Meet the transition world of ``rec`` (every process that sends or receives), within the watchdog's bound.
-
-        The participants first wait for each other abortably (:func:`~.groups.await_arrivals`), then connect with
-        a fifth of the bound (gloo waits 5x its timeout for a pair's first connection: a participant lost in
-        between made the others wait 75 s, chaos seed 64); the transfers then run with the full bound.
-        """
-        from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
-
+        """Meet the transition world of ``rec`` (every process that sends or receives), within the watchdog's bound
+        (:func:`~.groups.init_transition_world`)."""
         transition = list(rec["transition"])
-        rank = transition.index(self.rt.member)
-        prefixed = dist.PrefixStore(f"mig/{rec['generation']}/", self.rt.store)
-        await_arrivals(prefixed, rank, len(transition), self.rt.stall_timeout, self.aborted,
-                       what=f"transition world of generation {rec['generation']}")
-        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=len(transition),
-                                timeout=connect_timeout(self.rt.stall_timeout))
-        c10d._set_pg_timeout(self.rt.stall_timeout, None)
+        init_transition_world(self.rt.store, int(rec["generation"]), transition.index(self.rt.member),
+                              len(transition), self.rt.stall_timeout, self.aborted)
 
     def switch(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
         """Move to generation ``rec``: transfer state, rebuild groups and the stage in place (or leave/fall back)."""
