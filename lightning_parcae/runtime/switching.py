@@ -143,9 +143,10 @@ class Switch(RuntimePart):
         self.rt.life.to(Phase.TRAINING, **{k: info[k] for k in ("kind", "duration_s", "D", "P")})
 
     def _rendezvous_failed(self, trainer: "pl.Trainer", rec: dict[str, Any], exc: BaseException) -> None:
-        """Building a new generation's groups failed (a peer lost or stalled during the rendezvous, or gloo's
-        connectFullMesh racing -- chaos seed 14 saw "Connection closed by peer" there once, not on replay). The
-        generation cannot be entered consistently; rather than fail the job, fall back: exit 75 and let the
+        """Building a new generation's groups failed (a peer lost or stalled during the rendezvous). The race
+        that also ended here ("Connection closed by peer" with every peer alive: chaos seeds 14, 22, 26, 28, 94 and
+        CI) was a peer tearing a world down before the other's connect was done; :func:`~.groups.await_connected`
+        closes it. The generation cannot be entered consistently; rather than fail the job, fall back: exit 75 and let the
         launcher restart from the last checkpoint (at most the steps since it are lost)."""
         reason = f"process groups of generation {rec['generation']} could not be built: {str(exc).splitlines()[0][:160]}"
         self.rt.event("rendezvous_failed", reason=reason)
