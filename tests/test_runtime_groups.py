@@ -243,7 +243,7 @@ def _slow_side_worker(rank: int, port: int, out: str, which: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("which", ["transition", "build"])
 def test_groups_return_only_once_every_rank_is_connected(tmp_path: object, which: str) -> None:
-    """Regression (chaos test ``..._survives_a_kill_from_outside...``, CI, 1 in 8 runs under load): gloo's
+    """Regression (chaos test ``..._survives_a_kill_from_outside...``, CI; 2 of 13 runs on 2 loaded cores): gloo's
     ``connectFullMesh`` returned on one survivor of a recovery while the other was still completing its side of the
     pair; the first had nothing to transfer and destroyed the transition world at once, the second's connect failed
     with "Connection closed by peer", and the job fell back to the checkpoint. The transition world and a
@@ -254,4 +254,5 @@ def test_groups_return_only_once_every_rank_is_connected(tmp_path: object, which
         port = s.getsockname()[1]
     mp.start_processes(_slow_side_worker, args=(port, str(tmp_path), which), nprocs=2, start_method="spawn")
     r = torch.load(f"{tmp_path}/{which}.pt")
-    assert r["returned"] >= r["slow_done"] - 0.05, f"rank 0 returned {r['slow_done'] - r['returned']:.2f} s before rank 1 was connected"
+    early = r["slow_done"] - r["returned"]
+    assert early <= 0.05, f"rank 0 returned {early:.2f} s before rank 1 was connected"

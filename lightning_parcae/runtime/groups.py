@@ -139,15 +139,15 @@ def await_connected(store: dist.Store, rank: int, world: int, bound: timedelta, 
                     what: str = "rendezvous") -> None:
     """Return only once every rank's gloo groups of this rendezvous are connected on *its* side too.
 
-    Regression (chaos test ``test_parcae_run_survives_a_kill_from_outside...``, 1 in 8 runs under load; issue 9's
-    "seed 14" and "seed 26"): gloo's ``connectFullMesh`` can return on one rank while its peer is still completing
-    its side of their pair. In a recovery nothing has to move (D = 2 -> 2, every survivor holds the whole model), so
-    a survivor built the transition world, had nothing to send, and destroyed it at once; the other survivor's
-    connect then failed with "Connection closed by peer", the generation could not be entered and the job fell back
-    to the checkpoint (~10 s lost instead of a 3 s recovery in place). Two bare processes doing ``init`` then
-    ``destroy`` failed so in 2 of 5 runs of 1000 rounds on 2 loaded cores (and one run hung in ``connectFullMesh``
-    for over 10 minutes); with this barrier between the two, 0 of 6000 rounds. It is a store barrier, abortable and
-    bounded like :func:`await_arrivals`.
+    Regression (chaos test ``test_parcae_run_survives_a_kill_from_outside...``: 2 of 13 runs on 2 loaded cores;
+    issue 9's "seed 14" and "seed 26"): gloo's ``connectFullMesh`` can return on one rank while its peer is still
+    completing its side of their pair. In a recovery nothing has to move (D = 2 -> 2, every survivor holds the whole
+    model), so a survivor built the transition world, had nothing to send, and destroyed it at once; the other
+    survivor's connect then failed with "Connection closed by peer", the generation could not be entered and the
+    job fell back to the checkpoint (~10 s lost instead of a 3 s recovery in place). Two bare processes doing
+    ``init`` then ``destroy`` on 2 loaded cores failed so in 5 of 5 runs of 1000 rounds, with this barrier between
+    the two in 0 of 5 (``benchmarks/gloo_teardown_race.py``). It is a store barrier, abortable and bounded like
+    :func:`await_arrivals`.
     """
     await_arrivals(store, rank, world, bound, aborted, what=f"{what} (connections)", key="connected")
 

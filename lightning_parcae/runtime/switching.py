@@ -146,8 +146,8 @@ class Switch(RuntimePart):
         """Building a new generation's groups failed (a peer lost or stalled during the rendezvous). The race
         that also ended here ("Connection closed by peer" with every peer alive: chaos seeds 14, 22, 26, 28, 94 and
         CI) was a peer tearing a world down before the other's connect was done; :func:`~.groups.await_connected`
-        closes it. The generation cannot be entered consistently; rather than fail the job, fall back: exit 75 and let the
-        launcher restart from the last checkpoint (at most the steps since it are lost)."""
+        closes it. The generation cannot be entered consistently; rather than fail the job, fall back: exit 75 and
+        let the launcher restart from the last checkpoint (at most the steps since it are lost)."""
         reason = f"process groups of generation {rec['generation']} could not be built: {str(exc).splitlines()[0][:160]}"
         self.rt.event("rendezvous_failed", reason=reason)
         self.rt.fallback(trainer, {"reason": reason})
