@@ -77,7 +77,7 @@ def _run(rounds: int, barrier: bool, timeout_s: float) -> tuple[str, str]:
             outs.append("")
     if None in codes:
         return "hung", ""
-    errors = sorted(line for out in outs for line in out.splitlines() if line.startswith("rank "))
+    errors = [line for out in outs for line in out.splitlines() if line.startswith("rank ")]
     first = min(errors, key=lambda line: int(line.split()[3].rstrip(":")), default="")
     return ("failed" if any(codes) else "ok"), first
 

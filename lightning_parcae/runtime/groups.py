@@ -297,9 +297,9 @@ class ProcessGroups:
                                  for r in range(self.data_parallel)]
         self._data_groups = [dist.new_group(self.data_ranks(s), timeout=connect)
                              for s in range(self.pipeline_stages)]
-        self._built = True
         await_connected(prefixed, self.rank, self.world, self.timeout, self.aborted,
                         what=f"process groups of generation {self.generation}")
+        self._built = True
         self.set_op_timeout(self.timeout)
         return self
 
