@@ -19,6 +19,7 @@ __all__ = [
     "BatchSplitError",
     "StageMemoryError",
     "ForeignTrainerError",
+    "CheckpointStorageError",
     "CoordinationError",
     "NoticeSourceError",
     "PeerLostError",
@@ -59,6 +60,11 @@ class StageMemoryError(ConfigurationError):
 
 class ForeignTrainerError(ParcaeError, TypeError):
     """A ``lightning.pytorch`` Trainer (or other foreign object) was given where ``pytorch_lightning`` is needed."""
+
+
+class CheckpointStorageError(ConfigurationError):
+    """The checkpoint location cannot be used: no fsspec backend for its scheme, no credentials, a bucket that does
+    not exist or cannot be written, an endpoint that cannot be reached. Found at start, before any training."""
 
 
 class CoordinationError(ParcaeError, RuntimeError):
