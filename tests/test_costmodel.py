@@ -25,6 +25,7 @@ from lightning_parcae.planning.costmodel import (
     TableThroughput,
     artifact_partition,
     balanced_partition,
+    reference_layer_params,
     reference_models,
 )
 from lightning_parcae.planning.measured import load_cost_model
@@ -725,3 +726,15 @@ def test_preemption_notice_prices_a_lost_stage_as_a_copy_not_a_restart(n, shape,
         assert sudden > 0.5 * c.restart_ms
     else:  # two replicas: a stage is never lost, the notice changes nothing
         assert noticed == pytest.approx(sudden)
+
+
+def test_reference_layer_params_are_each_bundled_models_layers_and_name_the_tables_if_unknown() -> None:
+    """The artifact's per-layer parameter counts, as both the artifact's and our default cost model price them."""
+    for model in reference_models():
+        layers = reference_layer_params(model)
+        assert layers and all(x > 0 for x in layers)
+        assert ArtifactCostModel(model).layer_params == layers
+        assert load_cost_model("default", model).layer_params == [float(x) for x in layers]  # type: ignore[attr-defined]
+    assert len(reference_layer_params("gpt-1.5b")) == 50  # embedding, 48 blocks, head
+    with pytest.raises(ConfigurationError, match="bundled tables are"):
+        reference_layer_params("gpt-99b")

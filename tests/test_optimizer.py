@@ -356,3 +356,19 @@ def test_prepare_changes_no_plan_if_called_before_the_first_decision() -> None:
         shape = ArtifactCostModel("gpt-1.5b").throughput.best(n)
         pa, pb = a.plan(n, shape, fut), b.plan(n, shape, fut)
         assert pa.sequence == pb.sequence and pa.expected_samples == pytest.approx(pb.expected_samples, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------- prices
+
+
+def test_prices_changed_makes_the_optimizer_read_new_throughputs() -> None:
+    """A measured model's prices move as steps are measured; the optimizer caches candidate throughputs per count,
+    so it keeps the old prices until told (the runtime says so before every decision)."""
+    cm = ToyCost({(1, 1): 10.0, (2, 1): 15.0, (1, 2): 12.0})
+    opt = LiveputOptimizer(cm, look_ahead=1)
+    assert opt.reactive_shape(2) == (2, 1)
+    cm.throughput.table[(1, 2)] = 30.0  # (1, 2) was measured much faster than its profile said
+    assert opt.reactive_shape(2) == (2, 1)  # the cached price
+    opt.prices_changed()
+    assert opt.reactive_shape(2) == (1, 2)
+    assert opt.plan(2, (2, 1), [(2, 0, 0)]).next_shape == (1, 2)

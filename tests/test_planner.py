@@ -124,6 +124,15 @@ def test_layout_reports_shape_stages_and_holders_if_valid():
     assert OLD32.holders(0) == ("a0", "b0", "c0")
 
 
+def test_layout_names_each_members_rank_and_each_layers_stage():
+    """``rank_of`` and ``stage_of_layer`` are what a planner reads of another layout (no private lookups)."""
+    assert [OLD32.rank_of(m) for m in OLD32.members] == list(range(6))
+    assert OLD32.rank_of("zz") is None
+    assert [OLD32.stage_of_layer(layer) for layer in range(6)] == [0, 0, 0, 0, 1, 1]
+    with pytest.raises(ConfigurationError, match="layer 6 does not exist"):
+        OLD32.stage_of_layer(6)
+
+
 @pytest.mark.parametrize(
     ("members", "partition", "needle"),
     [

@@ -270,3 +270,20 @@ def test_ensemble_uses_persistence_until_a_member_clearly_beats_it_if_trace_decl
         pred.observe(c)
         pred.forecast(4)
     assert pred.chosen[-1] != "persistence"
+
+
+def test_scored_errors_are_each_steps_latest_errors_pooled_if_forecasts_were_scored() -> None:
+    """Persistence at 10 forecasts 10, 10; the counts after are 12 then 15: the step-1 errors are 2 (10 -> 12)
+    and 3 (12 -> 15), the step-2 error of the first forecast is 5 (10 -> 15). ``last`` keeps the latest of each
+    step (what the ensemble ranks its members by)."""
+    pred = make_predictor("persistence", max_instances=None)
+    assert pred.scored_errors() == []
+    pred.observe(10)
+    pred.forecast(2)
+    pred.observe(12)
+    pred.forecast(2)
+    pred.observe(15)
+    assert pred.scored_errors() == [2.0, 3.0, 5.0]
+    assert pred.scored_errors(last=1) == [3.0, 5.0]
+    pred.reset()
+    assert pred.scored_errors() == []

@@ -16,6 +16,7 @@ from lightning_parcae.signals.traces import (
     Interval,
     Trace,
     bundled_trace_path,
+    from_changes,
     from_counts,
     load_trace,
 )
@@ -384,3 +385,12 @@ def test_usable_counts_raise_if_delay_is_negative() -> None:
 
     with pytest.raises(ConfigurationError, match="join_delay_intervals=-1"):
         usable_counts([1, 2], -1)
+
+
+def test_from_changes_bins_both_directions_of_each_interval_and_covers_the_duration() -> None:
+    """Changes at 0 s (+3), 30 s (+1), 59 s (-2) and 61 s (-1) in 60-s intervals over 150 s: three intervals,
+    the first holding an arrival and a departure (net +2), the last none."""
+    trace = from_changes([(0.0, 3, 0), (30.0, 1, 0), (59.0, 0, 2), (61.0, 0, 1)], 150.0, 60.0, "events")
+    assert trace.as_tuples() == [(0, 4, 2), (2, 0, 1), (1, 0, 0)]
+    assert trace.counts().tolist() == [2, 1, 1] and trace.source == "events"
+    assert len(from_changes([], 0.0, 60.0, "empty")) == 1  # at least one interval

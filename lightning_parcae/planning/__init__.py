@@ -6,9 +6,10 @@ the shape or membership changes, which process takes which stage and which layer
 
 The flow inside this package is one way::
 
-    forecast -> costmodel -> liveput -> shape_optimizer -> migration_plan
-                                            \\-> sim (the same optimizer and cost model, replayed on a trace)
+    forecast -> costmodel -> liveput -> shape_optimizer -> policy -> migration_plan
+                                                              \\-> sim (the same decision, replayed on a trace)
 
 Everything here is plain Python / numpy / scipy / statsmodels: no torch, no torch.distributed. The runtime and the
-simulator use exactly these modules, so what ``parcae simulate`` predicts is what ``parcae run`` decides.
+simulator decide through the same :class:`~lightning_parcae.planning.policy.ShapeDecider` (one predictor factory,
+one optimizer), so what ``parcae simulate`` predicts is what ``parcae run`` decides.
 """

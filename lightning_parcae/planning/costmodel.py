@@ -52,6 +52,7 @@ __all__ = [
     "MigrationConstants",
     "DefaultCostModel",
     "reference_models",
+    "reference_layer_params",
 ]
 
 Shape = Tuple[int, int]
@@ -96,6 +97,22 @@ def reference_models() -> List[str]:
         Model names usable with :meth:`TableThroughput.from_reference` and :class:`ArtifactCostModel`.
     """
     return sorted(_data("throughput_tables.json")["strategy_tables"])
+
+
+def reference_layer_params(model: str) -> List[float]:
+    """Parameters of each layer of a bundled profiled model (the artifact's ``artifact_layer_params.json``).
+
+    Args:
+        model: One of :func:`reference_models`.
+
+    Returns:
+        One parameter count per layer, in layer order.
+
+    Raises:
+        ConfigurationError: ``model`` is not a bundled table.
+    """
+    _check_model(model)
+    return list(_data("artifact_layer_params.json")[model]["layers"])
 
 
 def _check_model(name: str) -> None:
@@ -604,7 +621,7 @@ class ArtifactCostModel(MigrationCostModel):
         extra = data["restart_and_migration_constants"]["restart_extra_cost_ms"].get(model)
         self.extra_ms = float(extra) if extra is not None else 0.0
         self.checkpoint_cost_ms = float(data["restart_and_migration_constants"]["throughput_baseline_checkpoint_ms"])
-        self.layer_params: List[float] = list(_data("artifact_layer_params.json")[model]["layers"])
+        self.layer_params: List[float] = reference_layer_params(model)
         if model == "gpt-1.5b":
             base = self.p2p_ms(50257 * 1024 * 4)
             self.build_ms = {pp: base + 430 * math.ceil(48 / pp) for pp in range(6, 49)}

@@ -201,6 +201,17 @@ class Predictor(abc.ABC):
             if step >= len(mean):
                 del self._pending[origin]
 
+    def scored_errors(self, last: Optional[int] = None) -> list[float]:
+        """Errors (observed - forecast mean) of this predictor's scored forecasts, all steps ahead pooled.
+
+        Args:
+            last: Keep only the latest ``last`` errors of each step ahead (``None``: all that are remembered).
+
+        Returns:
+            The errors of step 1 (oldest first), then those of step 2, and so on.
+        """
+        return [e for errs in self._errors for e in (list(errs) if last is None else list(errs)[-last:])]
+
     @abc.abstractmethod
     def forecast(self, horizon: int) -> Forecast:
         """Forecast the counts of the next ``horizon`` intervals from the observations so far.
@@ -552,7 +563,7 @@ class EnsemblePredictor(Predictor):
             m.observe(n)
 
     def _recent_mae(self, m: Predictor) -> float:
-        errs = [e for d in m._errors for e in list(d)[-self.recent :]]
+        errs = m.scored_errors(self.recent)
         return float(np.mean(np.abs(errs))) if len(errs) >= 10 else float("inf")
 
     def forecast(self, horizon: int) -> Forecast:
@@ -576,7 +587,7 @@ PREDICTORS: dict[str, type[Predictor]] = {
 }
 
 
-def make_predictor(name: str, **kw: int) -> Predictor:
+def make_predictor(name: str, **kw: Optional[int]) -> Predictor:
     """Build a predictor by name.
 
     Args:

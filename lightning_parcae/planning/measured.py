@@ -27,13 +27,13 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from lightning_parcae.planning import costmodel as _costmodel
 from lightning_parcae.planning.costmodel import (
     ArtifactCostModel,
     LayerProfile,
     MigrationCostModel,
     ProfileThroughput,
     TableThroughput,
+    reference_layer_params,
     reference_models,
     DefaultCostModel,
     MigrationConstants,
@@ -542,7 +542,7 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
     if kind == "default":
         if model is not None:
             thr: ThroughputModel = TableThroughput.from_reference(model)
-            layers = _costmodel._data("artifact_layer_params.json")[model]["layers"]
+            layers = reference_layer_params(model)
         else:
             # a profile a run measured and fitted (run_dir/profile.json): the same model the runtime planned with
             measured = load_measured_profile(profile_path)  # type: ignore[arg-type]

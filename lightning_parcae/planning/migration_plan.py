@@ -136,18 +136,18 @@ class Layout:
         """L, the number of layers of the model."""
         return self._starts[-1]  # type: ignore[attr-defined]
 
-    def _rank_of(self, member: str) -> int | None:
-        """The member's rank, or None if it is not in this layout."""
+    def rank_of(self, member: str) -> int | None:
+        """The member's rank (``replica * P + stage``), or None if it is not in this layout."""
         return self._rank.get(member)  # type: ignore[attr-defined]
 
     def stage_of(self, member: str) -> int | None:
         """The member's stage, or None if it is not in this layout."""
-        rank = self._rank_of(member)
+        rank = self.rank_of(member)
         return None if rank is None else rank % self.pipeline_stages
 
     def replica_of(self, member: str) -> int | None:
         """The member's replica index, or None if it is not in this layout."""
-        rank = self._rank_of(member)
+        rank = self.rank_of(member)
         return None if rank is None else rank // self.pipeline_stages
 
     def stage_layers(self, stage: int) -> range:
@@ -167,7 +167,7 @@ class Layout:
         stage = self.stage_of(member)
         return range(0) if stage is None else self.stage_layers(stage)
 
-    def _stage_of_layer(self, layer: int) -> int:
+    def stage_of_layer(self, layer: int) -> int:
         """The stage that holds ``layer``.
 
         Raises:
@@ -183,7 +183,7 @@ class Layout:
         Raises:
             ConfigurationError: If ``layer`` is not in ``[0, L)``.
         """
-        stage = self._stage_of_layer(layer)
+        stage = self.stage_of_layer(layer)
         return self.members[stage :: self.pipeline_stages]
 
     def to_json(self) -> dict[str, Any]:
@@ -423,7 +423,7 @@ def _validate(
         send = tuple(m for m in old.members if m in avail_set)
     else:
         send = _check_members(senders, "senders")
-        foreign = [m for m in send if old._rank_of(m) is None]
+        foreign = [m for m in send if old.rank_of(m) is None]
         if foreign:
             raise ConfigurationError(
                 f"senders {foreign!r} are not members of the old layout and hold nothing to send: senders must be "
@@ -492,7 +492,8 @@ def plan_migration(
     if stage_max * len(avail) >= _EXACT:  # keep the solver's float64 arithmetic exact
         scaled = scaled // math.ceil(stage_max * len(avail) / _EXACT)
 
-    old_rank = np.array([old._rank.get(m, -1) for m in avail], dtype=np.int64)  # type: ignore[attr-defined]
+    # -1: a joiner (not in the old layout)
+    old_rank = np.array([-1 if (r := old.rank_of(m)) is None else r for m in avail], dtype=np.int64)
     survivor = old_rank >= 0
     old_stage = np.where(survivor, old_rank % old.pipeline_stages, -1)
     old_replica = np.where(survivor, old_rank // old.pipeline_stages, -1)
@@ -547,7 +548,7 @@ def _transfers(
     needed = [(m, layer) for m in new.members for layer in new.layers_of(m) if layer not in old.layers_of(m)]
     lost = sorted({layer for _, layer in needed if not sendable[layer]})
     if lost:
-        stages = sorted({old._stage_of_layer(layer) for layer in lost})
+        stages = sorted({old.stage_of_layer(layer) for layer in lost})
         gone = [m for s in stages for m in old.members[s :: old.pipeline_stages]]
         needers = sorted({m for m, layer in needed if layer in set(lost)}, key=new.members.index)
         raise StageLostError(

@@ -1,26 +1,109 @@
-"""The Parcae decision of one interval, from a predictor: the one rule the simulator and the runtime both run.
+"""The Parcae decision of one interval: the one rule, and the one predictor, that the simulator and the runtime run.
 
 Problem: the simulator's ``parcae`` policy must score exactly what the runtime does, or ``parcae simulate`` says
 nothing about a real job. Both know the interval about to run (its arrivals have arrived, its preemption notices
-are in) and forecast only the intervals after it. This module turns a predictor's quantile scenarios into the
-:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide` call -- once, for both callers.
+are in) and forecast only the intervals after it. If each caller built its own predictor and optimizer they would
+drift apart (they did: the runtime's predictor had another window and, for ``artifact``, another lower bound).
+
+This module holds the decision once, for both callers:
+
+* :class:`DecisionOptions` -- how the decision is made (look-ahead, predictor, forecast bound, risk, levels);
+* :func:`make_decision_predictor` -- the one predictor factory;
+* :class:`ShapeDecider` -- the decision state of one job (its optimizer and predictor): it observes the count of
+  each interval and decides the next shape (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`
+  over the predictor's quantile scenarios, :func:`decide_with_forecast`).
+
+Who owns what: a :class:`ShapeDecider` owns its optimizer and predictor; its caller (the simulator's ``parcae``
+policy, the runtime's ``ShapeChooser``) feeds it counts with :meth:`~ShapeDecider.observe`, tells it when prices
+changed with :meth:`~ShapeDecider.prices_changed`, and reads both only to plan or report (never to change them).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
-from lightning_parcae.planning.costmodel import Shape
-from lightning_parcae.planning.forecast import Predictor
+from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
+from lightning_parcae.planning.forecast import Predictor, make_predictor
 from lightning_parcae.planning.shape_optimizer import Decision, LiveputOptimizer
 
-__all__ = ["LEVELS", "decide_with_forecast", "paths_to_intervals"]
+__all__ = [
+    "LEVELS",
+    "DecisionOptions",
+    "ForecastDecision",
+    "ShapeDecider",
+    "decide_with_forecast",
+    "make_decision_predictor",
+    "paths_to_intervals",
+]
 
 LEVELS: Tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 """Quantile levels of the forecast's own errors; one scenario path each (equal paths merged)."""
 
+Interval = Tuple[int, int, int]
+"""``(prev_n, n_in, n_out)`` of one interval."""
 
-def paths_to_intervals(start: int, path: Sequence[int]) -> List[Tuple[int, int, int]]:
+
+@dataclass(frozen=True)
+class DecisionOptions:
+    """How the shape decision is made: the same options in the simulator and in the runtime.
+
+    Attributes:
+        look_ahead: Intervals planned over: the known one and ``look_ahead - 1`` forecast ones.
+        predictor: Predictor name (:data:`~lightning_parcae.planning.forecast.PREDICTORS`), or ``None`` to plan
+            with the known interval only (the oracle and reactive simulator policies).
+        max_instances: Highest count a forecast may take (the cluster size; ``None``: unbounded).
+        risk: Standard deviations of gain a departure from the reactive shape must clear.
+        levels: Quantile levels of the forecast scenarios.
+    """
+
+    look_ahead: int = 12
+    predictor: Optional[str] = "persistence"
+    max_instances: Optional[int] = None
+    risk: float = 0.5
+    levels: Sequence[float] = LEVELS
+
+
+class ForecastDecision(NamedTuple):
+    """A decision with the futures it was scored against (unpacks as ``decision, scenarios, weights``).
+
+    Attributes:
+        decision: The optimizer's decision for the interval about to run.
+        scenarios: Forecast futures after that interval, as ``(prev_n, n_in, n_out)`` lists (``[[]]``: none).
+        weights: Probability of each scenario.
+    """
+
+    decision: Decision
+    scenarios: List[List[Interval]]
+    weights: Sequence[float]
+
+    @property
+    def median(self) -> List[Interval]:
+        """The middle scenario (the median path for the default levels); empty if there is none."""
+        return self.scenarios[len(self.scenarios) // 2] if self.scenarios else []
+
+
+def make_decision_predictor(options: DecisionOptions) -> Optional[Predictor]:
+    """The predictor of the shape decision -- the one factory the simulator and the runtime use.
+
+    Its window is the look-ahead (at least 8 counts), its lower bound 0 and its upper bound ``max_instances``.
+
+    Args:
+        options: The decision's options.
+
+    Returns:
+        A fresh predictor, or ``None`` when ``options.predictor`` is ``None``.
+
+    Raises:
+        ConfigurationError: Unknown predictor name or bad bounds.
+    """
+    if options.predictor is None:
+        return None
+    return make_predictor(options.predictor, window=max(options.look_ahead, 8), min_instances=0,
+                          max_instances=options.max_instances)
+
+
+def paths_to_intervals(start: int, path: Sequence[int]) -> List[Interval]:
     """Instance counts ``path`` after ``start`` as ``(prev_n, n_in, n_out)`` intervals."""
     out, prev = [], int(start)
     for c in path:
@@ -34,12 +117,12 @@ def decide_with_forecast(
     opt: LiveputOptimizer,
     pred: Optional[Predictor],
     shape: Shape,
-    now: Tuple[int, int, int],
+    now: Interval,
     *,
     remain_ms: float = 0.0,
     risk: float = 0.5,
     levels: Sequence[float] = LEVELS,
-) -> Tuple[Decision, List[List[Tuple[int, int, int]]], Sequence[float]]:
+) -> ForecastDecision:
     """Decide the shape of the interval ``now = (prev_n, n_in, n_out)`` about to run.
 
     The predictor must already have observed the count after ``now`` (``prev_n + n_in - n_out``); the intervals
@@ -59,10 +142,65 @@ def decide_with_forecast(
     """
     prev, n_in, n_out = now
     after = prev + n_in - n_out
-    scenarios: List[List[Tuple[int, int, int]]] = [[]]
+    scenarios: List[List[Interval]] = [[]]
     weights: Sequence[float] = [1.0]
     if pred is not None and opt.look_ahead > 1:
         paths, weights = pred.scenarios(opt.look_ahead - 1, levels)
         scenarios = [paths_to_intervals(after, p) for p in paths]
     decision = opt.decide(prev, shape, now, scenarios, weights, remain_ms=remain_ms, risk=risk)
-    return decision, scenarios, weights
+    return ForecastDecision(decision, scenarios, weights)
+
+
+class ShapeDecider:
+    """The shape decision of one job: its liveput optimizer and its predictor, built once from the options.
+
+    The simulator's ``parcae`` policy and the runtime's ``ShapeChooser`` each keep one and call it the same way:
+    :meth:`observe` the count the interval about to run will have, then :meth:`decide` its shape.
+
+    Args:
+        cost_model: Migration costs (its ``throughput`` prices the shapes).
+        interval_s: Length of one planning interval.
+        options: How the decision is made.
+        history: Counts already seen (a new leader replays the job's history), oldest first.
+
+    Attributes:
+        optimizer: The liveput optimizer (owned here; callers may ``plan`` with it, not change it).
+        predictor: The predictor (owned here; ``None`` without a forecast), fed only through :meth:`observe`.
+        options: The options it was built with.
+    """
+
+    def __init__(self, cost_model: MigrationCostModel, *, interval_s: float,
+                 options: DecisionOptions = DecisionOptions(), history: Iterable[int] = ()) -> None:
+        self.options = options
+        self.optimizer = LiveputOptimizer(cost_model, interval_s=interval_s, look_ahead=options.look_ahead)
+        self.predictor: Optional[Predictor] = make_decision_predictor(options)
+        for n in history:
+            self.observe(n)
+
+    @property
+    def observed(self) -> int:
+        """Counts the predictor holds (0 before the first :meth:`observe`, or without a predictor)."""
+        return 0 if self.predictor is None else len(self.predictor.history)
+
+    def observe(self, n: int) -> None:
+        """Record the count of the interval about to run (before :meth:`decide` is asked about it)."""
+        if self.predictor is not None:
+            self.predictor.observe(n)
+
+    def prices_changed(self) -> None:
+        """The throughput model's prices changed (steps were measured): the optimizer re-reads them."""
+        self.optimizer.prices_changed()
+
+    def decide(self, shape: Shape, now: Interval, *, remain_ms: float = 0.0) -> ForecastDecision:
+        """The shape of the interval ``now = (prev_n, n_in, n_out)`` about to run (see :func:`decide_with_forecast`).
+
+        Args:
+            shape: The current shape (``(0, 0)`` before the job runs).
+            now: The interval about to run, as known at its start; its count must have been observed.
+            remain_ms: Milliseconds still needed by an unfinished migration.
+
+        Returns:
+            The decision with the scenarios it was scored against.
+        """
+        return decide_with_forecast(self.optimizer, self.predictor, shape, now, remain_ms=remain_ms,
+                                    risk=self.options.risk, levels=self.options.levels)

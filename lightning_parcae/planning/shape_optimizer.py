@@ -139,6 +139,14 @@ class LiveputOptimizer:
         self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------------------------------------------
+    def prices_changed(self) -> None:
+        """The throughput model's prices changed (e.g. a measured model recorded steps): forget the cached
+        candidate shapes and their throughputs, so the next plan reads them afresh.
+
+        Transition costs stay cached: they depend on the migration constants and layer sizes, not on throughput.
+        """
+        self._targets_cache.clear()
+
     def prepare(self, n_max: int, max_out: int = 2) -> int:
         """Tabulate what makes a first decision slow, before it is needed (e.g. while the job starts).
 

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.signals.traces import BUNDLED_TRACES, Trace, _build, bundled_trace_path, load_trace
+from lightning_parcae.signals.traces import BUNDLED_TRACES, Trace, bundled_trace_path, from_changes, load_trace
 
 __all__ = ["FAMILIES", "SPLITS", "CorpusTrace", "generate", "corpus"]
 
@@ -154,7 +154,7 @@ def generate(family: str, seed: int, *, interval_s: float = 60.0, hours: float =
         if c != prev:
             changes.append((60.0 * m, max(c - prev, 0), max(prev - c, 0)))
         prev = c
-    return _build(changes, 60.0 * minutes, float(interval_s), f"{family}/seed{seed}/cap{cap}")
+    return from_changes(changes, 60.0 * minutes, float(interval_s), f"{family}/seed{seed}/cap{cap}")
 
 
 @dataclass(frozen=True)

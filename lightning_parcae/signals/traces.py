@@ -41,6 +41,7 @@ __all__ = [
     "Trace",
     "TRACE_FORMATS",
     "from_counts",
+    "from_changes",
     "scale_counts",
     "scaled",
     "load_trace",
@@ -195,16 +196,26 @@ def _check_interval(interval_s: float) -> float:
     return value
 
 
-def _build(
+def from_changes(
     changes: Sequence[tuple[float, int, int]],
     end_s: float,
     interval_s: float,
     source: str,
 ) -> Trace:
-    """Bin timed changes ``(t_s, added, removed)`` into intervals covering ``[0, end_s]``.
+    """Bin timed changes ``(t_s, added, removed)`` into intervals covering ``[0, end_s]`` (the trace starts at 0).
 
     The number of intervals is enough to hold the last change and to cover ``end_s``: an event at ``t`` goes to
     interval ``floor(t / interval_s)``; a covered duration ``end_s`` needs ``ceil(end_s / interval_s)`` intervals.
+    Every loader of timed events builds its trace here (and :mod:`~lightning_parcae.signals.corpus` too).
+
+    Args:
+        changes: ``(t_s, added, removed)`` per change, ``t_s`` seconds from the start.
+        end_s: Duration the trace must cover.
+        interval_s: Interval length.
+        source: Description stored in :attr:`Trace.source`.
+
+    Returns:
+        The trace; an interval holds both directions of the changes binned into it.
     """
     last_t = max((t for t, _, _ in changes), default=0.0)
     n_int = max(int(math.floor(last_t / interval_s + _EPS)) + 1, int(math.ceil(end_s / interval_s - _EPS)), 1)
@@ -591,7 +602,7 @@ def load_trace(path: Union[str, os.PathLike], *, interval_s: float = 60.0, fmt: 
     elif not _data_lines(text):
         raise _fail(name, None, f"the file is empty (expected a {fmt} trace)")
     changes, end_s = _READERS[fmt](name, text)
-    trace = _build(changes, end_s, interval_s, name)
+    trace = from_changes(changes, end_s, interval_s, name)
     if fmt == "skypilot":
         native: Optional[float] = float(json.loads(text)["metadata"]["gap_seconds"])
     else:

@@ -30,7 +30,8 @@ Policies:
   with (as ``throughput``), but reached by parcae's live migrations instead of restarts. ``parcae`` against it
   isolates what planning over a forecast adds; it against ``throughput`` isolates what cheaper migrations add.
 
-The optimizer and cost model are the very objects the runtime uses.
+The ``parcae`` decision is :class:`~lightning_parcae.planning.policy.ShapeDecider`, the very object (optimizer,
+predictor factory, options) the runtime's ``ShapeChooser`` decides with; the cost model is the runtime's kind.
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from lightning_parcae.planning.costmodel import MigrationCostModel, Shape, ThroughputModel
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
-from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape, settle
-from lightning_parcae.planning.forecast import Predictor, make_predictor
-from lightning_parcae.planning.policy import decide_with_forecast
+from lightning_parcae.planning.shape_optimizer import PAUSED, fit_shape, settle
+from lightning_parcae.planning.policy import LEVELS, DecisionOptions, ShapeDecider
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
 
@@ -265,14 +265,15 @@ def _liveput(
     predictor: str = "persistence",
     max_instances: Optional[int] = None,
     risk: float = 0.5,
-    levels: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
+    levels: Sequence[float] = LEVELS,
     **_: object,
 ) -> PolicyResult:
     res = PolicyResult("live-reactive" if reactive else "parcae-oracle" if oracle else "parcae", interval_s)
-    opt = LiveputOptimizer(cm, interval_s=interval_s, look_ahead=look_ahead)
-    pred: Optional[Predictor] = None
-    if not oracle and not reactive:
-        pred = make_predictor(predictor, window=max(look_ahead, 8), min_instances=0, max_instances=max_instances)
+    forecast = not oracle and not reactive
+    options = DecisionOptions(look_ahead=look_ahead, predictor=predictor if forecast else None,
+                              max_instances=max_instances, risk=risk, levels=levels)
+    decider = ShapeDecider(cm, interval_s=interval_s, options=options)
+    opt = decider.optimizer
     acct = _Accountant(cm, 1000.0 * interval_s)
     shape: Shape = (0, 0)
     for i, (prev, n_in, n_out) in enumerate(intervals):
@@ -287,11 +288,9 @@ def _liveput(
             plan = opt.plan(prev, shape, list(intervals[i : i + look_ahead]), remain_ms=acct.remain)
             target = plan.next_shape
         else:
-            assert pred is not None
-            pred.observe(after)
-            decision, _, _ = decide_with_forecast(opt, pred, shape, (prev, n_in, n_out), remain_ms=acct.remain,
-                                                  risk=risk, levels=levels)
-            target = decision.next_shape
+            # the runtime's ShapeChooser makes this very call (planning/policy.py)
+            decider.observe(after)
+            target = decider.decide(shape, (prev, n_in, n_out), remain_ms=acct.remain).decision.next_shape
         res.decide_s += time.perf_counter() - t0
         target = fit_shape(target, after) if target != PAUSED else PAUSED
         if target[0] * target[1] == 0 or cm.throughput.throughput(*target) <= 0:
