@@ -1,4 +1,5 @@
-"""Single-process pieces of live reconfiguration: data re-slicing and the runtime's throughput model."""
+"""Single-process pieces of live reconfiguration: data re-slicing, the runtime's throughput model and its two-phase
+step commit."""
 
 from __future__ import annotations
 
@@ -35,13 +36,14 @@ def test_runtime_throughput_forbids_shapes_if_d_does_not_split_the_global_batch(
 
 
 class _Owner:
-    """Just enough of a strategy for ElasticRuntime's commit logic."""
+    """Just enough of a training host for ElasticRuntime's commit logic."""
 
     layer_names: list[str] = []
 
 
 def _runtime(store, member: str, members: tuple[str, ...]):  # noqa: ANN001, ANN202
     from lightning_parcae.planning.migration_plan import Layout
+    from lightning_parcae.runtime.config import RuntimeConfig
     from lightning_parcae.runtime.coordinator import Coordinator
     from lightning_parcae.runtime.elastic import ElasticRuntime
     from lightning_parcae.runtime.liveness import Liveness
@@ -49,11 +51,12 @@ def _runtime(store, member: str, members: tuple[str, ...]):  # noqa: ANN001, ANN
     from lightning_parcae.training.strategy import ParcaeStrategy
 
     options = ParcaeStrategy(elastic=False).elastic_options  # the planning options at the strategy's defaults
-    er = ElasticRuntime(_Owner(), store_url="unused", token=None, member=member, **options)  # type: ignore[arg-type]
-    er.store, er.coord = store, Coordinator(store)
-    er.live = Liveness(lambda: store, member, poll_s=0.01)
-    er.live.set_generation(4, [])
-    er.generation, er.layout = 4, Layout(members, (1,))
+    config = RuntimeConfig(store_url="unused", token=None, member=member, **options)
+    er = ElasticRuntime(_Owner(), config)  # type: ignore[arg-type]
+    live = Liveness(lambda: store, member, poll_s=0.01)
+    er.attach(store, Coordinator(store), live)
+    live.set_generation(4, [])
+    er.state.enter({"generation": 4, "layout": Layout(members, (1,)).to_json()})
     return er
 
 
@@ -165,22 +168,129 @@ def test_sampler_resumes_mid_epoch_with_the_same_order_and_next_epochs() -> None
     assert _epoch(joiner_loader, joiner, 2) == nxt
 
 
-def test_nobody_is_admitted_at_the_step_that_ends_fit() -> None:
-    """Regression (chaos seed 49, under load): a standby admitted at step 22 of ``max_steps=22`` restored a loop
-    that was already done and skipped the end-of-fit collectives the member ran; the code after ``fit`` then ran
-    one collective apart and ``save_checkpoint``'s barrier failed (exit 1). The last step admits no one."""
-    from types import SimpleNamespace
+class _Trainer:
+    def __init__(self, step: int) -> None:
+        self.global_step = step
 
-    from lightning_parcae.runtime.elastic import training_ends
 
-    def trainer(step: int, max_steps: int, epoch: int = 0, max_epochs: int = 1000, last_batch: bool = False):  # noqa: ANN202
-        progress = SimpleNamespace(is_last_batch=last_batch)
-        loop = SimpleNamespace(max_epochs=max_epochs, epoch_loop=SimpleNamespace(batch_progress=progress))
-        return SimpleNamespace(global_step=step, max_steps=max_steps, current_epoch=epoch, fit_loop=loop)
+class _FakeSwitch:
+    """The switching part: records calls, moves nothing, or fails like a rendezvous that cannot form."""
 
-    assert training_ends(trainer(22, 22))
-    assert not training_ends(trainer(21, 22))
-    assert not training_ends(trainer(21, -1))  # no step limit, not the last epoch
-    assert training_ends(trainer(40, -1, epoch=1, max_epochs=2, last_batch=True))  # the last epoch's last batch
-    assert not training_ends(trainer(39, -1, epoch=1, max_epochs=2, last_batch=False))
-    assert not training_ends(trainer(20, -1, epoch=0, max_epochs=2, last_batch=True))  # an earlier epoch's end
+    def __init__(self, calls: list, fail: str = "") -> None:
+        self.calls, self.fail = calls, fail
+
+    def hands_loop_state(self, rec):  # noqa: ANN001, ANN201
+        return rec.get("loop_from") == "a"
+
+    def teardown_groups(self, failed: bool = False) -> None:
+        self.calls.append(("teardown", failed))
+
+    def switch(self, trainer, rec, loop):  # noqa: ANN001, ANN201
+        from lightning_parcae.planning.migration_plan import Layout, plan_migration
+        from lightning_parcae.runtime.switching import GenerationNotEntered, Moved
+
+        self.calls.append(("switch", rec["generation"], loop))
+        if self.fail:
+            raise GenerationNotEntered(self.fail)
+        plan = plan_migration(Layout(("a", "b"), (2,)), ["a", "b"], (1, 2), [1, 1], [1, 1], senders=["a", "b"])
+        return Moved(plan=plan, joiners=[], t_groups=0.0, t_transfer=0.0, bytes_received=0)
+
+
+class _Fallback(Exception):
+    pass
+
+
+class _FakeRecovery:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def fallback(self, trainer, rec):  # noqa: ANN001, ANN201
+        self.calls.append(("fallback", rec.get("reason")))
+        raise _Fallback(rec.get("reason"))  # the real one exits the process
+
+    def begin(self):  # noqa: ANN201
+        from lightning_parcae.runtime.recovery import Loss
+
+        self.calls.append(("begin",))
+        return Loss(reason="b died", since=0.0)
+
+    def survivors_record(self, loss, step):  # noqa: ANN001, ANN201
+        from lightning_parcae.planning.migration_plan import Layout
+
+        self.calls.append(("survivors", loss.reason, step))
+        return {"generation": 5, "kind": "repartition", "layout": Layout(("a", "b"), (1, 1)).to_json()}
+
+
+class _FakeAdmission:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def loop_state(self, trainer):  # noqa: ANN001, ANN201
+        self.calls.append(("loop_state",))
+        return {"loop": True}
+
+
+def _orchestrated(fail: str = ""):  # noqa: ANN202
+    import torch.distributed as dist
+
+    from lightning_parcae.runtime.lifecycle import Phase
+
+    er = _runtime(dist.HashStore(), "a", ("a", "b"))
+    calls: list = []
+    er.switching, er.recovery, er.admission = _FakeSwitch(calls, fail), _FakeRecovery(calls), _FakeAdmission(calls)
+    er.life.to(Phase.TRAINING)
+    er.life.to(Phase.PLANNING)  # the members agreed on a next generation
+    return er, calls
+
+
+def test_the_runtime_enters_the_generation_its_switch_moved_into() -> None:
+    """Only the runtime changes the generation: after the switch returns, it enters the record, publishes it as
+    current (it leads), logs the migration and trains again."""
+    from lightning_parcae.planning.migration_plan import Layout
+    from lightning_parcae.runtime.lifecycle import Phase
+
+    er, calls = _orchestrated()
+    rec = {"generation": 5, "kind": "repartition", "loop_from": "a", "reason": "interval",
+           "layout": Layout(("a", "b"), (1, 1)).to_json()}
+    er.switch(_Trainer(9), rec)
+    assert calls == [("loop_state",), ("switch", 5, {"loop": True})]
+    assert er.generation == 5 and er.state.record is rec and er.layout == Layout(("a", "b"), (1, 1))
+    assert er.coord.current() == 5 and er.life.phase == Phase.TRAINING
+    assert er.migrations[-1]["kind"] == "repartition" and er.migrations[-1]["step"] == 9
+    assert "recovery_s" not in er.migrations[-1]
+
+
+def test_the_runtime_falls_back_if_the_generation_cannot_be_entered() -> None:
+    import pytest
+
+    er, calls = _orchestrated(fail="process groups of generation 5 could not be built: timeout")
+    with pytest.raises(_Fallback):
+        er.switch(_Trainer(9), {"generation": 5, "kind": "intra-stage", "layout": {}})
+    assert calls[-1] == ("fallback", "process groups of generation 5 could not be built: timeout")
+    assert er.generation == 4  # nothing of the new generation was entered
+
+
+def test_a_fallback_record_stops_before_anything_moves() -> None:
+    import pytest
+
+    er, calls = _orchestrated()
+    with pytest.raises(_Fallback):
+        er.switch(_Trainer(9), {"generation": 5, "kind": "fallback", "reason": "stage lost"})
+    assert calls == [("fallback", "stage lost")]
+
+
+def test_a_recovery_leaves_the_old_groups_abandoned_then_switches_to_the_survivors_record() -> None:
+    er, calls = _orchestrated()
+    er.recover(_Trainer(12))
+    assert calls == [("begin",), ("teardown", True), ("survivors", "b died", 12), ("switch", 5, None)]
+    assert er.generation == 5 and "recovery_s" in er.migrations[-1]
+
+
+def test_the_planning_interval_is_due_by_steps_or_seconds_and_restarts_for_a_joiner() -> None:
+    from lightning_parcae.runtime.elastic import PlanningClock
+
+    clock = PlanningClock(interval_s=0.0, interval_steps=3)
+    assert [clock.due(s) for s in (1, 2, 3, 4, 5, 6)] == [False, False, True, False, False, True]
+    clock.restart(10)
+    assert not clock.due(12) and clock.due(13)
+    assert PlanningClock(interval_s=1e-9, interval_steps=0).due(0)

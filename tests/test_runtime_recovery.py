@@ -9,28 +9,38 @@ import torch.distributed as dist
 
 from lightning_parcae.planning.migration_plan import Layout
 from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
+from lightning_parcae.runtime.lifecycle import Lifecycle
+from lightning_parcae.runtime.liveness import Liveness
+from lightning_parcae.runtime.part import PartContext
 from lightning_parcae.runtime.recovery import Recovery
 
 OLD = ("i0", "i1", "i2", "i3", "i4", "i5")
 
 
+class _Shapes:
+    """The shape choice as recovery sees it: 1x3 for the survivors, two layers a stage."""
+
+    def __init__(self) -> None:
+        self.shape: Any = (1, 3)
+
+    def choose(self, n_now: int, n_next: int, observe: bool) -> Any:
+        return self.shape
+
+    def partition_for(self, p: int) -> list[int]:
+        return [2] * p
+
+
 def _recovery(store: dist.Store, events: list[tuple[str, dict[str, Any]]]) -> Recovery:
-    """A Recovery over just enough of a runtime: generation 0 of six members at 2x3, the shape chooser fixed."""
-    layout = Layout(OLD, (2, 2, 2))
-
-    def record(generation: int, layout: Layout, plan: Any, kind: str, step: int, alive: Any = None,
-               **extra: Any) -> dict[str, Any]:
-        transition = [m for m in OLD if alive is None or m in alive]
-        transition += [m for m in layout.members if m not in transition]
-        return {"generation": generation, "kind": kind, "step": step, "transition": transition,
-                "layout": layout.to_json(), **extra}
-
-    chooser = types.SimpleNamespace(choose=lambda n_old, n_alive, observe: (1, 3),
-                                    partition_for=lambda p: (2, 2, 2))
-    rt = types.SimpleNamespace(store=store, coord=Coordinator(store), layout=layout, generation=0, member="i0",
-                               chooser=chooser, _record=record, _layer_bytes=lambda: [1] * 6,
-                               event=lambda name, **f: events.append((name, f)))
-    return Recovery(rt)
+    """A Recovery over typed fakes: generation 0 of six members at 2x3, the shape choice fixed."""
+    state = GenerationState(member="i0")
+    state.enter({"generation": 0, "layout": Layout(OLD, (2, 2, 2)).to_json(), "layer_bytes": [1] * 6})
+    host = types.SimpleNamespace(stack_path="net", layer_names=[str(i) for i in range(6)], layer_times=[1.0] * 6,
+                                 optimizer_state_factor=2.0, full_stack=None)
+    ctx = PartContext(member="i0", store=store, coord=Coordinator(store), live=Liveness(lambda: store, "i0"),
+                      life=Lifecycle("i0"), event=lambda name, **f: events.append((name, f)))
+    return Recovery(ctx, state, GenerationRecords(host, state), _Shapes(), host,  # type: ignore[arg-type]
+                    dead_after_s=3.0, run_dir=None)
 
 
 def _planned(coord: Coordinator, members: list[str]) -> dict[str, Any]:
@@ -47,7 +57,7 @@ def test_survivors_skip_a_planned_generation_that_names_a_dead_member() -> None:
     store = dist.HashStore()
     events: list[tuple[str, dict[str, Any]]] = []
     rec_a, rec_b = _recovery(store, events), _recovery(store, events)
-    _planned(rec_a.rt.coord, list(OLD))
+    _planned(rec_a.ctx.coord, list(OLD))
     alive, dead = ["i0", "i2", "i3", "i4", "i5"], ["i1"]
     first = rec_a._survivors_generation(1, 4, alive, dead, "peer lost")
     assert first["generation"] == 1 and "dead" not in first  # the planned record is what generation 1 holds
@@ -65,7 +75,7 @@ def test_survivors_obey_the_first_verdict_if_their_views_of_the_dead_differ() ->
     store = dist.HashStore()
     events: list[tuple[str, dict[str, Any]]] = []
     keeper, waiter = _recovery(store, events), _recovery(store, events)
-    planned = _planned(keeper.rt.coord, list(OLD))
+    planned = _planned(keeper.ctx.coord, list(OLD))
     assert not keeper.abandoned(planned, dead=[])  # saw everyone in the planned record alive: "keep"
     assert not waiter.abandoned(planned, dead=["i3"])  # would abandon, but the verdict is taken
 
@@ -84,6 +94,58 @@ def test_survivors_adopt_a_record_made_by_survivors_or_a_fallback_as_it_is() -> 
 def test_survivors_propose_a_fallback_at_the_target_generation_if_no_shape_fits() -> None:
     store = dist.HashStore()
     rec = _recovery(store, [])
-    rec.rt.chooser.choose = lambda n_old, n_alive, observe: None
+    rec.shapes.shape = None  # type: ignore[attr-defined]
     out = rec._survivors_generation(2, 4, ["i0"], ["i1", "i2", "i3", "i4", "i5"], "peer lost")
     assert out["generation"] == 2 and out["kind"] == "fallback" and "no shape fits 1" in out["reason"]
+
+
+class _Exit(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def test_a_stop_with_every_member_alive_saves_a_checkpoint_before_leaving(monkeypatch: Any, tmp_path: Any) -> None:
+    """All members under notice, no shape fits: the host saves ``run_dir/ckpt/last.ckpt`` and the stop exits 75."""
+    from lightning_parcae.contract import FALLBACK_EXIT
+    from lightning_parcae.runtime import recovery
+    from lightning_parcae.runtime.lifecycle import Phase
+
+    monkeypatch.setattr(recovery, "exit_now", lambda code: (_ for _ in ()).throw(_Exit(code)))
+    events: list[tuple[str, dict[str, Any]]] = []
+    rec = _recovery(dist.HashStore(), events)
+    saved: list[str] = []
+    rec.host = types.SimpleNamespace(save_before_leaving=lambda trainer, path: saved.append(path))  # type: ignore[assignment]
+    rec.run_dir = str(tmp_path)
+    rec.ctx.life.to(Phase.MIGRATING)
+    try:
+        rec.fallback(types.SimpleNamespace(global_step=8), {"reason": "no shape fits 0", "checkpoint": True})
+    except _Exit as exc:
+        assert exc.code == FALLBACK_EXIT
+    assert saved == [str(tmp_path / "ckpt" / "last.ckpt")]
+    assert events[-1][0] == "fallback" and events[-1][1]["checkpoint"] == saved[0]
+    assert rec.ctx.life.phase == Phase.FALLBACK
+
+
+def test_a_member_the_survivors_left_out_fences_itself(monkeypatch: Any) -> None:
+    """i0 woke up after being declared dead: the survivors' generation 1 (already proposed) does not name it."""
+    from lightning_parcae.contract import FENCED_EXIT
+    from lightning_parcae.runtime import recovery
+    from lightning_parcae.runtime.lifecycle import Phase
+
+    monkeypatch.setattr(recovery, "exit_now", lambda code: (_ for _ in ()).throw(_Exit(code)))
+    store = dist.HashStore()
+    events: list[tuple[str, dict[str, Any]]] = []
+    rec = _recovery(store, events)
+    rec.dead_after_s = 0.05
+    rec.ctx.coord.propose({"generation": 1, "kind": "intra-stage", "transition": ["i1", "i2"], "dead": ["i0"]})
+    rec.ctx.life.to(Phase.TRAINING)
+    loss = rec.begin()
+    assert rec.ctx.life.phase == Phase.RECOVERING and rec.ctx.live.aborted.is_set()
+    try:
+        rec.survivors_record(loss, 4)
+        raise AssertionError("not fenced")
+    except _Exit as exc:
+        assert exc.code == FENCED_EXIT
+    assert [e[0] for e in events][-2:] == ["recovering", "fenced"]
+    assert rec.ctx.coord.survivor(0, "i0") is not None  # it announced itself before it knew

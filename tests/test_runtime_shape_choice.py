@@ -1,21 +1,52 @@
-"""The runtime's throughput model (lightning_parcae.runtime.shape_choice.ShapeChooser.model) as built from what the
-strategy profiled."""
+"""The leader's shape choice (lightning_parcae.runtime.shape_choice.ShapeChooser): its throughput model as built from
+what the strategy profiled, the veto and exploration rules, standbys, and the record it proposes -- each over typed
+collaborators (a fake training host, a real GenerationState, records and a Coordinator over an in-memory store)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any, Optional
 
 import pytest
+import torch.distributed as dist
 
+from lightning_parcae.planning.migration_plan import Layout
+from lightning_parcae.runtime.config import RuntimeConfig
+from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.shape_choice import ShapeChooser
 
 
-def _runtime(layer_times_s: list[float], batch: int = 48, micro: int = 4) -> SimpleNamespace:
+def _host(layer_times_s: list[float], batch: int = 48, micro: int = 4,
+          max_stage_memory_bytes: Optional[float] = None) -> SimpleNamespace:
+    """The training host's layer stack as the chooser reads it (no full stack: sizes come from the record)."""
     n = len(layer_times_s)
-    strategy = SimpleNamespace(global_batch=batch, layer_names=[str(i) for i in range(n)], layer_times=layer_times_s,
-                               optimizer_state_factor=2.0, max_stage_memory_bytes=None, full_stack=None,
-                               micro_batches=micro, max_pipeline_stages=None)
-    return SimpleNamespace(s=strategy, coord=None, _layer_bytes=lambda: [3e4] * n)
+    return SimpleNamespace(global_batch=batch, layer_names=[str(i) for i in range(n)], layer_times=layer_times_s,
+                           optimizer_state_factor=2.0, max_stage_memory_bytes=max_stage_memory_bytes,
+                           full_stack=None, micro_batches=micro, max_pipeline_stages=None, stack_path="net")
+
+
+def _config(look_ahead: int = 12, interval_s: float = 2.0, **kw: Any) -> RuntimeConfig:
+    base: dict[str, Any] = dict(store_url="unused", token=None, member="m0", interval_s=interval_s, interval_steps=0,
+                                look_ahead=look_ahead, predictor="persistence", heartbeat_s=0.01, dead_after_s=3.0,
+                                stall_after_s=60.0, throughput="measured", max_instances=4)
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+def _state(members: tuple[str, ...], partition: tuple[int, ...], n_layers: int, layer_bytes: float = 3e4,
+           generation: int = 0) -> GenerationState:
+    """A generation entered from a record that carries the agreed layer sizes (as every record does)."""
+    state = GenerationState(member=members[0])
+    state.enter({"generation": generation, "layout": Layout(members, partition).to_json(),
+                 "layer_bytes": [layer_bytes] * n_layers})
+    return state
+
+
+def _chooser(host: SimpleNamespace, state: GenerationState, config: RuntimeConfig, events: list,
+             coord: Optional[Coordinator] = None, store: Optional[dist.Store] = None) -> ShapeChooser:
+    return ShapeChooser(host, state, config, GenerationRecords(host, state), coord=coord, store=store,  # type: ignore[arg-type]
+                        event=lambda name, **kw: events.append((name, kw)))
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.1, 10.0])
@@ -25,7 +56,8 @@ def test_profiled_seconds_enter_the_throughput_model_as_milliseconds(scale: floa
     fit explained every step by its fixed overhead, priced 3x2 the same as the measured 2x2 (no data-parallel
     speed-up at all), and a job on 6 instances stayed at 2x2 with two idle instances (emulated GPT, hh_55_65)."""
     times_s = [scale * t for t in [0.012] + [0.05] * 8 + [0.03]]
-    model = ShapeChooser(_runtime(times_s)).model()
+    host = _host(times_s)
+    model = _chooser(host, _state(("a",), (10,), 10), _config(), []).model()
     assert model is not None
     assert model.prior.layer_ms == pytest.approx([1000.0 * t for t in times_s])
     # a measured 2x2 step: the formula's compute plus a fixed 40 ms
@@ -37,16 +69,20 @@ def test_profiled_seconds_enter_the_throughput_model_as_milliseconds(scale: floa
     assert three == pytest.approx(40.0 + model.prior.step_ms(3, 2), rel=0.1)
 
 
-def _planning_runtime(look_ahead: int, events: list) -> SimpleNamespace:
+def test_the_throughput_model_gets_the_shared_cores_from_the_configuration() -> None:
+    """The launcher's ``PARCAE_SHARED_CORES`` arrives in the RuntimeConfig (no environment read in the runtime)."""
+    host = _host([0.01] * 4)
+    for cores in (None, 3):
+        model = _chooser(host, _state(("a",), (4,), 4), _config(shared_cores=cores), []).model()
+        assert model is not None and model.cores == cores
+
+
+def _planning(look_ahead: int, events: list) -> ShapeChooser:
     times_s = [0.0116] + [0.048] * 8 + [0.03]
-    rt = _runtime(times_s)
-    rt.s.max_stage_memory_bytes = 2.5e5  # 10 layers x 4e4 B of training memory: P >= 2, as in examples/gpt/spot.yaml
-    rt.layout = SimpleNamespace(data_parallel=1, pipeline_stages=2)
-    rt.coord = SimpleNamespace(history=lambda: [], append_history=lambda n: None, get=lambda k: None)
-    rt.throughput_mode, rt.look_ahead, rt.interval_s = "measured", look_ahead, 2.0
-    rt.predictor_name, rt.max_instances, rt.stats, rt.migrations = "persistence", 4, {}, []
-    rt.event = lambda name, **kw: events.append((name, kw))
-    return rt
+    # 10 layers x 4e4 B of training memory: P >= 2, as in examples/gpt/spot.yaml
+    host = _host(times_s, max_stage_memory_bytes=2.5e5)
+    return _chooser(host, _state(("a", "b"), (5, 5), 10), _config(look_ahead=look_ahead), events,
+                    coord=Coordinator(dist.HashStore()))
 
 
 @pytest.mark.parametrize("look_ahead, explores", [(12, True), (1, False)])
@@ -57,7 +93,7 @@ def test_a_vetoed_unsure_shape_is_explored_if_the_forecast_keeps_the_count(look_
     1x2 with an idle instance for 15 s (bench_replay lh_80_90, hl_15_25). With the forecast keeping 3 instances
     for 12 intervals the try pays; reactive (look-ahead 1: a 2 s horizon) still never explores."""
     events: list = []
-    chooser = ShapeChooser(_planning_runtime(look_ahead, events))
+    chooser = _planning(look_ahead, events)
     model = chooser.model()
     assert model is not None and model.limits.min_p == 2
     for _ in range(10):
@@ -69,3 +105,60 @@ def test_a_vetoed_unsure_shape_is_explored_if_the_forecast_keeps_the_count(look_
         assert shape == (1, 3) and "explore" in names  # ... and then tried
     else:
         assert shape == (1, 2) and "explore" not in names
+
+
+def test_a_planning_interval_records_the_count_in_the_shared_history() -> None:
+    chooser = _planning(12, [])
+    assert chooser.coord is not None
+    chooser.choose(2, 2, observe=True)
+    chooser.choose(2, 1, observe=False)  # a recovery's choice is not an observation
+    assert chooser.coord.history() == [2]
+    assert chooser.stats["predicted_N"][0] == 1
+
+
+def test_the_chooser_proposes_a_fallback_with_a_checkpoint_if_no_shape_fits() -> None:
+    """Every member is alive when the leader finds no shape (all under notice): the stop saves a checkpoint."""
+    events: list = []
+    store = dist.HashStore()
+    host = _host([0.01] * 4)
+    state = _state(("a",), (4,), 4, generation=3)
+    chooser = _chooser(host, state, _config(), events, coord=Coordinator(store), store=store)
+    rec = chooser.decide(SimpleNamespace(global_step=7), reason="notice", leaving=["a"], admit=False)
+    assert rec is not None and rec["generation"] == 4 and rec["kind"] == "fallback" and rec["checkpoint"] is True
+    assert rec["step"] == 7 and "no shape fits 0 instances" in rec["reason"]
+    assert [e[0] for e in events] == ["decision"]
+
+
+def test_the_chooser_admits_a_fresh_standby_and_proposes_the_next_generation() -> None:
+    """A registered standby whose heartbeat moves and says ``standby`` is planned in (here by an operator's resize
+    request to 2x1); the record names it in the transition, and the old leader sends the loop state."""
+    import threading
+
+    store = dist.HashStore()
+    coord = Coordinator(store)
+    host = _host([0.01] * 4, batch=16, micro=1)
+    state = _state(("a",), (4,), 4)
+    chooser = _chooser(host, state, _config(), [], coord=coord, store=store)
+    coord.register_standby("b")
+    coord.put("parcae/request", {"id": "r1", "D": 2, "P": 1})
+    stop = threading.Event()
+
+    def beat() -> None:
+        k = 0
+        while not stop.is_set():
+            store.set("parcae/hb/b", f'{{"phase": "standby", "n": {k}}}')
+            k += 1
+            stop.wait(0.005)
+
+    store.set("parcae/hb/b", '{"phase": "standby", "n": -1}')
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    try:
+        rec = chooser.decide(SimpleNamespace(global_step=5), reason="interval", leaving=())
+    finally:
+        stop.set()
+        t.join(2)
+    assert rec is not None and rec["generation"] == 1 and rec["kind"] != "fallback" and rec["D"] == 2
+    assert rec["transition"] == ["a", "b"] and rec["loop_from"] == "a" and rec["step"] == 5
+    assert coord.generation(1) == rec  # proposed: the first proposal of generation 1 is this one
+    assert rec["layer_bytes"] == [30000] * 4  # priced by the agreed sizes of the current record

@@ -9,6 +9,13 @@ module is that protocol's spine -- connection, the step-boundary agreement, the 
 one part per phase: :mod:`.shape_choice` (a), :mod:`.switching` (b, c), :mod:`.recovery` (d) and :mod:`.joining`
 (e). The strategy above it (a :class:`~lightning_parcae.runtime.host.TrainingHost`) calls into it at a few points.
 
+Ownership: the runtime owns the current generation (:class:`~.generation.GenerationState`) and is the only one that
+changes it; the parts are given narrow typed collaborators (:class:`~.part.PartContext`, the host, the state to
+read) and *return* what they decided -- the record to enter (:mod:`.recovery`, :mod:`.shape_choice`), what was
+moved (:mod:`.switching`), the admitting generation (:mod:`.joining`). Only :meth:`ElasticRuntime.boundary`, and the
+few entry points beside it, orchestrate them. The configuration arrives as one
+:class:`~.config.RuntimeConfig`, built by the training layer; nothing here reads the environment.
+
 Protocol (see ``docs/elastic.md`` for the user-facing version and :mod:`.lifecycle` for the state machine):
 
 * **Generations.** Every configuration is a generation record in the store (:mod:`.coordinator`): members in
@@ -37,11 +44,11 @@ Protocol (see ``docs/elastic.md`` for the user-facing version and :mod:`.lifecyc
   :data:`FALLBACK_EXIT`; ``parcae run`` then restarts the job from the last checkpoint (losing the steps since it).
 """
 
+
 from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import time
 from datetime import timedelta
@@ -50,35 +57,28 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_parcae.contract import (
-    RUN_DIR_ENV,
-    STORE_ENV,
-    JOB_TOKEN_ENV,
-    MEMBER_ENV,
-    JOIN_ENV,
-    STALL_ENV,
-    FALLBACK_EXIT,
-    RELEASED_EXIT,
-    FENCED_EXIT,
-)
+from lightning_parcae.contract import FALLBACK_EXIT, RELEASED_EXIT, FENCED_EXIT
 from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.events import append_event
-from lightning_parcae.planning.migration_plan import Layout, MigrationPlan
-from lightning_parcae.runtime.coordinator import Coordinator
-from lightning_parcae.runtime.lifecycle import Lifecycle, Phase
+from lightning_parcae.planning.migration_plan import Layout
 from lightning_parcae.runtime import steptime
-from lightning_parcae.runtime.liveness import Liveness, activate, guarded
+from lightning_parcae.runtime.config import RuntimeConfig
+from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.joining import Admission
+from lightning_parcae.runtime.lifecycle import Lifecycle, Phase
+from lightning_parcae.runtime.liveness import Liveness, activate, guarded
+from lightning_parcae.runtime.part import PartContext
 from lightning_parcae.runtime.recovery import Recovery
 from lightning_parcae.runtime.shape_choice import ShapeChooser
-from lightning_parcae.runtime.switching import Switch
+from lightning_parcae.runtime.switching import GenerationNotEntered, Switch
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
 
-__all__ = ["ElasticRuntime", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
+__all__ = ["ElasticRuntime", "PlanningClock", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
 
 log = logging.getLogger(__name__)
 
@@ -86,131 +86,136 @@ LIVE_CHECKPOINT = "parcae-live://peers"
 """The checkpoint path a joiner 'resumes' from: the state it received from live peers, not a file."""
 
 
+class PlanningClock:
+    """When the leader's next planning interval is due: every ``interval_s`` wall seconds or ``interval_steps``
+    optimizer steps, whichever comes first (0 turns either off).
 
+    Args:
+        interval_s: The interval in wall seconds.
+        interval_steps: The interval in optimizer steps.
+    """
+
+    def __init__(self, interval_s: float, interval_steps: int) -> None:
+        self.interval_s = float(interval_s)
+        self.interval_steps = int(interval_steps)
+        self.last_t = time.monotonic()
+        self.last_step = 0
+
+    def due(self, step: int) -> bool:
+        """Whether an interval is due at ``step`` (and, if so, the next one counts from here)."""
+        now = time.monotonic()
+        due = (self.interval_steps > 0 and step - self.last_step >= self.interval_steps) or (
+            self.interval_s > 0 and now - self.last_t >= self.interval_s
+        )
+        if due:
+            self.last_t, self.last_step = now, step
+        return due
+
+    def restart(self, step: int) -> None:
+        """Count the next interval from now and ``step`` (a joiner starts training)."""
+        self.last_t, self.last_step = time.monotonic(), step
 
 
 class ElasticRuntime:
     """One process's side of the live-reconfiguration protocol (owned by :class:`ParcaeStrategy`).
 
     Args:
-        strategy: The strategy (its groups, stage and optimizers are rebuilt in place).
-        store_url: Coordination store URL (hosted by ``parcae run`` or an external etcd/TCPStore).
-        token: Job token (records are signed) or None.
-        member: This process's member id (stable across generations).
-        joining: Start as a standby that waits to be admitted (a process added to a running job).
+        host: The training side (its groups, stage and optimizers are rebuilt in place).
+        config: Everything the runtime is configured with (the strategy's options and the launcher's contract,
+            see :class:`~.config.RuntimeConfig`).
 
-        The planning options below have no defaults here: they are the strategy's (``ParcaeStrategy``'s signature
-        holds the one set of defaults; ``StrategyOptions.elastic_options`` passes them all).
-
-        interval_s: Planning interval in wall seconds (0: only ``interval_steps``).
-        interval_steps: Planning interval in optimizer steps (0: only ``interval_s``).
-        look_ahead: Intervals the liveput optimizer plans over.
-        predictor: Predictor name (``persistence``, ``arima``, ``artifact``).
-        heartbeat_s: Heartbeat period.
-        dead_after_s: Silence after which a member is declared dead.
-        stall_after_s: Progress watchdog: an operation of a generation (collective, point-to-point, rendezvous of
-            a rebuilt group) that makes no progress for this long fails and becomes a recovery, while every
-            heartbeat is fine (a mismatched collective, a peer whose traffic is silently dropped). It is the gloo
-            timeout of every group after start-up; set it above the longest legitimate wait (a step, a
-            checkpoint gather, the leader's planning). ``PARCAE_STALL_S`` overrides it.
-        max_instances: Upper bound for forecasts.
-        throughput: ``"measured"`` (price shapes by measurement and the fitted model, with the never-slower rules)
-            or ``"profile"`` (the per-layer formula only; measurements are still recorded and saved).
+    Attributes:
+        state: The current generation (owned here: only this runtime changes it).
+        config: The configuration.
+        store, coord, live: The connection to the job (``None`` until :meth:`connect`).
+        life: This process's lifecycle.
+        migrations: Every generation change this process made (the ``migration`` events' fields).
+        admitted: Whether this process is (or was) a training member; a joiner becomes one in :meth:`joined`.
     """
 
-    def __init__(
-        self,
-        strategy: TrainingHost,
-        *,
-        store_url: str,
-        token: Optional[str],
-        member: str,
-        interval_s: float,
-        interval_steps: int,
-        look_ahead: int,
-        predictor: str,
-        heartbeat_s: float,
-        dead_after_s: float,
-        stall_after_s: float,
-        throughput: str,
-        joining: bool = False,
-        max_instances: int = 64,
-    ) -> None:
-        self.s = strategy
-        self.store_url = store_url
-        self.token = token
-        self.member = member
-        self.joining = joining
-        self.interval_s = float(interval_s)
-        self.interval_steps = int(interval_steps)
-        self.look_ahead = int(look_ahead)
-        self.predictor_name = predictor
-        self.heartbeat_s = heartbeat_s
-        self.dead_after_s = dead_after_s
-        self.stall_after_s = float(os.environ.get(STALL_ENV) or stall_after_s)
-        if not self.stall_after_s > 0:
-            raise ConfigurationError(f"stall_after_s must be > 0 seconds, got {self.stall_after_s}")
-        self.max_instances = max_instances
-        if throughput not in ("measured", "profile"):
-            raise ConfigurationError(f"throughput={throughput!r}: use 'measured' or 'profile'")
-        self.throughput_mode = throughput
-        self.store: Any = None
+    def __init__(self, host: TrainingHost, config: RuntimeConfig) -> None:
+        self.host = host
+        self.config = config
+        self.member = config.member
+        self.joining = config.joining
+        self.run_dir = config.run_dir
+        self.state = GenerationState(member=config.member)
+        self.records = GenerationRecords(host, self.state)
+        self.store: Optional[dist.Store] = None
         self.coord: Optional[Coordinator] = None
         self.live: Optional[Liveness] = None
-        self.life = Lifecycle(member, on_transition=self._on_transition)
-        self.generation = -1
-        self.layout: Optional[Layout] = None
-        self.record: dict[str, Any] = {}
-        self.group_of: list[dict[str, int]] = []
-        self.join_inbox: dict[int, Any] = {}
-        self.live_checkpoint: Optional[dict[str, Any]] = None
+        self.life = Lifecycle(config.member, on_transition=self._on_transition)
         self.migrations: list[dict[str, Any]] = []
-        self.stats: dict[str, Any] = {"predicted_N": None, "liveput": None}
-        self._last_interval_t = time.monotonic()
-        self._last_interval_step = 0
-        self._standby_seen: dict[str, bytes] = {}
-        self._last_standbys: list[str] = []
+        self.admitted = not config.joining
+        self._join_stats: dict[str, Any] = {}
+        self._clock = PlanningClock(config.interval_s, config.interval_steps)
         self._recovering_since: Optional[float] = None
-        self.admitted = not joining
-        """Whether this process is (or was) a training member; a joiner becomes one in :meth:`joined`."""
-        self.run_dir = os.environ.get(RUN_DIR_ENV)
-        self.chooser = ShapeChooser(self)
-        self.admission = Admission(self)
-        self.recovery = Recovery(self)
-        self.switching = Switch(self)
+        self.chooser = ShapeChooser(host, self.state, config, self.records, migrations=self.migrations,
+                                    event=self.event)
         """The leader's planning state: measured throughput, optimizer, predictor (kept by every process)."""
+        self.admission: Optional[Admission] = None
+        self.recovery: Optional[Recovery] = None
+        self.switching: Optional[Switch] = None
+
+    # ============================================================================================ state
+    @property
+    def generation(self) -> int:
+        """The current generation's number (-1 before the first)."""
+        return self.state.generation
+
+    @property
+    def layout(self) -> Optional[Layout]:
+        """The current generation's members and partition (``None`` before the first)."""
+        return self.state.layout
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The record the current generation was entered from."""
+        return self.state.record
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The leader's last planning figures (``predicted_N``, ``liveput``, ...) and a joiner's transfer time."""
+        return {**self.chooser.stats, **self._join_stats}
+
+    @property
+    def stall_timeout(self) -> timedelta:
+        """The progress watchdog's bound as a group timeout (see ``RuntimeConfig.stall_after_s``)."""
+        return self.config.stall_timeout
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 of the current generation plans for everyone."""
+        return self.state.is_leader
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the current generation."""
+        return self.state.rank
 
     # ============================================================================================ connection
-    @classmethod
-    def from_env(cls, strategy: TrainingHost, **options: Any) -> "ElasticRuntime":
-        """Build from ``PARCAE_STORE`` / ``PARCAE_JOB_TOKEN`` / ``PARCAE_MEMBER`` / ``PARCAE_JOIN``.
-
-        Raises:
-            ConfigurationError: ``PARCAE_STORE`` is not set.
-        """
-
-        url = os.environ.get(STORE_ENV)
-        if not url:
-            raise ConfigurationError(
-                "ParcaeStrategy(elastic=True) needs a coordination store that outlives the workers: run the script "
-                "under `parcae run` (which hosts one) or set PARCAE_STORE=tcp://host:port or etcd://host:port/prefix"
-            )
-        member = os.environ.get(MEMBER_ENV) or f"{os.uname().nodename}-{os.getpid()}"
-        joining = os.environ.get(JOIN_ENV, "0") not in ("", "0", "false")
-        return cls(strategy, store_url=url, token=os.environ.get(JOB_TOKEN_ENV) or None, member=member,
-                   joining=joining, **options)
-
-    def connect(self) -> Any:
+    def connect(self) -> dist.Store:
         """Open the main-thread store client, the coordinator and the heartbeat (not started yet)."""
         from lightning_parcae.runtime.store import connect_store  # noqa: PLC0415
 
-        self.store = connect_store(self.store_url, token=self.token, timeout_s=30.0)
-        self.coord = Coordinator(self.store, self.token)
-        url, token = self.store_url, self.token
-        self.live = Liveness(lambda: connect_store(url, token=token, timeout_s=30.0), self.member,
-                             interval_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
+        url, token = self.config.store_url, self.config.token
+        store = connect_store(url, token=token, timeout_s=30.0)
+        live = Liveness(lambda: connect_store(url, token=token, timeout_s=30.0), self.member,
+                        interval_s=self.config.heartbeat_s, dead_after_s=self.config.dead_after_s)
+        self.attach(store, Coordinator(store, token), live)
         self.install_signal_handler()
-        return self.store
+        return store
+
+    def attach(self, store: dist.Store, coord: Coordinator, live: Liveness) -> None:
+        """Use this connection to the job and build the parts that act through it (:meth:`connect` opens one;
+        a test passes its own)."""
+        self.store, self.coord, self.live = store, coord, live
+        ctx = PartContext(member=self.member, store=store, coord=coord, live=live, life=self.life, event=self.event)
+        self.chooser.coord, self.chooser.store = coord, store
+        self.switching = Switch(ctx, self.host, self.state, self.stall_timeout)
+        self.recovery = Recovery(ctx, self.state, self.records, self.chooser, self.host, self.config.dead_after_s,
+                                 self.run_dir)
+        self.admission = Admission(ctx, self.state, self.host, self.stall_timeout)
 
     def install_signal_handler(self) -> None:
         """SIGTERM = preemption notice: only raise the flag (the next step boundary acts on it)."""
@@ -241,14 +246,14 @@ class ElasticRuntime:
     def boot_register(self, generation: int, rank: int) -> None:
         """Initial members: publish this process's member id under its boot rank (before groups are used)."""
         assert self.store is not None
-        self.generation = generation
+        self.state.generation = generation
         self.store.set(f"parcae/boot/{generation}/{rank}", self.member)
 
     def boot_publish(self, trainer: "pl.Trainer") -> None:
         """After partitioning: agree on generation 0's record and the parameter-group map; start heartbeats."""
-        s = self.s
+        s = self.host
         g = s.groups
-        assert g is not None and self.coord is not None and self.live is not None
+        assert g is not None and self.coord is not None and self.live is not None and self.store is not None
         self._publish_group_map(g.generation, g.rank, g.world)
         if g.rank == 0:
             members = []
@@ -256,24 +261,23 @@ class ElasticRuntime:
                 self.store.wait([f"parcae/boot/{g.generation}/{r}"])
                 members.append(bytes(self.store.get(f"parcae/boot/{g.generation}/{r}")).decode())
             layout = Layout(tuple(members), tuple(s.partition))
-            self.coord.propose(self._record(g.generation, layout, None, "start", 0, reason="initial members"))
+            self.coord.propose(self.records.record(g.generation, layout, None, "start", 0, reason="initial members"))
             self.coord.set_current(g.generation)
         rec = self.coord.generation(g.generation, timeout_s=None)
         assert rec is not None
-        self._enter(rec)
+        self.state.enter(rec)
         self.live.start()
-        self.live.set_generation(self.generation, self._watch())
+        self.live.set_generation(self.generation, self.state.watch())
         self.life.to(Phase.TRAINING, generation=self.generation, D=g.data_parallel, P=g.pipeline_stages)
 
     def _publish_group_map(self, generation: int, rank: int, world: int) -> None:
         """Every rank publishes which optimizer param group each of its parameters is in; all merge all."""
-        s = self.s
+        s = self.host
         module = s.lightning_module
         assert module is not None and self.coord is not None
         names = {id(p): n for n, p in module.named_parameters()}
         mine = []
-        for opt in s.optimizers:
-            inner = getattr(opt, "_optimizer", opt)
+        for inner in s.torch_optimizers():
             mine.append({names[id(p)]: gi for gi, grp in enumerate(inner.param_groups) for p in grp["params"]
                          if id(p) in names})
         self.coord.put(f"parcae/pgroups/{generation}/{rank}", {"map": mine})
@@ -283,77 +287,36 @@ class ElasticRuntime:
             assert rec is not None
             for k, part in enumerate(rec["map"]):
                 merged[k].update(part)
-        self.group_of = merged
+        self.state.group_of = merged
         if rank == 0:
             self.coord.put("parcae/pgroups", {"map": merged})
 
-    def _record(self, generation: int, layout: Layout, plan: Optional[MigrationPlan], kind: str, step: int,
-                alive: Optional[list[str]] = None, **extra: Any) -> dict[str, Any]:
-        s = self.s
-        rec: dict[str, Any] = {
-            "generation": generation, "kind": kind, "step": int(step), "layout": layout.to_json(),
-            "D": layout.data_parallel, "P": layout.pipeline_stages, "stack_path": s.stack_path,
-            "layer_names": list(s.layer_names), "layer_times": [float(t) for t in s.layer_times],
-            "layer_bytes": self._layer_bytes(), "time": time.time(), **extra,
-        }
-        if plan is not None:
-            rec["plan"] = plan.to_json()
-            old = [m for m in plan.old.members if alive is None or m in alive]
-            rec["transition"] = old + [m for m in layout.members if m not in old]
-            rec["loop_from"] = old[0] if old else None
-            rec["bytes_moved"] = plan.bytes_moved
-        return rec
-
-    def _layer_bytes(self) -> list[int]:
-        """Bytes each layer carries in a migration: parameters plus their optimizer state (from the record when
-        known, so every process prices moves identically)."""
-        rec_bytes = self.record.get("layer_bytes") if self.record else None
-        if rec_bytes and len(rec_bytes) == len(self.s.layer_names):
-            return [int(b) for b in rec_bytes]
-        full = self.s.full_stack
-        assert full is not None
-        factor = 1.0 + self.s.optimizer_state_factor
-        return [int(factor * sum(p.numel() * p.element_size() for p in full._modules[n].parameters()))
-                for n in self.s.layer_names]
-
-    def _enter(self, rec: dict[str, Any]) -> None:
-        self.record = rec
-        self.generation = int(rec["generation"])
-        self.layout = Layout.from_json(rec["layout"])
-
-    def _watch(self) -> list[str]:
-        assert self.layout is not None
-        members = list(self.layout.members)
-        return members if members and members[0] == self.member else members[:1]
-
-    @property
-    def stall_timeout(self) -> timedelta:
-        """The progress watchdog's bound as a group timeout (see ``stall_after_s``)."""
-        return timedelta(seconds=self.stall_after_s)
-
-    @property
-    def is_leader(self) -> bool:
-        """Rank 0 of the current generation plans for everyone."""
-        return self.layout is not None and self.layout.members[0] == self.member
-
-    @property
-    def rank(self) -> int:
-        assert self.layout is not None
-        return self.layout.members.index(self.member)
-
     # ============================================================================================ joining
     def join_wait(self) -> dict[str, Any]:
-        """See :meth:`~lightning_parcae.runtime.joining.Admission.join_wait`."""
-        return self.admission.join_wait()
+        """Standby: wait until a generation admits this member and receive its state (see
+        :meth:`~lightning_parcae.runtime.joining.Admission.join_wait`); enter that generation.
+
+        Returns:
+            The admitting generation's record (the caller builds the process groups of it).
+        """
+        assert self.admission is not None
+        admitted = self.admission.join_wait()
+        self.state.enter(admitted.record)
+        self.state.group_of = admitted.group_of
+        self._join_stats["join_transfer_s"] = admitted.transfer_s
+        return admitted.record
 
     def joined(self, trainer: "pl.Trainer") -> None:
-        """See :meth:`~lightning_parcae.runtime.joining.Admission.joined`."""
-        return self.admission.joined(trainer)
+        """Called by the strategy once the joiner's stage, optimizers and loop state are in place."""
+        assert self.admission is not None
+        self.admitted = True
+        self._clock.restart(int(trainer.global_step))
+        self.admission.joined(trainer, float(self._join_stats.get("join_transfer_s", 0.0)))
 
     def joiner_checkpoint(self) -> dict[str, Any]:
         """See :meth:`~lightning_parcae.runtime.joining.Admission.joiner_checkpoint`."""
+        assert self.admission is not None
         return self.admission.joiner_checkpoint()
-
 
     # ============================================================================================ step boundary
     def boundary(self, trainer: "pl.Trainer") -> None:
@@ -373,6 +336,7 @@ class ElasticRuntime:
 
     def _boundary(self, trainer: "pl.Trainer", step: int) -> None:
         assert self.live is not None and self.coord is not None and self.layout is not None
+        assert self.store is not None
         if self.live.aborted.is_set():
             self.recover(trainer)
             return
@@ -381,8 +345,8 @@ class ElasticRuntime:
         # (Lightning fast-forwards a validation pending at a train-batch-end checkpoint), or the end of fit if this
         # is the last step: admit no one here
         with steptime.span("boundary.validation_follows"):
-            admit = not self.validation_follows(trainer) and not training_ends(trainer)
-        if self.is_leader and admit and self._interval_due(step):
+            admit = not self.host.validation_follows(trainer) and not self.host.training_ends(trainer)
+        if self.is_leader and admit and self._clock.due(step):
             self.life.to(Phase.PLANNING, reason="interval")
             with steptime.span("boundary.plan"):
                 rec = self.chooser.decide(trainer, reason="interval", leaving=())
@@ -421,52 +385,60 @@ class ElasticRuntime:
             return
         rec = self.coord.generation(gen)
         assert rec is not None
-        self.switching.switch(trainer, rec)
+        self.switch(trainer, rec)
 
-    @staticmethod
-    def validation_follows(trainer: "pl.Trainer") -> bool:
-        """Whether Lightning runs a validation right after the step that just ended.
-
-        Regression (held-out chaos seed 1102): a standby admitted at step 21, a validation step, restored the loop
-        state of the end of that step -- where Lightning treats the pending validation as done -- and went on
-        training while the members validated: mismatched collectives, a 15 s stall until the watchdog. Planned
-        admissions wait one step when this is true.
-        """
-        loop = getattr(trainer.fit_loop, "epoch_loop", None)
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-        if loop is None:
-            return False
+    # ============================================================================================ switching
+    def switch(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
+        """Enter generation ``rec``: its parts move the state (:class:`~.switching.Switch`), then this runtime
+        enters it -- or falls back to the checkpoint when it is a fallback or cannot be formed."""
+        assert self.live is not None and self.coord is not None and self.switching is not None
+        assert self.recovery is not None and self.admission is not None
+        t0 = time.monotonic()
+        if self.life.phase != Phase.MIGRATING:
+            self.life.to(Phase.MIGRATING, generation=rec["generation"], kind=rec["kind"])
+        if rec["kind"] == "fallback":
+            self.recovery.fallback(trainer, rec)
+        loop = self.admission.loop_state(trainer) if self.switching.hands_loop_state(rec) else None
         try:
-            return bool(loop._should_check_val_fx(fetcher))
-        except Exception:  # noqa: BLE001 -- Lightning internals: when in doubt, do not hold admissions back
-            return False
+            moved = self.switching.switch(trainer, rec, loop)
+        except GenerationNotEntered as exc:
+            self.recovery.fallback(trainer, {"reason": exc.reason})
+            raise  # not reached: the fallback exits
+        self.state.enter(rec)
+        self.live.set_generation(self.generation, self.state.watch())
+        if self.is_leader:
+            self.coord.set_current(self.generation)
+        info = moved.report(rec, time.monotonic() - t0, trainer.global_step)
+        if self._recovering_since is not None:  # from noticing the loss to training again (detection excluded)
+            info["recovery_s"] = round(time.monotonic() - self._recovering_since, 4)
+            self._recovering_since = None
+        self.migrations.append(info)
+        self.event("migration", **info)
+        self.life.to(Phase.TRAINING, **{k: info[k] for k in ("kind", "duration_s", "D", "P")})
 
-    def _interval_due(self, step: int) -> bool:
-        now = time.monotonic()
-        due = (self.interval_steps > 0 and step - self._last_interval_step >= self.interval_steps) or (
-            self.interval_s > 0 and now - self._last_interval_t >= self.interval_s
-        )
-        if due:
-            self._last_interval_t, self._last_interval_step = now, step
-        return due
-
-    # ============================================================================================ planning
-    # ============================================================================================ migration
     # ============================================================================================ failures
     def decide_commit(self, step: int) -> bool:
         """See :meth:`~lightning_parcae.runtime.recovery.Recovery.decide_commit`."""
+        assert self.recovery is not None
         return self.recovery.decide_commit(step)
 
     def commit(self, step: int) -> None:
         """See :meth:`~lightning_parcae.runtime.recovery.Recovery.commit`."""
+        assert self.recovery is not None
         return self.recovery.commit(step)
 
     def recover(self, trainer: "pl.Trainer") -> None:
-        """See :meth:`~lightning_parcae.runtime.recovery.Recovery.recover`."""
-        return self.recovery.recover(trainer)
+        """Survivors of an aborted generation agree on the next one (survivors only) and migrate to it."""
+        assert self.recovery is not None and self.switching is not None
+        loss = self.recovery.begin()
+        self._recovering_since = loss.since
+        self.switching.teardown_groups(failed=True)
+        rec = self.recovery.survivors_record(loss, int(trainer.global_step))
+        self.switch(trainer, rec)
 
     def fallback(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
         """See :meth:`~lightning_parcae.runtime.recovery.Recovery.fallback`."""
+        assert self.recovery is not None
         return self.recovery.fallback(trainer, rec)
 
     def close(self, finished: bool = False) -> None:
@@ -500,24 +472,3 @@ def _json_safe(x: Any) -> Any:
     if isinstance(x, (str, int, float, bool)) or x is None:
         return x
     return str(x)
-
-
-def training_ends(trainer: "pl.Trainer") -> bool:
-    """Whether the step that just ended is the last one ``fit`` trains (``max_steps`` or the last epoch's end).
-
-    Regression (chaos seed 49, under load): a standby admitted at step 22 of ``max_steps=22`` restored a loop
-    that was already done, so its ``fit`` ended without the end-of-fit collectives the member still ran; the
-    member's guard gave up on them ("recovering at the next step boundary" -- there is none), and the code after
-    ``fit`` ran one collective apart: ``save_checkpoint``'s barrier failed, exit 1. Nobody is admitted (and
-    no interval plan is made) at the last step: no step would use the new shape.
-    """
-    max_steps = getattr(trainer, "max_steps", -1)
-    if max_steps is not None and max_steps >= 0 and int(trainer.global_step) >= max_steps:
-        return True
-    try:
-        loop = trainer.fit_loop
-        max_epochs = loop.max_epochs
-        last_epoch = max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
-        return bool(last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
-    except Exception:  # noqa: BLE001 -- Lightning internals: when in doubt, do not hold admissions back
-        return False

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from lightning_parcae.errors import ConfigurationError, PeerLostError, RendezvousError
+from lightning_parcae.runtime.torch_internals import forget_process_groups, set_group_timeout
 
 __all__ = ["Coords", "ProcessGroups", "await_arrivals", "await_connected", "connect_timeout", "coords_of",
            "device_backends", "init_transition_world", "rank_of", "GLOO_CONNECT_FACTOR"]
@@ -174,13 +175,11 @@ def init_transition_world(store: dist.Store, generation: int, rank: int, world: 
         RendezvousError: A participant did not arrive or connect within ``bound``.
         RuntimeError: gloo's rendezvous failed.
     """
-    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
-
     what = f"transition world of generation {generation}"
     prefixed = dist.PrefixStore(f"mig/{generation}/", store)
     await_arrivals(prefixed, rank, world, bound, aborted, what=what)
     dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=connect_timeout(bound))
-    c10d._set_pg_timeout(bound, None)
+    set_group_timeout(bound, None)
     await_connected(prefixed, rank, world, bound, aborted, what=what)
 
 
@@ -311,13 +310,11 @@ class ProcessGroups:
         makes no progress fails within ``timeout`` -- and becomes a recovery -- instead of blocking for gloo's
         group timeout.
         """
-        from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
-
         if not self._built or "gloo" not in device_backends(self.backend):
             return
         self.timeout = timeout
         for group in (None, self.pipeline_group, self.data_group):
-            c10d._set_pg_timeout(timeout, group)
+            set_group_timeout(timeout, group)
 
     def destroy(self) -> None:
         """Destroy every group of this generation (the base store survives)."""
@@ -334,20 +331,11 @@ class ProcessGroups:
         peer blocks that shutdown until the operation's timeout. After a failure the survivors instead drop the
         generation from torch's registry (so the next generation can initialize) and keep the old group objects
         referenced forever (their destructor would block the same way). This uses torch's private registry, the
-        same steps ``destroy_process_group`` takes after its shutdown calls.
+        same steps ``destroy_process_group`` takes after its shutdown calls (:mod:`.torch_internals`).
         """
-        from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
-
         kept: list[Any] = list(self._pipeline_groups) + list(self._data_groups)
         if dist.is_initialized():
-            kept.extend(c10d._world.pg_map.keys())
-            c10d._update_default_pg(None)
-            for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks,
-                          c10d._world.pg_backend_config, c10d._world.pg_to_tag, c10d._world.tags_to_pg,
-                          c10d._world.pg_coalesce_state):
-                table.clear()
-            c10d._unregister_all_process_groups()
-            c10d._world.group_count = 0
+            kept.extend(forget_process_groups())
         self._pipeline_groups = []
         self._data_groups = []
         self._built = False

@@ -2,10 +2,12 @@
 
 Problem: :class:`~lightning_parcae.runtime.elastic.ElasticRuntime` drives a running job -- it reads the layer
 stack's names and measured times, moves layers' parameters and optimizer state between processes, asks for the
-loop state a joiner needs and installs a new layout -- but the runtime sits *below* the Lightning strategy and must
+loop state a joiner needs and installs a new layout; at each step boundary it asks whether Lightning validates or
+ends right after the step, and before a stop it asks for a checkpoint -- but the runtime sits *below* the Lightning strategy and must
 not import it (data flows one way: planning -> runtime -> training -> launch). This module names that contract as a
 :class:`typing.Protocol`; :class:`~lightning_parcae.training.strategy.ParcaeStrategy` satisfies it (checked by
-``tests/test_layering.py``), and any other host -- a test double, a non-Lightning trainer -- can too.
+``tests/test_layering.py``), and any other host -- a test double, a non-Lightning trainer -- can too. Everything
+the runtime needs of Lightning's trainer goes through it: no Lightning internal is read under ``runtime/``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class TrainingHost(Protocol):
 
     Attributes:
         lightning_module: The user's module (``state_dict``, the layer stack inside it).
-        optimizers: The optimizers (possibly Lightning-wrapped: ``._optimizer`` is the inner one).
+        optimizers: The optimizers (possibly Lightning-wrapped: :meth:`torch_optimizers` unwraps them).
         groups: This generation's :class:`~lightning_parcae.runtime.groups.ProcessGroups` (``None`` before start).
         stack_path: Dotted path of the layer stack in the module (``""`` when the model has none: P stays 1).
         layer_names: Child names of the whole stack, in order.
@@ -81,4 +83,28 @@ class TrainingHost(Protocol):
 
     def wait_for_checkpoint(self) -> None:
         """Block until a background checkpoint write has finished."""
+        ...
+
+    def torch_optimizers(self) -> list[Any]:
+        """The torch optimizers inside :attr:`optimizers` (Lightning's wrappers unwrapped), in the same order."""
+        ...
+
+    def validation_follows(self, trainer: Any) -> bool:
+        """Whether the trainer runs a validation right after the step that just ended (False when unsure)."""
+        ...
+
+    def training_ends(self, trainer: Any) -> bool:
+        """Whether the step that just ended is the last one ``fit`` trains (False when unsure)."""
+        ...
+
+    def loop_checkpoint(self, trainer: Any) -> dict[str, Any]:
+        """The trainer's checkpoint of this process's own state (loops, callbacks, schedulers; no gather)."""
+        ...
+
+    def reset_eval_loaders(self, trainer: Any) -> None:
+        """Make the trainer rebuild its validation loader (sharded for the current D) at the next validation."""
+        ...
+
+    def save_before_leaving(self, trainer: Any, path: str) -> None:
+        """Collective: save a checkpoint of the whole job to ``path`` and wait until it is written."""
         ...

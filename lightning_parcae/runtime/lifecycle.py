@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import sys
+from os import _exit as exit_process  # os's documented immediate exit (no cleanup handlers)
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -148,4 +148,4 @@ def exit_now(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    exit_process(code)

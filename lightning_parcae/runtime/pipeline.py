@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parcae.runtime.liveness import guarded, guarded_post, guarded_wait
+from lightning_parcae.runtime.torch_internals import children
 from lightning_parcae.errors import BatchSplitError, ConfigurationError, ModelLayoutError
 
 __all__ = [
@@ -269,7 +270,7 @@ class BlockListProxy(nn.Module):
 
     def __init__(self, stage: nn.ModuleList) -> None:
         super().__init__()
-        blocks = list(stage._modules.values())
+        blocks = children(stage)
         object.__setattr__(self, "_blocks", [
             _Block(self, b, i == 0, i == len(blocks) - 1) for i, b in enumerate(blocks)])
         object.__setattr__(self, "_given", [_Given(self)])

@@ -2,13 +2,14 @@
 
 Problem: at each planning interval the leader must price every shape that fits the instances it will have --
 by the step times *this* job has measured where it ran a shape, by a model fitted to them elsewhere -- and pick
-the next one with the same decision the simulator scores (:func:`~lightning_parcae.planning.policy.decide_with_forecast`),
+the next one with the same decision the simulator scores (:class:`~lightning_parcae.planning.policy.ShapeDecider`),
 then apply the runtime's guards: never move to a shape measured slower unless availability forces it, explore an
 unmeasured shape when the model is unsure and the interval is long, honour an operator's one-off resize request.
 It also decides who takes part (standbys whose heartbeat moves) and plans the migration to the chosen
 shape, publishing the next generation's record. This module holds that state (the measured model, the optimizer,
-the predictor) for one :class:`~lightning_parcae.runtime.elastic.ElasticRuntime`, which owns the protocol around
-it (when to plan, how to agree and switch).
+the predictor, the standbys seen) for one :class:`~lightning_parcae.runtime.elastic.ElasticRuntime`, which owns the
+protocol around it (when to plan, how to agree and switch): the chooser reads the current generation and returns
+the record it proposed; its own planning statistics are in :attr:`ShapeChooser.stats`.
 """
 
 from __future__ import annotations
@@ -17,16 +18,22 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
-from lightning_parcae.contract import SHARED_CORES_ENV
+import torch.distributed as dist
+
 from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape
-from lightning_parcae.planning.forecast import make_predictor
 from lightning_parcae.planning.measured import MeasuredThroughput, PipelineThroughput, min_stages_for_memory
-from lightning_parcae.planning.policy import decide_with_forecast
+from lightning_parcae.planning.policy import DecisionOptions, ShapeDecider
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
+from lightning_parcae.runtime.config import RuntimeConfig
+from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
+from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.liveness import hb_key
+from lightning_parcae.runtime.part import EventSink
+from lightning_parcae.runtime.torch_internals import child
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
@@ -50,16 +57,36 @@ class ShapeChooser:
     """The leader-side planning state of one process's runtime (every process keeps one: a new leader takes over).
 
     Args:
-        rt: The :class:`~lightning_parcae.runtime.elastic.ElasticRuntime` it plans for (its layout, coordinator,
-            host strategy, options, events and statistics are read; it is not imported here, so that the runtime
-            owns its chooser without an import cycle).
+        host: The training side (the layer stack, its times and memory, the global batch).
+        state: The current generation (read only).
+        config: The planning options (interval, look-ahead, predictor, throughput mode, heartbeats, run dir).
+        records: Builds the next generation's record and prices layers.
+        coord: The job's records (``None``: none yet -- the measured model then starts empty).
+        store: The store client that reads standbys' heartbeats.
+        migrations: This process's migrations so far (the runtime's list; read only).
+        event: The event log.
+
+    Attributes:
+        stats: The last planning's figures (``predicted_N``, ``liveput``, ``decision``, ``throughput``).
     """
 
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, host: TrainingHost, state: GenerationState, config: RuntimeConfig, records: GenerationRecords,
+                 *, coord: Optional[Coordinator] = None, store: Optional[dist.Store] = None,
+                 migrations: Sequence[Mapping[str, Any]] = (), event: Optional[EventSink] = None) -> None:
+        self.host = host
+        self.state = state
+        self.config = config
+        self.records = records
+        self.coord = coord
+        self.store = store
+        self.migrations = migrations
+        self.event: EventSink = event if event is not None else _no_event
+        self.stats: dict[str, Any] = {"predicted_N": None, "liveput": None}
+        self._standby_seen: dict[str, bytes] = {}
+        self._last_standbys: list[str] = []
         self.measured: Optional[MeasuredThroughput] = None
         self._optimizer: Optional[LiveputOptimizer] = None
-        self._predictor: Any = None
+        self._decider: Optional[ShapeDecider] = None
         self._request_done: Any = None
         # (generation, step, time, first in its generation) at the last step boundary
         self._step_mark: Optional[tuple[int, int, float, bool]] = None
@@ -82,11 +109,11 @@ class ShapeChooser:
     def record_step(self, step: int) -> None:
         """Time the step that just ended, if it ran whole in the current shape (not the first after a switch)."""
         mark, now = self._step_mark, time.monotonic()
-        if mark is None or self.rt.layout is None or mark[0] != self.rt.generation or step != mark[1] + 1 or mark[3]:
+        if mark is None or self.state.layout is None or mark[0] != self.state.generation or step != mark[1] + 1 or mark[3]:
             return  # the first steps of a shape warm up new process groups and joiners: not representative
         model = self.model()
         if model is not None:
-            model.record(self.rt.layout.data_parallel, self.rt.layout.pipeline_stages, 1000.0 * (now - mark[2]))
+            model.record(self.state.layout.data_parallel, self.state.layout.pipeline_stages, 1000.0 * (now - mark[2]))
 
     def choose(self, n_now: int, n_next: int, observe: bool) -> Optional[Shape]:
         """Next shape: the liveput optimizer over the known next interval and the predicted ones after it.
@@ -96,50 +123,52 @@ class ShapeChooser:
             n_next: Instances it will have for the next interval (notices and losses removed).
             observe: This is a planning interval: record ``n_next`` in the availability history.
         """
-        s = self.rt.s
-        assert self.rt.layout is not None and self.rt.coord is not None
+        s = self.host
+        assert self.state.layout is not None and self.coord is not None
         if n_next < 1 or s.global_batch is None:
             return None
         measured = self.model()
         assert measured is not None
-        by_measurement = self.rt.throughput_mode == "measured"
+        by_measurement = self.config.throughput == "measured"
         if self._optimizer is None:
             cm = measured.cost_model(RUNTIME_CONSTANTS)
             if not by_measurement:
                 cm = DefaultCostModel(measured.prior, cm.layer_params, RUNTIME_CONSTANTS)
-            self._optimizer = LiveputOptimizer(cm, interval_s=max(self.rt.interval_s, 1.0), look_ahead=self.rt.look_ahead)
-            self._predictor = make_predictor(self.rt.predictor_name, max_instances=self.rt.max_instances)
-            for c in self.rt.coord.history():
-                self._predictor.observe(c)
-        pred = self._predictor
-        if observe or not len(pred.history):
-            pred.observe(n_next)
+            # the simulator's parcae policy builds the very same decider (planning/policy.py: one predictor factory)
+            options = DecisionOptions(look_ahead=self.config.look_ahead, predictor=self.config.predictor,
+                                      max_instances=self.config.max_instances)
+            self._decider = ShapeDecider(cm, interval_s=max(self.config.interval_s, 1.0), options=options,
+                                         history=self.coord.history())
+            self._optimizer = self._decider.optimizer
+        decider = self._decider
+        assert decider is not None
+        if observe or not decider.observed:
+            decider.observe(n_next)
             if observe:
-                self.rt.coord.append_history(n_next)
-        cur = (self.rt.layout.data_parallel, self.rt.layout.pipeline_stages)
+                self.coord.append_history(n_next)
+        cur = (self.state.layout.data_parallel, self.state.layout.pipeline_stages)
         thr = measured if by_measurement else measured.prior
         stay = 1  # planning intervals the forecast keeps n_next (1 if planning fails)
-        # prices change as steps are measured: drop the optimizer's per-count cache of candidate throughputs
-        self._optimizer._targets_cache.clear()
+        decider.prices_changed()  # prices change as steps are measured
         try:
             # the simulator's parcae policy, literally: the interval about to run is known (notices are in, losses
             # seen, standbys counted); only the intervals after it are forecast, as quantile scenarios
             now = (n_now, max(0, n_next - n_now), max(0, n_now - n_next))
-            decision, scenarios, weights = decide_with_forecast(self._optimizer, pred, cur, now)
+            decision, scenarios, weights = decider.decide(cur, now)
             shape = decision.next_shape
             median = scenarios[len(scenarios) // 2] if scenarios else []
             # how long the forecast keeps this count: the time an exploration's gain can pay back in
-            for iv in median[: max(0, self.rt.look_ahead - 1)]:
+            for iv in median[: max(0, self.config.look_ahead - 1)]:
                 if int(iv[0] + iv[1] - iv[2]) != n_next:
                     break
                 stay += 1
-            self.rt.stats["predicted_N"] = [int(n_next)] + [int(iv[0] + iv[1] - iv[2]) for iv in median[:1]]
-            self.rt.stats["decision"] = {"reactive": list(decision.reactive), "departs": decision.departs,
+            self.stats["predicted_N"] = [int(n_next)] + [int(iv[0] + iv[1] - iv[2]) for iv in median[:1]]
+            self.stats["decision"] = {"reactive": list(decision.reactive), "departs": decision.departs,
                                       "expected_gain": float(decision.expected_gain),
                                       "gain_std": float(decision.gain_std), "scenarios": len(scenarios)}
             if shape != PAUSED:
-                plan = self._optimizer.plan(n_now, cur, [now, *median][: self.rt.look_ahead], first=shape)
-                self.rt.stats["liveput"] = float(plan.expected_samples)
+                plan = self._optimizer.plan(n_now, cur, [now, *median][: self.config.look_ahead], first=shape)
+                self.stats["liveput"] = float(plan.expected_samples)
         except Exception as exc:  # noqa: BLE001 -- planning must never stop training: keep a fitting shape
             log.warning("liveput planning failed (%s); taking the fastest shape that fits", exc)
             shape = PAUSED
@@ -150,7 +179,7 @@ class ShapeChooser:
             shape = max(cands, key=lambda sh: (thr.throughput(*sh), -abs(sh[1] - cur[1])))
         if by_measurement and measured.vetoes(cur, shape, n_next):
             # never move to a shape measured slower than the current one unless availability forces it
-            self.rt.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
+            self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
                        measured_chosen=measured.measured(*shape))
             shape = cur
         if by_measurement and shape == cur and observe:
@@ -158,38 +187,38 @@ class ShapeChooser:
             # Also after a veto: the veto refuses to move on an unsure fit, the try is what measures it
             # (regression: with ``elif`` here a job launched as 1x2 on 3 instances was vetoed from 1x3, fitted
             # 13 % faster, every interval for 15 s and never tried it)
-            explore = measured.exploration(n_next, cur, self.rt.interval_s * stay, self._move_cost_s())
+            explore = measured.exploration(n_next, cur, self.config.interval_s * stay, self._move_cost_s())
             if explore is not None:
-                self.rt.event("explore", current=list(cur), chosen=list(explore),
+                self.event("explore", current=list(cur), chosen=list(explore),
                            measured_current=measured.measured(*cur), fitted=measured.throughput(*explore),
                            uncertainty=measured.uncertainty(*explore))
                 shape = explore
-        self.rt.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
+        self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
                                     "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
         return shape
 
     def _move_cost_s(self) -> float:
         """Typical in-place migration time of this job so far (0.5 s before the first one)."""
-        done = [float(m["duration_s"]) for m in self.rt.migrations if m.get("kind") != "fallback"]
+        done = [float(m["duration_s"]) for m in self.migrations if m.get("kind") != "fallback"]
         return float(sum(done) / len(done)) if done else 0.5
 
     def _stage_memory(self) -> list[float]:
         """Per-layer resident training memory (as the strategy checks it against ``max_stage_memory_bytes``)."""
-        s = self.rt.s
+        s = self.host
         full = s.full_stack
         if full is not None:
             from lightning_parcae.runtime.partition import layer_memory_bytes  # noqa: PLC0415
 
-            return [float(layer_memory_bytes(full._modules[n], s.optimizer_state_factor)) for n in s.layer_names]
+            return [float(layer_memory_bytes(child(full, n), s.optimizer_state_factor)) for n in s.layer_names]
         factor = 1.0 + s.optimizer_state_factor
-        return [b * (1.0 + factor) / factor for b in self.rt._layer_bytes()]
+        return [b * (1.0 + factor) / factor for b in self.records.layer_bytes()]
 
     def model(self) -> Optional[MeasuredThroughput]:
         """This job's throughput model, learned from its own steps (built once the global batch is known; a new
         leader starts from the measurements the previous one published)."""
         if self.measured is not None:
             return self.measured
-        s = self.rt.s
+        s = self.host
         if s.global_batch is None or not s.layer_names:
             return None
         factor = 1.0 + s.optimizer_state_factor
@@ -198,10 +227,10 @@ class ShapeChooser:
         layer_ms = [1000.0 * float(t) for t in s.layer_times] if s.layer_times else [1.0] * len(s.layer_names)
         prior = PipelineThroughput(layer_ms, s.global_batch,
                                    s.micro_batches, s.max_pipeline_stages, min_p=min_p)
-        cores = int(os.environ.get(SHARED_CORES_ENV) or 0) or None
-        model = MeasuredThroughput(prior, layer_bytes=[b / factor for b in self.rt._layer_bytes()], cores=cores)
+        cores = self.config.shared_cores
+        model = MeasuredThroughput(prior, layer_bytes=[b / factor for b in self.records.layer_bytes()], cores=cores)
         model.constants = RUNTIME_CONSTANTS
-        raw = self.rt.coord.get(MEASURED_KEY) if self.rt.coord is not None else None
+        raw = self.coord.get(MEASURED_KEY) if self.coord is not None else None
         if raw:
             try:
                 for key, entry in raw.get("shapes", {}).items():
@@ -217,22 +246,22 @@ class ShapeChooser:
         """Leader: publish the measured profile in the store and write ``run_dir/profile.json`` (with migration
         constants fitted from this job's own migrations) -- ``parcae simulate --profile`` loads it."""
         model = self.measured
-        if model is None or not self.rt.is_leader:
+        if model is None or not self.state.is_leader:
             return
         try:
             moves = [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
-                     for m in self.rt.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
+                     for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
             fitted = MigrationConstants.fit(moves, base=RUNTIME_CONSTANTS) if moves else RUNTIME_CONSTANTS
             model.constants = fitted
             raw = model.to_json()
             model.constants = RUNTIME_CONSTANTS
-            if self.rt.coord is not None:
-                self.rt.coord.put(MEASURED_KEY, raw)
-            if self.rt.run_dir:
-                tmp = os.path.join(self.rt.run_dir, f".profile.json.{os.getpid()}")
+            if self.coord is not None:
+                self.coord.put(MEASURED_KEY, raw)
+            if self.config.run_dir:
+                tmp = os.path.join(self.config.run_dir, f".profile.json.{os.getpid()}")
                 with open(tmp, "w") as f:
                     json.dump(raw, f, indent=1)
-                os.replace(tmp, os.path.join(self.rt.run_dir, "profile.json"))
+                os.replace(tmp, os.path.join(self.config.run_dir, "profile.json"))
         except Exception as exc:  # noqa: BLE001 -- a profile is a by-product: never stop training for it
             log.warning("could not save the measured profile: %s", exc)
 
@@ -242,16 +271,16 @@ class ShapeChooser:
         This is how a person (or a benchmark) forces a shape regardless of the optimizer; it is applied at the next
         planning interval, once per ``id``.
         """
-        assert self.rt.coord is not None
-        req = self.rt.coord.get("parcae/request")
+        assert self.coord is not None
+        req = self.coord.get("parcae/request")
         if not req or req.get("id") == self._request_done:
             return None
         self._request_done = req.get("id")
         shape = (int(req.get("D", 0)), int(req.get("P", 0)))
         thr = self._optimizer.thr if self._optimizer is not None else None
-        if shape[0] * shape[1] > n or shape[1] > len(self.rt.s.layer_names) or (thr and thr.throughput(*shape) <= 0):
+        if shape[0] * shape[1] > n or shape[1] > len(self.host.layer_names) or (thr and thr.throughput(*shape) <= 0):
             log.warning("ignoring the requested shape %s: it does not fit %d instances / this job's batch", shape, n)
-            self.rt.event("request_ignored", requested=list(shape), N=n)
+            self.event("request_ignored", requested=list(shape), N=n)
             return None
         return shape
 
@@ -261,21 +290,21 @@ class ShapeChooser:
         A heartbeat "moves" if it changed since the previous planning interval; a standby seen for the first time
         is watched for two heartbeat periods (the only time the leader waits).
         """
-        assert self.rt.coord is not None and self.rt.layout is not None
-        cands = [m for m in dict.fromkeys(self.rt.coord.standbys()) if m not in self.rt.layout.members]
+        assert self.coord is not None and self.state.layout is not None
+        cands = [m for m in dict.fromkeys(self.coord.standbys()) if m not in self.state.layout.members]
 
         def beats(members: list[str]) -> dict[str, Optional[bytes]]:
-            return {m: bytes(self.rt.store.get(hb_key(m))) if self.rt.store.check([hb_key(m)]) else None for m in members}
+            return {m: bytes(self.store.get(hb_key(m))) if self.store.check([hb_key(m)]) else None for m in members}
 
         now = beats(cands)
-        new = [m for m in cands if m not in self.rt._standby_seen and now[m] is not None]
-        moved = {m for m in cands if m in self.rt._standby_seen and now[m] != self.rt._standby_seen[m]}
+        new = [m for m in cands if m not in self._standby_seen and now[m] is not None]
+        moved = {m for m in cands if m in self._standby_seen and now[m] != self._standby_seen[m]}
         if new:
-            time.sleep(2.5 * self.rt.heartbeat_s)
+            time.sleep(2.5 * self.config.heartbeat_s)
             later = beats(new)
             moved |= {m for m in new if later[m] != now[m]}
             now.update(later)
-        self.rt._standby_seen = {m: b for m, b in now.items() if b is not None}
+        self._standby_seen = {m: b for m, b in now.items() if b is not None}
         alive = []
         for m in cands:
             b = now[m]
@@ -284,14 +313,14 @@ class ShapeChooser:
         return alive
 
     def partition_for(self, p: int) -> list[int]:
-        s = self.rt.s
-        assert self.rt.layout is not None
-        if p == self.rt.layout.pipeline_stages:
-            return list(self.rt.layout.partition)
+        s = self.host
+        assert self.state.layout is not None
+        if p == self.state.layout.pipeline_stages:
+            return list(self.state.layout.partition)
         from lightning_parcae.runtime.partition import balance_stages  # noqa: PLC0415
 
         times = s.layer_times or [1.0] * len(s.layer_names)
-        memory = self.rt._layer_bytes()
+        memory = self.records.layer_bytes()
         return balance_stages(times, p, memory, s.max_stage_memory_bytes)
 
     def decide(self, trainer: "pl.Trainer", reason: str, leaving: Iterable[str],
@@ -299,11 +328,11 @@ class ShapeChooser:
         """Leader: choose the next generation and publish it (None: keep the current one).
 
         ``admit=False`` leaves standbys out (a validation runs right after this step: see
-        :meth:`~lightning_parcae.runtime.elastic.ElasticRuntime.validation_follows`).
+        :meth:`~lightning_parcae.runtime.host.TrainingHost.validation_follows`).
         """
-        assert self.rt.layout is not None and self.rt.coord is not None
+        assert self.state.layout is not None and self.coord is not None
         leaving = list(leaving)
-        old = self.rt.layout
+        old = self.state.layout
         standbys = self._fresh_standbys() if admit else []
         staying = [m for m in old.members if m not in leaving]
         avail = staying + standbys
@@ -313,24 +342,33 @@ class ShapeChooser:
         requested = self.requested_shape(len(avail))
         if requested is not None:
             shape, reason = requested, f"{reason}; operator requested D={requested[0]} P={requested[1]}"
-        if shape != cur or leaving or standbys != self.rt._last_standbys:
-            self.rt._last_standbys = list(standbys)
-            self.rt.event("decision", reason=reason, N=len(avail), current=list(cur),
+        if shape != cur or leaving or standbys != self._last_standbys:
+            self._last_standbys = list(standbys)
+            self.event("decision", reason=reason, N=len(avail), current=list(cur),
                        chosen=list(shape) if shape else None, standbys=standbys, leaving=leaving,
-                       predicted=self.rt.stats.get("predicted_N"), liveput=self.rt.stats.get("liveput"),
-                       throughput=self.rt.stats.get("throughput"))
+                       predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"),
+                       throughput=self.stats.get("throughput"))
         if shape is None:  # every member is alive here: save a checkpoint before stopping
-            return self.rt.recovery.propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
+            return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
                                           checkpoint=True)
         if shape == cur and not leaving:
             return None
         try:
-            plan = plan_migration(old, avail, shape, self.partition_for(shape[1]), self.rt._layer_bytes(),
+            plan = plan_migration(old, avail, shape, self.partition_for(shape[1]), self.records.layer_bytes(),
                                   senders=list(old.members))
         except StageLostError as exc:
-            return self.rt.recovery.propose_fallback(int(trainer.global_step), f"{reason}: {exc}")
+            return self._propose_fallback(int(trainer.global_step), f"{reason}: {exc}")
         if plan.kind.value == "none":
             return None
-        rec = self.rt._record(self.rt.generation + 1, plan.new, plan, plan.kind.value, int(trainer.global_step),
+        rec = self.records.record(self.state.generation + 1, plan.new, plan, plan.kind.value, int(trainer.global_step),
                            reason=reason)
-        return self.rt.coord.propose(rec)
+        return self.coord.propose(rec)
+
+    def _propose_fallback(self, step: int, reason: str, checkpoint: bool = False) -> dict[str, Any]:
+        """Propose a stop for a restart from the checkpoint as the next generation."""
+        assert self.coord is not None
+        return self.coord.propose(self.records.fallback(self.state.generation + 1, step, reason, checkpoint))
+
+
+def _no_event(event_name: str, /, **fields: Any) -> None:
+    """The event log of a chooser that has none (a test, a tool)."""

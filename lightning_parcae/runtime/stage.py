@@ -21,6 +21,7 @@ from typing import Optional
 from torch import nn
 
 from lightning_parcae.errors import ModelLayoutError
+from lightning_parcae.runtime.torch_internals import child, put_child
 
 __all__ = ["locate_layer_stack", "is_block_list", "replace_submodule", "cut_stage", "swapped"]
 
@@ -97,9 +98,9 @@ def cut_stage(stack: nn.Module, names: Sequence[str]) -> nn.Module:
     if isinstance(stack, nn.ModuleList):
         held = nn.ModuleList()
         for n in names:
-            held._modules[n] = stack._modules[n]
+            put_child(held, n, child(stack, n))
         return held
-    return nn.Sequential(OrderedDict((n, stack._modules[n]) for n in names))  # type: ignore[misc]
+    return nn.Sequential(OrderedDict((n, child(stack, n)) for n in names))  # type: ignore[misc]
 
 
 @contextmanager

@@ -4,8 +4,8 @@ Problem: an elastic step costs more than a plain one (the step-boundary agreemen
 store, guarded waits, callbacks), and finding out which part costs what needs timers inside the runtime -- timers
 that must cost nothing in a normal run.
 
-Solution: with ``LIGHTNING_PARCAE_STEP_TIMING=1`` in a worker's environment (read once at import), :func:`span` returns a
-context manager that adds its wall time to a per-process total under a name; otherwise it returns one shared no-op
+Solution: with ``LIGHTNING_PARCAE_STEP_TIMING=1`` in a worker's environment (read by the training layer, which then
+calls :func:`enable`; this module reads no environment), :func:`span` returns a context manager that adds its wall time to a per-process total under a name; otherwise it returns one shared no-op
 object. :func:`summary` gives ``{name: {"n": calls, "total_s": s, "mean_ms": ms}}``;
 :class:`~lightning_parcae.training.callbacks.ParcaeRunCallback` writes it as a ``step_timing`` event of every rank at
 the end of training, which ``benchmarks/bench_elastic_overhead.py`` reads.
@@ -13,16 +13,15 @@ the end of training, which ``benchmarks/bench_elastic_overhead.py`` reads.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
-__all__ = ["STEP_TIMING_ENV", "ON", "span", "add", "summary"]
+__all__ = ["STEP_TIMING_ENV", "ON", "enable", "span", "add", "summary"]
 
 STEP_TIMING_ENV = "LIGHTNING_PARCAE_STEP_TIMING"
 """Not ``PARCAE_*``: launchers drop inherited contract variables, and this debugging switch must reach the workers."""
-ON = os.environ.get(STEP_TIMING_ENV, "0") not in ("", "0", "false")
-"""Whether the timers run in this process."""
+ON = False
+"""Whether the timers run in this process (see :func:`enable`)."""
 
 _totals: dict[str, list[float]] = {}
 
@@ -55,6 +54,12 @@ class _Null:
 
 
 _NULL = _Null()
+
+
+def enable(on: bool = True) -> None:
+    """Turn the timers of this process on (or off)."""
+    global ON
+    ON = bool(on)
 
 
 def span(name: str) -> Any:

@@ -5,103 +5,155 @@ restarting, (1) leave generation g's process groups (destroy them, or abandon th
 shutdown would block on an operation stuck on a dead peer), (2) meet in a *transition world* that includes the
 members leaving and the ones joining, (3) send and receive exactly the layers (and, for joiners, the loop state)
 the migration plan names, (4) leave if the new generation does not include it, else rebuild its groups, stage and
-optimizers for the new layout, and (5) fall back to the checkpoint when the new groups cannot be built. Its steps
-act for the runtime as a :class:`~lightning_parcae.runtime.part.RuntimePart`.
+optimizers for the new layout. When the new groups cannot be built, :meth:`Switch.switch` raises
+:class:`GenerationNotEntered` and the runtime falls back to the checkpoint. The switch reads the current generation
+(:class:`~.generation.GenerationState`) and returns what it moved (:class:`Moved`); the
+:class:`~lightning_parcae.runtime.elastic.ElasticRuntime` then enters the new generation.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 
 from lightning_parcae.contract import RELEASED_EXIT
 from lightning_parcae.planning.migration_plan import MigrationPlan
+from lightning_parcae.runtime.generation import GenerationState
 from lightning_parcae.runtime.groups import init_transition_world
+from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.lifecycle import Phase, exit_now, exit_without_destructors_at_shutdown
 from lightning_parcae.runtime.migration import exchange, layer_payload
-from lightning_parcae.runtime.part import RuntimePart
+from lightning_parcae.runtime.part import PartContext
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-__all__ = ["Switch", "forget_eval_loaders"]
+__all__ = ["Switch", "Moved", "GenerationNotEntered", "meet_transition", "joiners_of"]
 
 
+class GenerationNotEntered(Exception):
+    """The next generation's transition world, state transfer or process groups could not be formed here.
 
-def forget_eval_loaders(trainer: "pl.Trainer") -> None:
-    """Make Lightning rebuild the validation loader (and its distributed sampler) at the next validation.
-
-    Regression: the loader was built once, sharded for the D of the first validation; after a change of D the
-    stages of one pipeline read different validation batches and the last stage's output (16 sequences) no longer
-    matched its own targets (8) -- "Expected input batch_size (1024) to match target batch_size (512)".
+    Attributes:
+        reason: What failed, for the fallback's message.
     """
-    loop = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None)
-    if loop is not None and hasattr(loop, "_combined_loader"):
-        loop._combined_loader = None
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
-class Switch(RuntimePart):
-    """The generation change of one process's live-reconfiguration protocol."""
+def meet_transition(store: dist.Store, rec: dict[str, Any], member: str, bound: timedelta,
+                    aborted: Callable[[], Optional[str]]) -> None:
+    """Meet the transition world of ``rec`` (every process that sends or receives), within the watchdog's bound
+    (:func:`~.groups.init_transition_world`)."""
+    transition = list(rec["transition"])
+    init_transition_world(store, int(rec["generation"]), transition.index(member), len(transition), bound, aborted)
+
+
+def joiners_of(plan: MigrationPlan) -> list[str]:
+    """The members of the plan's new layout that were not in its old one."""
+    return [m for m in plan.new.members if m not in plan.old.members]
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What one process did to enter a generation (returned by :meth:`Switch.switch`).
+
+    Attributes:
+        plan: The migration plan it followed.
+        joiners: Members the generation admitted.
+        t_groups: When the old groups were left (monotonic seconds).
+        t_transfer: When the state transfer was done.
+        bytes_received: Bytes of layer state this process received.
+    """
+
+    plan: MigrationPlan
+    joiners: list[str]
+    t_groups: float
+    t_transfer: float
+    bytes_received: int
+
+    def report(self, rec: dict[str, Any], duration_s: float, step: int) -> dict[str, Any]:
+        """The ``migration`` event's fields for entering ``rec`` in ``duration_s`` at ``step``."""
+        new = self.plan.new
+        return {"kind": rec["kind"], "reason": rec.get("reason", ""), "duration_s": round(duration_s, 4),
+                "transfer_s": round(self.t_transfer - self.t_groups, 4), "bytes_moved": int(rec.get("bytes_moved", 0)),
+                "bytes_received": self.bytes_received, "D": new.data_parallel, "P": new.pipeline_stages,
+                "N": len(new.members), "step": step, "joiners": self.joiners}
+
+
+class Switch:
+    """The generation change of one process's live-reconfiguration protocol.
+
+    Args:
+        ctx: The connection to the job (store, heartbeats, lifecycle, events).
+        host: The training side (its groups, module, optimizers; it installs the new layout).
+        state: The current generation (read only: its agreed parameter-group map goes to the new layout).
+        stall_timeout: The progress watchdog's bound (the transition world's rendezvous).
+    """
+
+    def __init__(self, ctx: PartContext, host: TrainingHost, state: GenerationState, stall_timeout: timedelta) -> None:
+        self.ctx = ctx
+        self.host = host
+        self.state = state
+        self.stall_timeout = stall_timeout
 
     def teardown_groups(self, failed: bool = False) -> None:
         """Leave the current generation's groups: destroy them, or after a failure abandon them (see
         :meth:`ProcessGroups.abandon`: a shutdown could block on an operation stuck on a dead peer)."""
-        s = self.rt.s
-        if s.groups is None:
+        groups = self.host.groups
+        if groups is None:
             return
         if failed:
-            assert self.rt.live is not None
-            self.rt.live.park(s.groups.abandon())
+            self.ctx.live.park(groups.abandon())
             exit_without_destructors_at_shutdown()
         else:
-            s.groups.destroy()
+            groups.destroy()
 
-    def aborted(self) -> Optional[str]:
-        """Why the generation being entered was aborted (a participant declared dead), or None."""
-        return self.rt.live.abort_reason() if self.rt.live is not None else None
+    def hands_loop_state(self, rec: dict[str, Any]) -> bool:
+        """Whether this process sends the loop state to the joiners of ``rec`` (it is named ``loop_from``)."""
+        return bool(joiners_of(MigrationPlan.from_json(rec["plan"]))) and rec.get("loop_from") == self.ctx.member
 
-    def init_transition(self, rec: dict[str, Any]) -> None:
-        """Meet the transition world of ``rec`` (every process that sends or receives), within the watchdog's bound
-        (:func:`~.groups.init_transition_world`)."""
-        transition = list(rec["transition"])
-        init_transition_world(self.rt.store, int(rec["generation"]), transition.index(self.rt.member),
-                              len(transition), self.rt.stall_timeout, self.aborted)
+    def switch(self, trainer: "pl.Trainer", rec: dict[str, Any], loop: Optional[dict[str, Any]]) -> Moved:
+        """Move to generation ``rec``: transfer state, rebuild groups and the stage in place (or leave).
 
-    def switch(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
-        """Move to generation ``rec``: transfer state, rebuild groups and the stage in place (or leave/fall back)."""
-        assert self.rt.layout is not None and self.rt.coord is not None and self.rt.live is not None
-        t0 = time.monotonic()
-        if self.rt.life.phase != Phase.MIGRATING:
-            self.rt.life.to(Phase.MIGRATING, generation=rec["generation"], kind=rec["kind"])
-        if rec["kind"] == "fallback":
-            self.rt.fallback(trainer, rec)
-        s = self.rt.s
+        Args:
+            trainer: The trainer (the new layout is installed into it).
+            rec: The generation record to enter.
+            loop: The loop state to send to its joiners (this process is ``loop_from``), else None.
+
+        Raises:
+            GenerationNotEntered: the transition world, the transfer or the new groups failed.
+        """
+        ctx, s = self.ctx, self.host
         plan = MigrationPlan.from_json(rec["plan"])
         new = plan.new
         transition = list(rec["transition"])
-        joiners = [m for m in new.members if m not in plan.old.members]
-        loop = self.rt.admission.loop_state(trainer) if joiners and rec.get("loop_from") == self.rt.member else None
+        joiners = joiners_of(plan)
         self.teardown_groups()
         t_groups = time.monotonic()
         # the transfers belong to the new generation: a death now aborts *it* (and is seen by every participant)
-        self.rt.live.set_generation(int(rec["generation"]), [m for m in transition if m != self.rt.member])
+        ctx.live.set_generation(int(rec["generation"]), [m for m in transition if m != ctx.member])
         try:
-            self.init_transition(rec)
+            meet_transition(ctx.store, rec, ctx.member, self.stall_timeout, ctx.live.abort_reason)
         except RuntimeError as exc:
-            self._rendezvous_failed(trainer, rec, exc)
+            raise self._rendezvous_failed(rec, exc) from exc
         module = s.lightning_module
         assert module is not None
-        opts = [getattr(o, "_optimizer", o) for o in s.optimizers]
+        opts = s.torch_optimizers()
         sends: dict[int, dict[str, Any]] = {}
-        for t in plan.sends(self.rt.member):
+        for t in plan.sends(ctx.member):
             box = sends.setdefault(transition.index(t.dst), {"layers": {}})
             box["layers"][t.layer] = layer_payload(module, s.layer_key(s.layer_names[t.layer]), opts)
         if loop is not None:
             for j in joiners:
                 sends.setdefault(transition.index(j), {"layers": {}})["loop"] = loop
-        srcs = sorted({transition.index(t.src) for t in plan.receives(self.rt.member)})
+        srcs = sorted({transition.index(t.src) for t in plan.receives(ctx.member)})
         try:
             inbox = exchange(sends, srcs, "migration state transfer")
         except RuntimeError as exc:  # PeerLostError included
@@ -109,45 +161,31 @@ class Switch(RuntimePart):
             # was being entered; the transfer raised out of the switch and the job failed. Nothing of the new
             # generation has been applied here, but its members cannot agree in place which state each holds:
             # fall back to the checkpoint, as for a failed rendezvous.
-            self._rendezvous_failed(trainer, rec, exc)
+            raise self._rendezvous_failed(rec, exc) from exc
         dist.destroy_process_group()
         t_transfer = time.monotonic()
-        if self.rt.member not in new.members:
-            leaving_reason = "notice" if self.rt.live.noticed.is_set() else "released"
-            self.rt.event("left", kind=rec["kind"], reason=leaving_reason, transfer_s=t_transfer - t_groups)
-            self.rt.life.to(Phase.FENCED, reason=leaving_reason)
+        if ctx.member not in new.members:
+            leaving_reason = "notice" if ctx.live.noticed.is_set() else "released"
+            ctx.event("left", kind=rec["kind"], reason=leaving_reason, transfer_s=t_transfer - t_groups)
+            ctx.life.to(Phase.FENCED, reason=leaving_reason)
             exit_now(0 if leaving_reason == "notice" else RELEASED_EXIT)
         received: dict[int, Any] = {}
         for blob in inbox.values():
             received.update(blob.get("layers", {}))
         try:
-            s.apply_layout(trainer, new, int(rec["generation"]), received, self.rt.group_of)
+            s.apply_layout(trainer, new, int(rec["generation"]), received, self.state.group_of)
         except RuntimeError as exc:
-            self._rendezvous_failed(trainer, rec, exc)
-        forget_eval_loaders(trainer)
-        self.rt._enter(rec)
-        self.rt.live.set_generation(self.rt.generation, self.rt._watch())
-        if self.rt.is_leader:
-            self.rt.coord.set_current(self.rt.generation)
-        dt = time.monotonic() - t0
-        info = {"kind": rec["kind"], "reason": rec.get("reason", ""), "duration_s": round(dt, 4),
-                "transfer_s": round(t_transfer - t_groups, 4), "bytes_moved": int(rec.get("bytes_moved", 0)),
-                "bytes_received": int(sum(t.nbytes for t in plan.receives(self.rt.member))),
-                "D": new.data_parallel, "P": new.pipeline_stages, "N": len(new.members), "step": trainer.global_step,
-                "joiners": joiners}
-        if self.rt._recovering_since is not None:  # from noticing the loss to training again (detection excluded)
-            info["recovery_s"] = round(time.monotonic() - self.rt._recovering_since, 4)
-            self.rt._recovering_since = None
-        self.rt.migrations.append(info)
-        self.rt.event("migration", **info)
-        self.rt.life.to(Phase.TRAINING, **{k: info[k] for k in ("kind", "duration_s", "D", "P")})
+            raise self._rendezvous_failed(rec, exc) from exc
+        s.reset_eval_loaders(trainer)
+        return Moved(plan=plan, joiners=joiners, t_groups=t_groups, t_transfer=t_transfer,
+                     bytes_received=int(sum(t.nbytes for t in plan.receives(ctx.member))))
 
-    def _rendezvous_failed(self, trainer: "pl.Trainer", rec: dict[str, Any], exc: BaseException) -> None:
+    def _rendezvous_failed(self, rec: dict[str, Any], exc: BaseException) -> GenerationNotEntered:
         """Building a new generation's groups failed (a peer lost or stalled during the rendezvous). The race
         that also ended here ("Connection closed by peer" with every peer alive: chaos seeds 14, 22, 26, 28, 94 and
         CI) was a peer tearing a world down before the other's connect was done; :func:`~.groups.await_connected`
-        closes it. The generation cannot be entered consistently; rather than fail the job, fall back: exit 75 and
-        let the launcher restart from the last checkpoint (at most the steps since it are lost)."""
+        closes it. The generation cannot be entered consistently; rather than fail the job, the runtime falls
+        back: exit 75 and let the launcher restart from the last checkpoint (at most the steps since it are lost)."""
         reason = f"process groups of generation {rec['generation']} could not be built: {str(exc).splitlines()[0][:160]}"
-        self.rt.event("rendezvous_failed", reason=reason)
-        self.rt.fallback(trainer, {"reason": reason})
+        self.ctx.event("rendezvous_failed", reason=reason)
+        return GenerationNotEntered(reason)

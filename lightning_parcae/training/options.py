@@ -6,7 +6,9 @@ range (with an error that names the value), and several default to what ``parcae
 worker (the first generation's P, the planning interval, whether the job is elastic) rather than to a constant.
 :class:`StrategyOptions` is that resolved set: built by :meth:`StrategyOptions.resolve` from the constructor's
 arguments, frozen afterwards. The constructor's signature (and its docstring's ``Args``) stay on the strategy,
-where LightningCLI / jsonargparse read them.
+where LightningCLI / jsonargparse read them. Resolving also switches this process's step timers on
+(:func:`lightning_parcae.runtime.steptime.enable`) when the launcher asks for them
+(``LIGHTNING_PARCAE_STEP_TIMING``), so the runtime never reads the environment for it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Optional
 
 from lightning_parcae.contract import ELASTIC_ENV
 from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.runtime import steptime
 from lightning_parcae.training import environment as launcher_env
 
 __all__ = ["StrategyOptions"]
@@ -80,6 +83,8 @@ class StrategyOptions:
         _check(stages, given["micro_batches"], given["throughput"], given["schedule"], balance)
         if given["elastic"] is None:
             given["elastic"] = os.environ.get(ELASTIC_ENV, "0") not in ("", "0", "false")
+        if launcher_env.launcher_step_timing():  # the launcher's debugging switch: this process times its steps
+            steptime.enable()
         given.update(pipeline_stages=stages if balance is None else len(balance), elastic=bool(given["elastic"]),
                      balance=list(balance) if balance is not None else None)
         return cls(**given)
@@ -91,7 +96,8 @@ class StrategyOptions:
 
     @property
     def elastic_options(self) -> dict[str, Any]:
-        """The options the elastic runtime is built with (``ElasticRuntime.from_env`` keywords)."""
+        """The strategy's planning options of the elastic runtime (with the launcher's contract they make its
+        :class:`~lightning_parcae.runtime.config.RuntimeConfig`: ``training.environment.runtime_config``)."""
         return dict(
             interval_s=self.interval_s, interval_steps=self.interval_steps, look_ahead=self.look_ahead,
             predictor=self.predictor, heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,

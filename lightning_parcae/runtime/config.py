@@ -1,0 +1,80 @@
+"""The live-reconfiguration runtime's configuration: one typed object, built above the runtime and handed to it.
+
+Problem: the runtime needs the strategy's planning options (interval, look-ahead, predictor, heartbeats, the
+watchdog) *and* what the launcher told this worker (the store, the job token, its member id, whether it joins a
+running job, the run directory, the cores its machine's workers share, the largest instance count). Read from two
+channels -- the strategy's arguments and ``os.environ`` reads scattered over the runtime -- an option could arrive
+by one and be missed by the other (``max_instances`` never arrived). :class:`RuntimeConfig` is that whole set,
+checked once; the training layer builds it (``lightning_parcae.training.environment.runtime_config``: the one
+place that reads the launcher's environment) and nothing under ``runtime/`` reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+from lightning_parcae.errors import ConfigurationError
+
+__all__ = ["RuntimeConfig"]
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything one process's :class:`~lightning_parcae.runtime.elastic.ElasticRuntime` is configured with.
+
+    Owned by the runtime it is given to; frozen (nobody changes it after the training layer built it).
+
+    Attributes:
+        store_url: Coordination store URL (hosted by ``parcae run`` or an external etcd / TCPStore).
+        token: Job token (records are signed) or None.
+        member: This process's member id (stable across generations).
+        interval_s: Planning interval in wall seconds (0: only ``interval_steps``).
+        interval_steps: Planning interval in optimizer steps (0: only ``interval_s``).
+        look_ahead: Intervals the liveput optimizer plans over.
+        predictor: Predictor name (``persistence``, ``arima``, ``artifact``).
+        heartbeat_s: Heartbeat period.
+        dead_after_s: Silence after which a member is declared dead.
+        stall_after_s: Progress watchdog: an operation of a generation (collective, point-to-point, rendezvous of
+            a rebuilt group) that makes no progress this long fails and becomes a recovery (the launcher's
+            ``PARCAE_STALL_S`` already applied).
+        throughput: ``"measured"`` (price shapes by measurement and the fitted model, with the never-slower rules)
+            or ``"profile"`` (the per-layer formula only; measurements are still recorded and saved).
+        joining: Start as a standby that waits to be admitted (a process added to a running job).
+        run_dir: The run directory of ``parcae run`` (events, profile), or None.
+        max_instances: Upper bound of the forecasts.
+        shared_cores: Cores this machine's workers share (the measured model's contention term), or None.
+
+    Raises:
+        ConfigurationError: ``stall_after_s`` is not positive or ``throughput`` is unknown.
+    """
+
+    store_url: str
+    token: Optional[str]
+    member: str
+    interval_s: float
+    interval_steps: int
+    look_ahead: int
+    predictor: str
+    heartbeat_s: float
+    dead_after_s: float
+    stall_after_s: float
+    throughput: str
+    joining: bool = False
+    run_dir: Optional[str] = None
+    max_instances: int = 64
+    shared_cores: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not self.stall_after_s > 0:
+            raise ConfigurationError(f"stall_after_s must be > 0 seconds, got {self.stall_after_s}")
+        if self.throughput not in ("measured", "profile"):
+            raise ConfigurationError(f"throughput={self.throughput!r}: use 'measured' or 'profile'")
+        if self.max_instances < 1:
+            raise ConfigurationError(f"max_instances must be >= 1, got {self.max_instances}")
+
+    @property
+    def stall_timeout(self) -> timedelta:
+        """The progress watchdog's bound as a group timeout (see ``stall_after_s``)."""
+        return timedelta(seconds=self.stall_after_s)

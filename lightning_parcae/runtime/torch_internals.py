@@ -1,0 +1,67 @@
+"""The one place the runtime touches torch's private internals.
+
+Problem: two things the runtime must do have no public torch API. (1) After a failure, survivors must forget a
+generation's process groups *without* shutting them down (a gloo shutdown blocks on an operation stuck on a dead
+peer) and shorten a live group's timeout to the progress watchdog's bound: both need ``distributed_c10d``'s private
+registry. (2) Cutting a layer stack into stages keeps the stack's own child names (so state-dict keys stay global),
+including the holes of an ``nn.ModuleList`` with blocks left out, and walks children in registration order without
+``named_children``'s de-duplication of a module held twice: both read ``nn.Module``'s child table. Every such read
+is here, so that a torch upgrade that renames them breaks one module, and ``tests/test_ownership.py`` can check
+that nothing else under ``runtime/`` reads another object's private attributes.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+from torch import nn
+
+__all__ = ["set_group_timeout", "forget_process_groups", "child", "children", "put_child"]
+
+
+def set_group_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:
+    """Set the timeout of ``group``'s operations (``None``: the default group) after it was built.
+
+    Args:
+        timeout: The new bound of each operation.
+        group: A process group of this process, or ``None`` for the world.
+    """
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    c10d._set_pg_timeout(timeout, group)
+
+
+def forget_process_groups() -> list[Any]:
+    """Drop every process group from torch's registry without shutting any down; returns them (to be kept alive).
+
+    These are the steps ``destroy_process_group`` takes after its shutdown calls: afterwards ``init_process_group``
+    may build a new world, while the old groups' objects -- whose destructors would block on a dead peer -- are
+    the caller's to keep referenced.
+    """
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    world = c10d._world
+    kept: list[Any] = list(world.pg_map.keys())
+    c10d._update_default_pg(None)
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
+                  world.tags_to_pg, world.pg_coalesce_state):
+        table.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+    return kept
+
+
+def child(module: nn.Module, name: str) -> nn.Module:
+    """``module``'s direct child registered as ``name`` (a ``KeyError`` when there is none)."""
+    return module._modules[name]  # type: ignore[return-value]
+
+
+def children(module: nn.Module) -> list[nn.Module]:
+    """``module``'s direct children in registration order, a module registered twice listed twice."""
+    return list(module._modules.values())  # type: ignore[arg-type]
+
+
+def put_child(container: nn.Module, name: str, sub: nn.Module) -> None:
+    """Register ``sub`` in ``container`` under ``name`` as it is (also a non-contiguous index of a ``ModuleList``)."""
+    container._modules[name] = sub

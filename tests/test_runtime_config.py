@@ -1,0 +1,42 @@
+"""The runtime's one typed configuration (lightning_parcae.runtime.config.RuntimeConfig)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.runtime.config import RuntimeConfig
+
+
+def _config(**kw: Any) -> RuntimeConfig:
+    base: dict[str, Any] = dict(store_url="tcp://127.0.0.1:1", token=None, member="m", interval_s=60.0,
+                                interval_steps=0, look_ahead=12, predictor="persistence", heartbeat_s=0.2,
+                                dead_after_s=3.0, stall_after_s=60.0, throughput="measured")
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+def test_the_defaults_are_a_member_of_a_job_of_up_to_64_instances() -> None:
+    c = _config()
+    assert c.max_instances == 64 and not c.joining and c.run_dir is None and c.shared_cores is None
+    assert c.stall_timeout == timedelta(seconds=60.0)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"stall_after_s": 0.0}, "stall_after_s must be > 0 seconds, got 0.0"),
+    ({"throughput": "fast"}, "throughput='fast': use 'measured' or 'profile'"),
+    ({"max_instances": 0}, "max_instances must be >= 1, got 0"),
+])
+def test_a_configuration_out_of_range_is_refused_naming_the_value(kw: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        _config(**kw)
+    assert needle in str(err.value)
+
+
+def test_the_configuration_is_frozen() -> None:
+    c = _config()
+    with pytest.raises(AttributeError):
+        c.member = "other"  # type: ignore[misc]
