@@ -58,6 +58,72 @@ def test_strategy_matches_single_process_if_shape_varies(world: int, p: int, m: 
     _assert_transparent(res, reference(f"shape-{optimizer}", cfg))
 
 
+# ------------------------------------------------------------------------------------------ what crosses stages
+# One 2-process run (D=1 x P=2, M=2, 1F1B) of a model with a wide output (2048 logits per sample), a torchmetrics
+# metric logged on step and epoch, sync_dist, a progress-bar value, ModelCheckpoint(monitor=...), EarlyStopping and
+# predict, against one plain process (tests/stage_crossing_worker.py).
+_CROSSING: dict[str, list[dict]] = {}
+
+
+def _crossing(key: str) -> list[dict]:
+    import tempfile
+
+    from stage_crossing_worker import launch
+
+    if key not in _CROSSING:
+        cfg: dict = {"out": tempfile.mkdtemp(prefix=f"parcae-crossing-{key}-")}
+        if key == "pipeline":
+            cfg["parcae"] = {"world": 2, "P": 2, "M": 2, "schedule": "1f1b"}
+        _CROSSING[key] = launch(cfg)
+    return _CROSSING[key]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_stages_never_broadcast_a_tensor_the_size_of_the_output() -> None:
+    """Regression (issue 22): every step broadcast the last stage's whole output (here 16 x 2048 logits, 128 KiB)
+    to the other stages so that they could re-run the user's step; only the logged values and the loss cross now."""
+    for rank in _crossing("pipeline"):
+        assert 0 < rank["max_broadcast_bytes"] < rank["output_bytes"] / 8, rank["max_broadcast_bytes"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_logged_values_are_equal_on_every_stage_and_to_one_process() -> None:
+    stages, (ref,) = _crossing("pipeline"), _crossing("reference")
+    first, last = stages
+    # what Lightning and the callbacks see after each step (metrics, progress bar, the step's output) is the same
+    # on both stages -- also what only the last stage computed (the Metric, the max over micro-batches, extras)
+    assert first["steps"] == last["steps"] and first["validations"] == last["validations"]
+    assert first["final"] == last["final"] and first["predictions"] == last["predictions"]
+    assert len(first["steps"]) == len(ref["steps"])
+    for mine, theirs in zip(first["steps"], ref["steps"]):
+        assert mine["step"] == theirs["step"]
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        for name in ("train_loss", "train_loss_sync_step"):
+            assert mine["metrics"][name] == pytest.approx(theirs["metrics"][name], rel=1e-5)
+        assert mine["progress_bar"]["train_loss"] == pytest.approx(theirs["progress_bar"]["train_loss"], rel=1e-5)
+    assert [v["step"] for v in first["validations"]] == [v["step"] for v in ref["validations"]]
+    for mine, theirs in zip(first["validations"], ref["validations"]):
+        for name in ("val_loss", "val_acc"):  # sync_dist, and a torchmetrics Metric logged from validation_step
+            assert mine["metrics"][name] == pytest.approx(theirs["metrics"][name], rel=1e-5)
+    for name in ("train_loss_sync_epoch", "train_acc_epoch"):  # epoch values: sync_dist, a Metric's compute()
+        assert first["final"][name] == pytest.approx(ref["final"][name], rel=1e-5)
+    assert first["predictions"] == ref["predictions"]  # predict returns the predictions on every stage
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_checkpoint_monitor_and_early_stopping_choose_like_one_process() -> None:
+    stages, (ref,) = _crossing("pipeline"), _crossing("reference")
+    for rank in stages:
+        assert rank["global_step"] == ref["global_step"] < 16  # EarlyStopping stopped at the same step
+        assert rank["stopped_epoch"] == ref["stopped_epoch"]
+        assert rank["best"] == ref["best"]  # ModelCheckpoint(monitor="val_acc") kept the same step
+        assert rank["best_score"] == pytest.approx(ref["best_score"], rel=1e-5)
+        assert rank["early_best"] == pytest.approx(ref["early_best"], rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ single process
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group() -> object:
@@ -94,9 +160,9 @@ def _partition_only(strategy: ParcaeStrategy, module: pl.LightningModule) -> Non
     """Run the partition step alone, with a stand-in for the process groups (no Trainer, no processes)."""
     p = strategy.pipeline_stages_option or 1
     strategy._lightning_module = module
-    strategy.groups = types.SimpleNamespace(  # type: ignore[assignment]
+    strategy.layout.use_groups(types.SimpleNamespace(  # type: ignore[arg-type]
         world=p, pipeline_stages=p, coords=types.SimpleNamespace(stage=0), pipeline_group=None
-    )
+    ))
     strategy.parallel_devices = [torch.device("cpu")]
     strategy.layout.partition_module(types.SimpleNamespace(fit_loop=None, state=None))  # type: ignore[arg-type]
 

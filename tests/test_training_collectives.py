@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning_parcae.runtime.liveness import Liveness, activate
 from lightning_parcae.runtime.store import connect_store
 from lightning_parcae.training.collectives import Collectives
+from lightning_parcae.training.stage_state import StageState
 
 url, rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = connect_store(url, token=None)
@@ -30,7 +31,7 @@ live = Liveness(lambda: connect_store(url, token=None), f"m{rank}", interval_s=0
 live.set_generation(0, ["m0", "m1"])
 activate(live)
 er = types.SimpleNamespace(live=live, joining=False, admitted=True)
-coll = Collectives(types.SimpleNamespace(elastic_runtime=er, groups=None, root_device=None))
+coll = Collectives(StageState(), types.SimpleNamespace(elastic_runtime=er, root_device=None))
 assert coll.broadcast({"log_dir": "from-1"} if rank == 1 else None, src=1) == {"log_dir": "from-1"}
 if rank == 1:
     if mode == "die":

@@ -14,7 +14,9 @@ Solution: :class:`ParcaeRunCallback` (active only when ``PARCAE_RUN_DIR`` is set
 * replaces the SIGTERM handler with one that only sets a flag, and at every batch end runs one tiny all-reduce
   ("has any rank been told to stop?") so that all ranks stop after the same step;
 * saves ``trainer.save_checkpoint(run_dir/ckpt/last.ckpt)`` (atomic; layout-independent, so it resumes at any
-  D x P) every ``every_n_steps`` steps and at the agreed stop step;
+  D x P) every ``every_n_steps`` steps and at the agreed stop step -- or, when the launcher names a checkpoint
+  directory (``--checkpoint-dir``: a shared mount or ``s3://``/``gs://``/``az://``), a new complete checkpoint
+  there (:mod:`lightning_parcae.runtime.checkpoint_store`), so it outlives the instance that wrote it;
 * appends JSON-lines events (``start`` / ``progress`` / ``checkpoint`` / ``stop`` / ``end``) to
   ``run_dir/events.jsonl`` from global rank 0.
 
@@ -41,6 +43,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_parcae.contract import (
+    CHECKPOINT_DIR_ENV,
     RUN_DIR_ENV,
     RESUME_ENV,
     STORE_ENV,
@@ -62,10 +65,11 @@ def resume_path() -> Optional[str]:
     """The checkpoint to pass to ``trainer.fit(..., ckpt_path=...)``.
 
     Returns:
-        ``$PARCAE_RESUME_CKPT`` when it is set and the file exists, else None (a fresh start).
+        ``$PARCAE_RESUME_CKPT`` when it is set and the file exists (or it is a checkpoint store's URL, which the
+        launcher found complete), else None (a fresh start).
     """
     path = os.environ.get(RESUME_ENV)
-    return path if path and os.path.isfile(path) else None
+    return path if path and ("://" in path or os.path.isfile(path)) else None
 
 
 
@@ -84,6 +88,7 @@ class ParcaeRunCallbackMixin:
     def __init__(self, every_n_steps: int = 50, progress_every_s: float = 1.0, check_token: bool = True) -> None:
         super().__init__()
         self.run_dir: Optional[Path] = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
+        self.checkpoint_dir: Optional[str] = os.environ.get(CHECKPOINT_DIR_ENV) or None
         self.every_n_steps = max(0, int(every_n_steps))
         self.progress_every_s = progress_every_s
         self.generation = int(os.environ.get(GENERATION_ENV, "0"))
@@ -112,6 +117,14 @@ class ParcaeRunCallbackMixin:
     def ckpt_path(self) -> Optional[Path]:
         """``run_dir/ckpt/last.ckpt`` (None when inactive)."""
         return self.run_dir / "ckpt" / "last.ckpt" if self.run_dir is not None else None
+
+    @property
+    def save_target(self) -> Optional[str]:
+        """Where a save goes: the launcher's checkpoint directory (each save adds a complete checkpoint to it) or,
+        without one, ``run_dir/ckpt/last.ckpt`` (None when inactive)."""
+        if self.checkpoint_dir:
+            return self.checkpoint_dir
+        return str(self.ckpt_path) if self.ckpt_path is not None else None
 
     def _check_token(self) -> None:
         url = os.environ.get(STORE_ENV)
@@ -148,16 +161,16 @@ class ParcaeRunCallbackMixin:
         })
 
     def _save(self, trainer: pl.Trainer, reason: str) -> None:
-        assert self.ckpt_path is not None
+        assert self.ckpt_path is not None and self.save_target is not None
         t = time.time()
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and not self.checkpoint_dir:
             self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         from lightning_parcae.errors import PeerLostError  # noqa: PLC0415
 
         try:
             # collective under ParcaeStrategy; atomic write on rank 0. weights_only=False given explicitly: the full
             # training state, and no "weights_only was not set" line in the worker log at every periodic save
-            trainer.save_checkpoint(str(self.ckpt_path), weights_only=False)
+            trainer.save_checkpoint(self.save_target, weights_only=False)
         except PeerLostError as exc:
             if _elastic(trainer) is None:
                 raise
@@ -166,7 +179,7 @@ class ParcaeRunCallbackMixin:
             print(f"checkpoint at step {trainer.global_step} skipped: {exc}", file=sys.stderr, flush=True)
             self._emit(trainer, "checkpoint_skipped", reason=str(exc)[:200])
             return
-        self._emit(trainer, "checkpoint", reason=reason, save_s=time.time() - t, path=str(self.ckpt_path))
+        self._emit(trainer, "checkpoint", reason=reason, save_s=time.time() - t, path=self.save_target)
 
     # ------------------------------------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

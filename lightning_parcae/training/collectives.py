@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -23,21 +23,34 @@ from torch.distributed import ReduceOp
 
 from lightning_parcae.errors import PeerLostError
 from lightning_parcae.runtime.liveness import guarded
+from lightning_parcae.training.stage_state import StageState
 
-__all__ = ["Collectives", "op_name"]
+__all__ = ["Collectives", "CollectivesHost", "op_name"]
 
 log = logging.getLogger(__name__)
+
+
+class CollectivesHost(Protocol):
+    """What the collectives need from the strategy: its device and elastic runtime."""
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def elastic_runtime(self) -> Any: ...
 
 
 class Collectives:
     """The collectives Lightning runs through one strategy (see the module docstring).
 
     Args:
-        strategy: The owning ParcaeStrategy (its groups, device and elastic runtime).
+        state: The stage state (read only: this generation's groups).
+        host: The strategy, for its device and elastic runtime.
     """
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, state: StageState, host: CollectivesHost) -> None:
+        self.state = state
+        self.host = host
 
     @property
     def solo(self) -> bool:
@@ -45,7 +58,7 @@ class Collectives:
         so ``broadcast`` / ``barrier`` / ``reduce`` act locally until it has joined -- and never again after: once
         admitted it is a member like any other, also after ``fit`` (a joiner whose barrier in
         ``trainer.save_checkpoint`` returned at once exited while the others were still in it)."""
-        er = self.strategy.elastic_runtime
+        er = self.host.elastic_runtime
         return er is not None and er.joining and not er.admitted
 
     def reduce(self, tensor: Any, group: Optional[Any] = None,
@@ -55,7 +68,7 @@ class Collectives:
         With ``group=None`` the reduction runs over all ranks; since the P stages of a pipeline hold identical
         (mirrored) values, ``mean`` / ``max`` / ``min`` are unaffected and ``sum`` is divided by P.
         """
-        groups = self.strategy.groups
+        groups = self.state.groups
         if not isinstance(tensor, Tensor) or groups is None or groups.world == 1 or self.solo:
             return tensor
         op = op_name(reduce_op)
@@ -73,10 +86,10 @@ class Collectives:
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002
         """All (or any) over every rank of the job."""
-        groups = self.strategy.groups
+        groups = self.state.groups
         if groups is None or groups.world == 1 or self.solo:
             return decision
-        t = torch.tensor(int(decision), device=self.strategy.root_device)
+        t = torch.tensor(int(decision), device=self.host.root_device)
         if not self.guarded(lambda: dist.all_reduce(t, op=ReduceOp.SUM, async_op=True), "decision all-reduce"):
             return decision
         return bool(t.item() == groups.world) if all else bool(t.item() > 0)
@@ -91,7 +104,7 @@ class Collectives:
         try:
             guarded(post, what)
         except PeerLostError:
-            er = self.strategy.elastic_runtime
+            er = self.host.elastic_runtime
             if er is None or er.live is None:
                 raise
             log.warning("%s abandoned: a peer was lost; recovering at the next step boundary", what)
@@ -103,7 +116,7 @@ class Collectives:
         if not dist.is_initialized() or self.solo:
             return
         if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.strategy.root_device.index])
+            dist.barrier(device_ids=[self.host.root_device.index])
         else:
             self.guarded(lambda: dist.barrier(async_op=True), "barrier")
 
@@ -119,12 +132,12 @@ class Collectives:
         """
         if not dist.is_initialized() or dist.get_world_size() == 1 or self.solo:
             return obj
-        er = self.strategy.elastic_runtime
+        er = self.host.elastic_runtime
         if er is None or er.live is None:
             box = [obj]
             dist.broadcast_object_list(box, src)
             return box[0]
-        device = torch.device("cpu") if "gloo" in str(dist.get_backend()) else self.strategy.root_device
+        device = torch.device("cpu") if "gloo" in str(dist.get_backend()) else self.host.root_device
         mine = dist.get_rank() == src
         payload = pickle.dumps(obj) if mine else b""
         size = torch.tensor([len(payload)], dtype=torch.int64, device=device)

@@ -13,6 +13,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning_parcae.runtime.data import GlobalBatchSampler, reshard_dataloader
+from lightning_parcae.training.lightning_internals import (
+    prepare_dataloader,
+    replace_prepare_dataloader,
+    restore_prepare_dataloader,
+)
+from lightning_parcae.training.stage_state import StageState
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -26,7 +32,10 @@ class DataPath:
     """Resharded loaders, the sample cursor and stale-batch re-cuts for one strategy (see the module docstring).
 
     Args:
-        strategy: The owning ParcaeStrategy (its groups, ``micro_batches``, ``elastic``, module and device).
+        state: The stage state (read only: this generation's groups give D and the replica).
+        micro_batches: M, micro-batches per pipeline batch.
+        elastic: Live reconfiguration on (every member must agree on where an epoch ends).
+        to_device: Moves a re-cut batch to this process's device (the strategy's ``batch_to_device``).
 
     Attributes:
         global_batch: B, once the training loader is known.
@@ -35,8 +44,11 @@ class DataPath:
         last_step_indices: Global sample indices this pipeline trained on in the last step.
     """
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, state: StageState, micro_batches: int, elastic: bool, to_device: Callable[[Any], Any]) -> None:
+        self.stage = state
+        self.micro_batches = micro_batches
+        self.elastic = elastic
+        self.to_device = to_device
         self.prepare_patch: Optional[Callable[..., Any]] = None  # Lightning's own _prepare_dataloader
         self.train_sampler: Optional[GlobalBatchSampler] = None
         self.train_loader: Optional[Any] = None
@@ -50,18 +62,17 @@ class DataPath:
 
     def sampler_kwargs(self) -> dict[str, Any]:
         """All stages of a pipeline read the same shard: replicas = D, rank = pipeline index (used for predict)."""
-        groups = self.strategy.groups
+        groups = self.stage.groups
         if groups is None:
             return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": groups.data_parallel, "rank": groups.coords.replica}
 
     def install(self, trainer: "pl.Trainer") -> None:
         """Replace Lightning's sampler injection: every loader is read in global order and sliced per pipeline."""
-        connector = trainer._data_connector
         if self.prepare_patch is None:
-            self.prepare_patch = connector._prepare_dataloader
+            self.prepare_patch = prepare_dataloader(trainer)
         original = self.prepare_patch
-        s = self.strategy
+        s = self.stage
 
         def prepare(dataloader: object, shuffle: bool, mode: Any) -> object:
             from torch.utils.data import DataLoader  # noqa: PLC0415
@@ -71,8 +82,8 @@ class DataPath:
             assert s.groups is not None
             train = mode == _TRAINING
             loader, sampler = reshard_dataloader(
-                dataloader, s.groups.data_parallel, s.groups.coords.replica, s.micro_batches, train,
-                fixed_epoch=s.elastic,  # every member, joiner or not, must agree on where an epoch ends
+                dataloader, s.groups.data_parallel, s.groups.coords.replica, self.micro_batches, train,
+                fixed_epoch=self.elastic,  # every member, joiner or not, must agree on where an epoch ends
             )
             if train:
                 self.train_sampler = sampler
@@ -83,27 +94,44 @@ class DataPath:
                                      self.resume.get("rng"), self.resume.get("rng_now"))
             return loader
 
-        connector._prepare_dataloader = prepare  # type: ignore[method-assign]
+        replace_prepare_dataloader(trainer, prepare)
 
     def uninstall(self, trainer: Any) -> None:
         """Give the trainer its own sampler injection back."""
         if trainer is not None and self.prepare_patch is not None:
-            trainer._data_connector.__dict__.pop("_prepare_dataloader", None)
+            restore_prepare_dataloader(trainer)
             self.prepare_patch = None
 
     def reshard(self, data_parallel: int, replica: int) -> None:
         """Slice the training batches that are still to come for a new D (and this process's replica)."""
         if self.train_sampler is not None:
-            self.train_sampler.reshard(data_parallel, replica, data_parallel * self.strategy.micro_batches)
+            self.train_sampler.reshard(data_parallel, replica, data_parallel * self.micro_batches)
 
-    def count_samples(self) -> None:
-        """Advance the cursor by one global batch (a new epoch restarts it, or resumes the checkpoint's)."""
-        trainer = self.strategy.lightning_module.trainer
-        if trainer.current_epoch != self.cursor_epoch:
-            self.cursor_epoch = trainer.current_epoch
+    def count_samples(self, epoch: int) -> None:
+        """Advance the cursor by one global batch of epoch ``epoch`` (the Trainer's current epoch; a new epoch
+        restarts the cursor, or resumes the checkpoint's)."""
+        if epoch != self.cursor_epoch:
+            self.cursor_epoch = epoch
             resume = self.resume
-            self.cursor = resume["cursor"] if resume and resume["epoch"] == trainer.current_epoch else 0
+            self.cursor = resume["cursor"] if resume and resume["epoch"] == epoch else 0
         self.cursor += self.global_batch or 0
+
+    def cursor_mark(self) -> tuple[int, int]:
+        """``(epoch, cursor)`` now, to :meth:`rewind` to if the step about to run is discarded."""
+        return self.cursor_epoch, self.cursor
+
+    def rewind(self, mark: tuple[int, int]) -> None:
+        """Put the cursor back to ``mark`` (a :meth:`cursor_mark`): the step after it was discarded."""
+        self.cursor_epoch, self.cursor = mark
+
+    def rerun_next_step(self) -> None:
+        """The next step re-runs the discarded one: :meth:`effective_batch` hands it the batch that step began with."""
+        self.rerun_step = True
+
+    def resume_from(self, saved: dict[str, Any]) -> None:
+        """Resume the sample cursor of a checkpoint (its ``"data"`` record) at the next training loader."""
+        self.resume = {"epoch": int(saved["epoch"]), "cursor": int(saved["cursor"]),
+                       "rng": saved.get("rng"), "rng_now": saved.get("rng_now")}
 
     def state(self) -> dict[str, Any]:
         """The sample cursor: epoch, samples of that epoch consumed, global batch size, sampler RNG state."""
@@ -125,7 +153,7 @@ class DataPath:
         dataset with the loader's ``collate_fn``. A step re-run after a failure reuses the batch it started with.
         """
         sampler = self.train_sampler
-        g = self.strategy.groups
+        g = self.stage.groups
         if sampler is None or g is None:
             return batch
         if self.rerun_step and self.step_batch is not None:
@@ -143,4 +171,4 @@ class DataPath:
         loader = self.train_loader
         assert loader is not None
         fresh = loader.collate_fn([loader.dataset[i] for i in self.last_step_indices])
-        return self.strategy.batch_to_device(fresh)
+        return self.to_device(fresh)

@@ -15,15 +15,33 @@ the job is elastic.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from lightning_parcae.errors import ConfigurationError, PeerLostError
+from lightning_parcae.training.lightning_internals import inner_optimizer, silence_sigterm_broadcast, wrap_after_closure
 from lightning_parcae.training.process_setup import resume_once
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["ElasticHooks"]
+    from lightning_parcae.training.data_path import DataPath
+    from lightning_parcae.training.process_setup import ProcessSetup
+    from lightning_parcae.training.step_runner import StepRunner
+
+__all__ = ["ElasticHooks", "HooksHost"]
+
+
+class HooksHost(Protocol):
+    """What the elastic hooks need from the strategy: its runtime, module and precision plugin."""
+
+    @property
+    def elastic_runtime(self) -> Any: ...
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+    @property
+    def precision_plugin(self) -> Any: ...
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +50,23 @@ class ElasticHooks:
     """Live reconfiguration's hooks into one strategy's Trainer (see the module docstring).
 
     Args:
-        strategy: The owning ParcaeStrategy (its elastic runtime, data path, step runner and process setup).
+        host: The strategy, for its elastic runtime, module and precision plugin.
+        data: The data path (the sample cursor a discarded step rewinds).
+        steps: The step runner (the gradients a discarded step drops).
+        process: The process setup (the collective timeout once start-up is over).
+        ns_name: The Lightning namespace of the strategy (for the callback class).
 
     Attributes:
         committing: The global step whose optimizer step is running (``None`` outside one).
     """
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, host: HooksHost, data: "DataPath", steps: "StepRunner", process: "ProcessSetup",
+                 ns_name: str) -> None:
+        self.host = host
+        self.data = data
+        self.steps = steps
+        self.process = process
+        self.ns_name = ns_name
         self.committing: Optional[int] = None
 
     def install_live_restore(self, trainer: "pl.Trainer") -> None:
@@ -54,11 +81,9 @@ class ElasticHooks:
         from lightning_parcae.training.callbacks import ParcaeElasticCallbackMixin, callback_class  # noqa: PLC0415
         from lightning_parcae.runtime.liveness import activate  # noqa: PLC0415
 
-        s = self.strategy
-        er = s.elastic_runtime
+        er = self.host.elastic_runtime
         assert er is not None
-        if "_after_closure" not in s.precision_plugin.__dict__:
-            s.precision_plugin._after_closure = self._commit_after(s.precision_plugin._after_closure)
+        wrap_after_closure(self.host.precision_plugin, self._commit_after)
         if trainer.accumulate_grad_batches != 1:
             raise ConfigurationError(
                 f"live reconfiguration needs accumulate_grad_batches=1 (got {trainer.accumulate_grad_batches}): a "
@@ -66,28 +91,26 @@ class ElasticHooks:
                 "DataLoader's batch_size instead"
             )
         if not any(isinstance(cb, ParcaeElasticCallbackMixin) for cb in trainer.callbacks):
-            trainer.callbacks.append(callback_class("elastic", s._ns_name)())
+            trainer.callbacks.append(callback_class("elastic", self.ns_name)())
         # Lightning broadcasts a SIGTERM flag from rank 0 before every batch, outside any guarded wait: a lost or
         # hung rank 0 would block the others there for the group timeout. SIGTERM is a notice here (agreed at
         # the step boundary), so the broadcast has nothing to carry.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+        silence_sigterm_broadcast(trainer)
         if joining:
             return  # er.joined() runs once the loop state is restored (on_train_start)
         er.boot_publish(trainer)
         activate(er.live)
         # start-up is over: from now on an operation that makes no progress fails within the watchdog's bound
-        s.process.timeout = er.stall_timeout
-        if s.groups is not None:
-            s.groups.set_op_timeout(s.process.timeout)
+        self.process.use_timeout(er.stall_timeout)
 
     def optimizer_step(self, optimizer: Any, step: Callable[[], Any]) -> Any:
         """Run ``step`` (Lightning's optimizer step) two-phase: see :meth:`ParcaeStrategy.optimizer_step`."""
-        s = self.strategy
-        er = s.elastic_runtime
-        trainer = s.lightning_module.trainer
+        er = self.host.elastic_runtime
+        module = self.host.lightning_module
+        trainer = module.trainer
         global_step = int(trainer.global_step)
-        cursor = (s.data.cursor_epoch, s.data.cursor)
-        inner = getattr(optimizer, "_optimizer", optimizer)
+        cursor = self.data.cursor_mark()
+        inner = inner_optimizer(optimizer)
         while True:
             self.committing = global_step
             try:
@@ -98,19 +121,20 @@ class ElasticHooks:
                     inner.step()  # everyone reduced its gradients: apply the step as the others did
                     er.recover(trainer)
                     return None
-                for p in (s.lightning_module.parameters() if s.lightning_module is not None else []):
+                module = self.host.lightning_module
+                for p in (module.parameters() if module is not None else []):
                     p.grad = None
-                s.steps.pending_grads = None
-                s.data.cursor_epoch, s.data.cursor = cursor
+                self.steps.discard_pending()
+                self.data.rewind(cursor)
                 er.recover(trainer)
-                s.data.rerun_step = True
+                self.data.rerun_next_step()
             finally:
                 self.committing = None
 
     def _commit_after(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def after_closure(model: Any, optimizer: Any) -> Any:
             out = original(model, optimizer)
-            er = self.strategy.elastic_runtime
+            er = self.host.elastic_runtime
             if er is not None and self.committing is not None:
                 er.commit(int(self.committing))
             return out
@@ -121,7 +145,7 @@ class ElasticHooks:
         """At teardown: a job that finished training is stopped; the runtime is closed either way."""
         from lightning_parcae.runtime.lifecycle import Phase  # noqa: PLC0415
 
-        er = self.strategy.elastic_runtime
+        er = self.host.elastic_runtime
         finished = er.life.phase == Phase.TRAINING
         if finished:
             er.life.to(Phase.STOPPED)

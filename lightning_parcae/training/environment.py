@@ -15,27 +15,50 @@ Here the contract is read in one place:
 * :func:`resolve_devices` takes the number of devices on this machine from ``LOCAL_WORLD_SIZE`` when the script
   gave none, and refuses a ``devices=`` that contradicts the launcher with an error that says what to change;
 * :func:`launcher_interval_s`, :func:`launcher_pipeline_stages`, :func:`launcher_resume_path` read the planning
-  interval, the first generation's P and the checkpoint of a fallback relaunch.
+  interval, the first generation's P and the checkpoint of a fallback relaunch;
+* :func:`runtime_config` builds the live-reconfiguration runtime's one typed configuration
+  (:class:`~lightning_parcae.runtime.config.RuntimeConfig`) from the strategy's options and the launcher's contract
+  (store, job token, member id, joining, run dir, watchdog override, shared cores, largest instance count): the
+  runtime itself never reads the environment; :func:`launcher_step_timing` says whether the step timers are on.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from functools import lru_cache
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from lightning_parcae.contract import RUN_DIR_ENV, RESUME_ENV, STORE_ENV, PIPELINE_ENV, INTERVAL_ENV
+from lightning_parcae.contract import (
+    CHECKPOINT_DIR_ENV,
+    MAX_INSTANCES_ENV,
+    INTERVAL_ENV,
+    JOB_TOKEN_ENV,
+    JOIN_ENV,
+    MEMBER_ENV,
+    PIPELINE_ENV,
+    RESUME_ENV,
+    RUN_DIR_ENV,
+    SHARED_CORES_ENV,
+    STALL_ENV,
+    STORE_ENV,
+)
 from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.runtime.config import RuntimeConfig
+from lightning_parcae.runtime.steptime import STEP_TIMING_ENV
 
 __all__ = [
     "under_launcher",
     "launcher_interval_s",
     "launcher_pipeline_stages",
     "launcher_resume_path",
+    "launcher_checkpoint_dir",
+    "launcher_member",
     "launcher_local_world_size",
+    "launcher_step_timing",
+    "runtime_config",
+    "MAX_INSTANCES_ENV",
     "resolve_devices",
     "environment_class",
     "ParcaeEnvironmentMixin",
@@ -68,9 +91,20 @@ def launcher_pipeline_stages() -> Union[int, str, None]:
 
 
 def launcher_resume_path() -> Optional[str]:
-    """The checkpoint a fallback relaunch resumes from (``PARCAE_RESUME_CKPT``), when it exists."""
+    """The checkpoint a fallback relaunch resumes from (``PARCAE_RESUME_CKPT``), when it exists -- a local file, or
+    a checkpoint store's URL (the launcher resolved it to the newest complete checkpoint there)."""
     path = os.environ.get(RESUME_ENV)
-    return path if path and os.path.isfile(path) else None
+    return path if path and ("://" in path or os.path.isfile(path)) else None
+
+
+def launcher_checkpoint_dir() -> Optional[str]:
+    """The launcher's checkpoint directory (``--checkpoint-dir``: a path or fsspec URL), or None."""
+    return os.environ.get(CHECKPOINT_DIR_ENV) or None
+
+
+def launcher_member() -> str:
+    """This process's member id (``PARCAE_MEMBER``; else hostname-pid)."""
+    return os.environ.get(MEMBER_ENV) or f"{os.uname().nodename}-{os.getpid()}"
 
 
 def launcher_local_world_size() -> Optional[int]:
@@ -79,26 +113,65 @@ def launcher_local_world_size() -> Optional[int]:
     return int(raw) if raw.isdigit() and int(raw) >= 1 else None
 
 
+_DEFAULT_MAX_INSTANCES = 64
+"""The forecasts' upper bound when the launcher does not say (:data:`~lightning_parcae.contract.MAX_INSTANCES_ENV`)."""
+
+
+def launcher_step_timing() -> bool:
+    """Whether the step timers of :mod:`lightning_parcae.runtime.steptime` run (``LIGHTNING_PARCAE_STEP_TIMING``)."""
+    return os.environ.get(STEP_TIMING_ENV, "0") not in ("", "0", "false")
+
+
+def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
+    """The elastic runtime's configuration: the strategy's planning options and the launcher's contract.
+
+    Reads ``PARCAE_STORE`` / ``PARCAE_JOB_TOKEN`` / ``PARCAE_MEMBER`` / ``PARCAE_JOIN`` / ``PARCAE_RUN_DIR``,
+    ``PARCAE_STALL_S`` (overrides ``stall_after_s``), ``PARCAE_SHARED_CORES`` and :data:`MAX_INSTANCES_ENV`.
+
+    Args:
+        planning: The strategy's planning options (``StrategyOptions.elastic_options``: ``interval_s``,
+            ``interval_steps``, ``look_ahead``, ``predictor``, ``heartbeat_s``, ``dead_after_s``, ``stall_after_s``,
+            ``throughput``).
+
+    Raises:
+        ConfigurationError: ``PARCAE_STORE`` is not set, or an option is out of range.
+    """
+    env = os.environ
+    url = env.get(STORE_ENV)
+    if not url:
+        raise ConfigurationError(
+            "ParcaeStrategy(elastic=True) needs a coordination store that outlives the workers: run the script "
+            "under `parcae run` (which hosts one) or set PARCAE_STORE=tcp://host:port or etcd://host:port/prefix"
+        )
+    raw_max = env.get(MAX_INSTANCES_ENV, "").strip()
+    return RuntimeConfig(
+        store_url=url,
+        token=env.get(JOB_TOKEN_ENV) or None,
+        member=launcher_member(),
+        joining=env.get(JOIN_ENV, "0") not in ("", "0", "false"),
+        run_dir=env.get(RUN_DIR_ENV),
+        interval_s=float(planning["interval_s"]),
+        interval_steps=int(planning["interval_steps"]),
+        look_ahead=int(planning["look_ahead"]),
+        predictor=planning["predictor"],
+        heartbeat_s=planning["heartbeat_s"],
+        dead_after_s=planning["dead_after_s"],
+        stall_after_s=float(env.get(STALL_ENV) or planning["stall_after_s"]),
+        throughput=planning["throughput"],
+        max_instances=int(raw_max) if raw_max.isdigit() and int(raw_max) >= 1 else _DEFAULT_MAX_INSTANCES,
+        shared_cores=int(env.get(SHARED_CORES_ENV) or 0) or None,
+    )
+
+
 _UNKNOWN = object()
 
 
 def _trainer_devices_flag() -> Any:
-    """The ``devices`` argument the script passed to ``Trainer(...)``, read from the Trainer's ``__init__`` frame.
+    """The ``devices`` argument the script passed to ``Trainer(...)`` (``_UNKNOWN`` when no Trainer call is on the
+    stack; see :func:`~lightning_parcae.training.lightning_internals.trainer_devices_argument`)."""
+    from lightning_parcae.training.lightning_internals import trainer_devices_argument  # noqa: PLC0415
 
-    Lightning replaces ``"auto"`` by a count before the strategy sees the devices, so "absent" and "``devices=1``"
-    cannot be told apart from the device list alone. Returns ``_UNKNOWN`` when no Trainer frame is on the stack.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "__init__":
-            obj = frame.f_locals.get("self")
-            cls = type(obj)
-            if cls.__name__ == "Trainer" or any(c.__name__ == "Trainer" and c.__module__.endswith("trainer.trainer")
-                                                for c in cls.__mro__):
-                if "devices" in frame.f_locals:
-                    return frame.f_locals["devices"]
-        frame = frame.f_back  # type: ignore[assignment]
-    return _UNKNOWN
+    return trainer_devices_argument(_UNKNOWN)
 
 
 def _count(flag: Any) -> Optional[int]:

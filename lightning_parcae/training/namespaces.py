@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 from lightning_parcae.errors import ForeignTrainerError
+from lightning_parcae.training.lightning_internals import launcher_classes
 
 __all__ = ["Namespace", "namespace", "NAMESPACES", "namespace_of", "likely_namespace", "check_trainer"]
 
@@ -70,10 +71,11 @@ def namespace(name: str) -> Namespace:
     strategies = importlib.import_module(f"{name}.strategies")
     launchers = importlib.import_module(f"{name}.strategies.launchers")
     envs = importlib.import_module(f"{_FABRIC[name]}.plugins.environments")
+    subprocess_launcher, multiprocessing_launcher = launcher_classes(launchers)
     return Namespace(
         name=name, pl=pl, ParallelStrategy=strategies.ParallelStrategy, StrategyRegistry=strategies.StrategyRegistry,
-        ClusterEnvironment=envs.ClusterEnvironment, SubprocessScriptLauncher=launchers._SubprocessScriptLauncher,
-        MultiProcessingLauncher=launchers._MultiProcessingLauncher,
+        ClusterEnvironment=envs.ClusterEnvironment, SubprocessScriptLauncher=subprocess_launcher,
+        MultiProcessingLauncher=multiprocessing_launcher,
     )
 
 

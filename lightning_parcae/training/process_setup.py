@@ -9,7 +9,9 @@ generation's), and installs the launcher's hooks on the Trainer: resume from the
 callback. The store, backend and collective timeout it chose are kept here for later rebuilds.
 
 The strategy owns one :class:`ProcessSetup` and forwards Lightning's ``set_world_ranks`` / ``setup_environment``
-to it.
+to it. The process groups it builds, and a joiner's admitted layout, are handed to the
+:class:`~lightning_parcae.training.layout.StageLayout`, which keeps them in the one
+:class:`~lightning_parcae.training.stage_state.StageState`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_only
@@ -26,9 +28,14 @@ from lightning_parcae.contract import GENERATION_BASE_ENV, RUN_DIR_ENV
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.training import environment as launcher_env
-from lightning_parcae.training.namespaces import check_trainer
+from lightning_parcae.training.lightning_internals import checkpoint_connector, module_trainer
+from lightning_parcae.training.namespaces import check_trainer, namespace
 
-__all__ = ["ProcessSetup", "resume_once"]
+if TYPE_CHECKING:
+    from lightning_parcae.training.layout import StageLayout
+    from lightning_parcae.training.options import StrategyOptions
+
+__all__ = ["ProcessSetup", "ProcessHost", "resume_once"]
 
 _FIT = "fit"  # TrainerFn value (both namespaces)
 
@@ -50,7 +57,7 @@ def resume_once(trainer: Any, path_for: Callable[[Any], Any]) -> None:
         trainer: The Trainer whose checkpoint connector is patched (its ``resume_start``).
         path_for: Maps the ``ckpt_path`` Lightning resumes from (``None`` when none was given) to the one to read.
     """
-    connector = trainer._checkpoint_connector
+    connector = checkpoint_connector(trainer)
     original = connector.resume_start
 
     def resume_start(checkpoint_path: Any = None, **kwargs: Any) -> None:
@@ -60,11 +67,55 @@ def resume_once(trainer: Any, path_for: Callable[[Any], Any]) -> None:
     connector.resume_start = resume_start  # type: ignore[method-assign]
 
 
+class ProcessHost(Protocol):
+    """What the process setup needs from the strategy: Lightning's rank and device facts, the cluster environment,
+    the module, and the elastic runtime it creates (the strategy itself is also what Lightning's multiprocessing
+    launcher and the runtime are given)."""
+
+    options: "StrategyOptions"
+    elastic_runtime: Any
+
+    @property
+    def cluster_environment(self) -> Any: ...
+
+    @property
+    def parallel_devices(self) -> Optional[list[Any]]: ...
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def root_device(self) -> Any: ...
+
+    def set_world_ranks(self) -> None: ...
+
+
 class ProcessSetup:
     """Ranks, store and process-group generations of one strategy (see the module docstring).
 
     Args:
-        strategy: The owning ParcaeStrategy (its options, cluster environment, groups, layout state and runtime).
+        host: The strategy (Lightning's rank facts, cluster environment, module, elastic runtime).
+        options: The strategy's options (backend, timeout, start method, P, elastic).
+        layout: The stage layout, which keeps the groups built here and a joiner's admitted layout.
+        ns_name: The strategy's Lightning namespace (its launcher classes and callbacks).
 
     Attributes:
         store: The coordination store (``None`` until the first ``setup_environment``).
@@ -72,21 +123,25 @@ class ProcessSetup:
         timeout: The collective timeout (shortened under live reconfiguration).
     """
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, host: ProcessHost, options: "StrategyOptions", layout: "StageLayout", ns_name: str) -> None:
+        self.host = host
+        self.options = options
+        self.layout = layout
+        self.ns_name = ns_name
         self.store: Optional[dist.Store] = None
-        self.backend: Optional[str] = strategy.options.process_group_backend
-        self.timeout: timedelta = strategy.options.timeout
+        self.backend: Optional[str] = options.process_group_backend
+        self.timeout: timedelta = options.timeout
         self._fit_generation: Optional[int] = None  # last generation of an elastic fit (later stages count on)
         self._post_fit_stages = 0
 
     def lightning_launcher(self) -> Any:
         """Lightning's launcher for ``start_method``: ``popen`` re-runs the script per process, else multiprocessing."""
-        s = self.strategy
+        s = self.host
         assert s.cluster_environment is not None
-        if s.options.start_method == "popen":
-            return s._ns.SubprocessScriptLauncher(s.cluster_environment, s.num_processes, s.num_nodes)
-        return s._ns.MultiProcessingLauncher(s, start_method=s.options.start_method)
+        ns = namespace(self.ns_name)
+        if self.options.start_method == "popen":
+            return ns.SubprocessScriptLauncher(s.cluster_environment, s.num_processes, s.num_nodes)
+        return ns.MultiProcessingLauncher(s, start_method=self.options.start_method)
 
     def device(self) -> Any:
         """This process's device: entry ``LOCAL_RANK`` of the strategy's devices.
@@ -94,7 +149,7 @@ class ProcessSetup:
         Raises:
             ConfigurationError: when there are no devices yet, or fewer than ``LOCAL_RANK + 1``.
         """
-        s = self.strategy
+        s = self.host
         devices = s.parallel_devices
         if not devices:
             raise ConfigurationError("ParcaeStrategy has no devices yet: pass it to a Trainer before use")
@@ -113,7 +168,7 @@ class ProcessSetup:
         as given, so a script started with ``devices=1`` on each of N machines needs no ``num_nodes=N``. In a later
         Trainer stage after an elastic fit, the ranks of the fit's last generation are kept.
         """
-        s = self.strategy
+        s = self.host
         er = s.elastic_runtime
         if er is not None and er.layout is not None and er.member in er.layout.members:
             # a later Trainer stage (validate/test after an elastic fit): the ranks of the fit's last generation,
@@ -121,7 +176,7 @@ class ProcessSetup:
             self.set_ranks(er.layout.members.index(er.member), len(er.layout.members))
             return
         if s.cluster_environment is not None:
-            if s.elastic and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if self.options.elastic and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 s.cluster_environment.set_global_rank(int(os.environ["RANK"]))
                 s.cluster_environment.set_world_size(int(os.environ["WORLD_SIZE"]))
             else:
@@ -131,52 +186,59 @@ class ProcessSetup:
 
     def set_ranks(self, rank: int, world: int) -> None:
         """Make this process rank ``rank`` of ``world`` (cluster environment and rank-zero logging)."""
-        s = self.strategy
+        s = self.host
         if s.cluster_environment is not None:
             s.cluster_environment.set_global_rank(rank)
             s.cluster_environment.set_world_size(world)
         rank_zero_only.rank = rank
 
-    def build_groups(self, generation: int, rank: int, world: int, data_parallel: int, stages: int) -> None:
-        """Build generation ``generation``'s process groups on the store and make them the strategy's."""
-        s = self.strategy
-        s.groups = ProcessGroups(generation, rank, world, data_parallel, stages, self.store, self.backend or "gloo",
-                                 self.timeout, aborted=self._aborted).build()
+    def build_groups(self, generation: int, rank: int, world: int, data_parallel: int, stages: int) -> ProcessGroups:
+        """Build generation ``generation``'s process groups on the store (the caller hands them to the layout)."""
+        return ProcessGroups(generation, rank, world, data_parallel, stages, self.store, self.backend or "gloo",
+                             self.timeout, aborted=self._aborted).build()
+
+    def use_timeout(self, timeout: timedelta) -> None:
+        """From now on every collective is bounded by ``timeout`` (the current groups' operations too)."""
+        self.timeout = timeout
+        groups = self.layout.state.groups
+        if groups is not None:
+            groups.set_op_timeout(timeout)
 
     def _aborted(self) -> Optional[str]:
         """Why the generation being built was aborted by the heartbeats (None: it was not, or no live reconfiguration)."""
-        er = self.strategy.elastic_runtime
+        er = self.host.elastic_runtime
         live = er.live if er is not None else None
         return live.abort_reason() if live is not None else None
 
     def before_environment(self) -> None:
         """Before Lightning's own environment setup: refuse a foreign Trainer, install the launcher's resume."""
-        s = self.strategy
-        if s.lightning_module is not None and getattr(s.lightning_module, "_trainer", None) is not None:
-            check_trainer(s.lightning_module._trainer, s._ns_name)
-            self._install_launcher_resume(s.lightning_module._trainer)
+        trainer = module_trainer(self.host.lightning_module)
+        if trainer is not None:
+            check_trainer(trainer, self.ns_name)
+            self._install_launcher_resume(trainer)
 
     def setup_environment(self) -> None:
         """After Lightning's own environment setup: ranks, the store and this Trainer stage's process groups."""
-        s = self.strategy
-        if s.elastic_runtime is not None and s.groups is not None and s.groups.built:
+        s = self.host
+        stage = self.layout.state
+        if s.elastic_runtime is not None and stage.groups is not None and stage.groups.built:
             # validate/test/predict after fit: the job runs on the generation fit ended in (its members, ranks and
             # groups); the launch's RANK / WORLD_SIZE and a rebuilt "generation 1" would be stale after any change
             return
         s.set_world_ranks()
         world = s.world_size
         self.backend = self.backend or ("nccl" if s.root_device.type == "cuda" else "gloo")
-        if s.elastic and s.elastic_runtime is None:
+        if self.options.elastic and s.elastic_runtime is None:
             from lightning_parcae.runtime.elastic import ElasticRuntime  # noqa: PLC0415
 
-            s.elastic_runtime = ElasticRuntime.from_env(s, **s.options.elastic_options)
+            s.elastic_runtime = ElasticRuntime(s, launcher_env.runtime_config(s.options.elastic_options))
             self.store = s.elastic_runtime.connect()
             self.timeout = min(self.timeout, timedelta(minutes=5))
             if s.elastic_runtime.joining:  # its shape comes from the generation that admits it
                 self.timeout = s.elastic_runtime.stall_timeout  # everyone it meets is already running
                 self._join()
                 return
-        p = len(s.partition) if s.partition else (s.pipeline_stages_option or 1)
+        p = len(stage.partition) if stage.partition else (self.options.pipeline_stages or 1)
         if world % p:
             raise ConfigurationError(
                 f"pipeline_stages={p} does not divide devices x nodes = {world}; D = devices / P must be whole"
@@ -192,8 +254,8 @@ class ProcessSetup:
                 s.global_rank == 0,
                 timeout=self.timeout,
             )
-        if s.groups is not None:  # a previous Trainer stage of this strategy left its generation up
-            s.groups.destroy()
+        if stage.groups is not None:  # a previous Trainer stage of this strategy left its generation up
+            stage.groups.destroy()
         elif dist.is_initialized():
             dist.destroy_process_group()
         er = s.elastic_runtime
@@ -208,13 +270,13 @@ class ProcessSetup:
             generation = self._fit_generation + self._post_fit_stages
         else:
             generation = int(os.environ.get(GENERATION_BASE_ENV, "0")) + _next_generation()
-        self.build_groups(generation, s.global_rank, world, world // p, p)
+        self.layout.use_groups(self.build_groups(generation, s.global_rank, world, world // p, p))
         if er is not None and not after_fit:
             er.boot_register(generation, s.global_rank)
 
     def _join(self) -> None:
         """A joiner: wait as a standby until admitted, receive state, build the admitting generation's groups."""
-        s = self.strategy
+        s = self.host
         er = s.elastic_runtime
         assert er is not None
         rec = er.join_wait()
@@ -222,15 +284,12 @@ class ProcessSetup:
         assert layout is not None
         rank = layout.members.index(er.member)
         self.set_ranks(rank, len(layout.members))
-        s.partition = list(layout.partition)
-        s.stack_path = rec["stack_path"]
-        s.layer_names = list(rec["layer_names"])
-        if s.stack_path == "":  # the job trains a model without a cuttable stack: P stays 1
-            s.max_pipeline_stages = 1
-        s.layer_times = list(rec.get("layer_times") or [])
+        # a model without a cuttable stack (stack_path "") keeps P = 1 (the strategy's max_pipeline_stages says so)
+        self.layout.adopt_admitted(list(layout.partition), rec["stack_path"], list(rec["layer_names"]),
+                                   list(rec.get("layer_times") or []))
         try:
-            self.build_groups(int(rec["generation"]), rank, len(layout.members), layout.data_parallel,
-                              layout.pipeline_stages)
+            self.layout.use_groups(self.build_groups(int(rec["generation"]), rank, len(layout.members),
+                                                     layout.data_parallel, layout.pipeline_stages))
         except RuntimeError as exc:  # a member lost while the admitting generation formed
             er.admission.give_up(int(rec["generation"]), exc)
 
@@ -255,4 +314,4 @@ class ProcessSetup:
 
         if not os.environ.get(RUN_DIR_ENV) or any(isinstance(cb, ParcaeRunCallbackMixin) for cb in trainer.callbacks):
             return
-        trainer.callbacks.append(callback_class("run", self.strategy._ns_name)())
+        trainer.callbacks.append(callback_class("run", self.ns_name)())

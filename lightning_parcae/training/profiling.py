@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,12 +22,14 @@ from lightning_parcae.runtime.data import global_batch_size
 from lightning_parcae.runtime.partition import profile_layer_times
 from lightning_parcae.runtime.pipeline import StageBoundary, StageProxy, hidden_of
 from lightning_parcae.runtime.stage import is_block_list, swapped
+from lightning_parcae.training.lightning_internals import fit_data_source
 from lightning_parcae.training.log_replay import LogRecorder
+from lightning_parcae.training.stage_state import StageState
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["LayerProfiler", "BLOCK_VERDICTS"]
+__all__ = ["LayerProfiler", "ProfilerHost", "BLOCK_VERDICTS"]
 
 log = logging.getLogger(__name__)
 
@@ -44,36 +46,50 @@ BLOCK_VERDICTS = {
 }
 
 
+class ProfilerHost(Protocol):
+    """What the profiler needs from the strategy: the module, this process's rank, moving a batch to its device."""
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    def batch_to_device(self, batch: Any) -> Any: ...
+
+
 class LayerProfiler:
     """Probe and profile the layer stack of one strategy's module (see the module docstring).
 
     Args:
-        strategy: The owning ParcaeStrategy (its module, stack path, groups, ranks and ``profile_repeats``).
+        state: The stage state (read only: stack path, groups, layer names).
+        profile_repeats: Timed repetitions per layer.
+        host: The strategy, for the module, the rank and ``batch_to_device``.
     """
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, state: StageState, profile_repeats: int, host: ProfilerHost) -> None:
+        self.state = state
+        self.profile_repeats = profile_repeats
+        self.host = host
         self.block_sample: Optional[tuple[Tensor, tuple, dict]] = None  # first block's input, kept by the probe
 
-
-    def check_block_list(self, trainer: Any) -> Optional[str]:
+    def check_block_list(self, trainer: Any, stack: nn.Module) -> Optional[str]:
         """Check on rank 0, with one sample, that ``forward`` loops the block list as a chain (block ``i + 1`` gets
         block ``i``'s hidden state first), and keep the first block's input for profiling; every rank gets the
         verdict (None: the list can be cut)."""
         code = 0
-        if self.strategy.global_rank == 0:
-            code, self.block_sample = self._probe_blocks(trainer)
-        if self.strategy.groups is not None and self.strategy.groups.world > 1:
+        if self.host.global_rank == 0:
+            code, self.block_sample = self._probe_blocks(trainer, stack)
+        if self.state.groups is not None and self.state.groups.world > 1:
             t = torch.tensor([code], dtype=torch.int64)
             dist.broadcast(t, src=0)
             code = int(t.item())
         return BLOCK_VERDICTS.get(code) if code else None
 
-    def _probe_blocks(self, trainer: Any) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
-        module = self.strategy.lightning_module
-        assert module is not None and self.strategy.stack_path is not None
-        stack = self.strategy.layout.stack()
-        blocks = list(stack._modules.values())
+    def _probe_blocks(self, trainer: Any, stack: nn.Module) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
+        module = self.host.lightning_module
+        assert module is not None and self.state.stack_path is not None
+        blocks = list(stack)  # a ModuleList: its blocks in order
         calls: list[tuple[int, Any, Any, tuple, dict]] = []
 
         class _Trace(nn.Module):
@@ -97,7 +113,7 @@ class LayerProfiler:
             def __getitem__(self, idx: Any) -> Any:
                 raise IndexError("indexed")
 
-        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.strategy.stack_path, _TraceList()), \
+        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.state.stack_path, _TraceList()), \
                 LogRecorder(module).active():
             try:
                 if not self._run_once(trainer, module):
@@ -119,9 +135,9 @@ class LayerProfiler:
 
     def profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
         """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
-        assert self.strategy.groups is not None
+        assert self.state.groups is not None
         times: list[Any] = [None]
-        if self.strategy.global_rank == 0:
+        if self.host.global_rank == 0:
             block_sample = self.block_sample if is_block_list(stack) else None
             extra: tuple[tuple, dict] = ((), {})
             if block_sample is not None:
@@ -137,12 +153,12 @@ class LayerProfiler:
             else:
                 was_training = stack.training
                 stack.train()
-                times[0] = profile_layer_times(stack, sample, repeats=self.strategy.profile_repeats, args=extra[0],
+                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats, args=extra[0],
                                                kwargs=extra[1])
                 stack.train(was_training)
-        if self.strategy.groups.world > 1:
+        if self.state.groups.world > 1:
             # floats only: a tensor broadcast (nothing from the network is unpickled)
-            n = len(self.strategy.layer_names)
+            n = len(self.state.layer_names)
             t = torch.tensor(times[0] if times[0] is not None else [0.0] * n, dtype=torch.float64)
             dist.broadcast(t, src=0)
             times[0] = t.tolist()
@@ -150,11 +166,11 @@ class LayerProfiler:
 
     def _sample_stack_input(self, trainer: "pl.Trainer") -> Optional[Tensor]:
         """The layer stack's input for one batch: from ``example_input_array`` or the training data."""
-        module = self.strategy.lightning_module
-        assert module is not None and self.strategy.stack_path is not None
+        module = self.host.lightning_module
+        assert module is not None and self.state.stack_path is not None
         proxy = StageProxy(nn.Identity())
         proxy.mode = "capture"
-        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.strategy.stack_path, proxy), \
+        with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.state.stack_path, proxy), \
                 LogRecorder(module).active():
             try:
                 if not self._run_once(trainer, module):
@@ -165,7 +181,7 @@ class LayerProfiler:
                 log.warning("ParcaeStrategy could not capture a sample input: %s", err)
                 return None
         raise ModelLayoutError(
-            f"the module's step returned without calling '{self.strategy.stack_path}'; forward must run the layer stack"
+            f"the module's step returned without calling '{self.state.stack_path}'; forward must run the layer stack"
         )
 
     def _run_once(self, trainer: "pl.Trainer", module: Any) -> bool:
@@ -173,7 +189,7 @@ class LayerProfiler:
         training batch. False if there is neither (no batch to run)."""
         example = getattr(module, "example_input_array", None)
         if example is not None:
-            example = self.strategy.batch_to_device(example)
+            example = self.host.batch_to_device(example)
             if isinstance(example, (tuple, list)):
                 module(*example)
             elif isinstance(example, dict):
@@ -184,11 +200,11 @@ class LayerProfiler:
         batch = self._sample_batch(trainer)
         if batch is None:
             return False
-        module.training_step(self.strategy.batch_to_device(batch), 0)
+        module.training_step(self.host.batch_to_device(batch), 0)
         return True
 
     def _sample_batch(self, trainer: "pl.Trainer") -> Any:
-        source = getattr(trainer.fit_loop, "_data_source", None)
+        source = fit_data_source(trainer)
         if source is None or trainer.state.fn != _FIT:
             return None
         try:

@@ -3,16 +3,30 @@
 Problem: Lightning calls ``training_step`` once per batch and expects a loss, logs and gradients equal to those of
 one process. Under ParcaeStrategy each process holds one stage of the layer stack, so the step must run the user's
 code around a stage proxy (head / middle / tail), follow a pipeline schedule (GPipe or 1F1B), scale the
-micro-batch losses, mirror the last stage's outputs so that every rank logs the same values, keep the step's
-gradients aside across Lightning's ``zero_grad`` and then reduce them: replicated parameters summed over the
-pipeline, everything averaged over the D replicas, clipping by the norm over all stages.
+micro-batch losses, give every rank the same logs and step result, keep the step's gradients aside across
+Lightning's ``zero_grad`` and then reduce them: replicated parameters summed over the pipeline, everything averaged
+over the D replicas, clipping by the norm over all stages.
+
+Only what is small crosses stages: the last stage runs the user's step (on its micro-batches in training; once on
+the concatenated stack outputs in evaluation) and is the only one that does. What the other stages need from it --
+the ``self.log`` calls (values, and the state of logged torchmetrics objects; see ``log_replay``), the loss
+returned to Lightning and the rest of the step's returned dict, the evaluation step's return value -- is pickled
+into one :class:`StepOutcome` and broadcast over the pipeline group, and every stage replays the same calls. The
+stack outputs themselves (for a language model the logits, B/D x seq x vocab) never leave the last stage. A side
+effect of the user's step other than ``self.log`` (a counter it bumps, a metric it updates but does not log) happens
+on the last stage only.
+
+Predict: ``predict_step`` runs on the last stage; its return value (the predictions) is the step's outcome, so
+every stage of the pipeline returns the same predictions, as before (each pipeline reads its own shard).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from typing import Any, Callable, Optional, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -31,27 +45,71 @@ from lightning_parcae.runtime.pipeline import (
     split_micro_batches,
 )
 from lightning_parcae.runtime.stage import swapped
-from lightning_parcae.training.log_replay import LogRecorder
+from lightning_parcae.training.log_replay import LogCall, LogRecorder, local_calls, portable_calls, replay_calls
+from lightning_parcae.training.stage_state import StageState
 
-__all__ = ["StepRunner"]
+if TYPE_CHECKING:
+    from lightning_parcae.training.data_path import DataPath
+
+__all__ = ["StepRunner", "StepHost", "StepOutcome"]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step's last stage hands the other stages of its pipeline (see the module docstring).
+
+    Attributes:
+        calls: The step's ``self.log`` calls (training: one merged call per name; evaluation: as made).
+        result: What the step returns to Lightning -- training: ``(loss, extras)``, the mean micro-batch loss and
+            the rest of the last micro-batch's returned dict (``None`` when the step returned the loss tensor);
+            evaluation: the user's step's return value.
+    """
+
+    calls: list[LogCall]
+    result: Any
+
+
+class StepHost(Protocol):
+    """What the step runner needs from the strategy: the module, the precision plugin and the device."""
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+    @property
+    def precision_plugin(self) -> Any: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
 
 
 class StepRunner:
     """Pipeline steps and gradient reduction for one strategy (see the module docstring).
 
     Args:
-        strategy: The owning ParcaeStrategy (its module, groups, stage, proxy, transport, precision plugin and
-            data path).
+        state: The stage state (read only: groups, stack path, stage, proxy, transport).
+        micro_batches: M, micro-batches per pipeline batch.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        host: The strategy, for the module, the precision plugin and the device.
+        data: The data path (this step's batch, the sample cursor).
 
     Attributes:
         pending_grads: The last ``training_step``'s gradients, put back in :meth:`backward`.
         sync_grads: False while Lightning accumulates (no data-parallel all-reduce).
     """
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, state: StageState, micro_batches: int, schedule: str, host: StepHost,
+                 data: "DataPath") -> None:
+        self.state = state
+        self.micro_batches = micro_batches
+        self.schedule = schedule
+        self.host = host
+        self.data = data
         self.pending_grads: Optional[list[Optional[Tensor]]] = None
         self.sync_grads = True
+
+    def discard_pending(self) -> None:
+        """Forget the gradients kept aside by the last ``training_step`` (its step is being re-run)."""
+        self.pending_grads = None
 
     def check_supported(self, module: Any) -> None:
         """Refuse what the pipeline step cannot run: manual optimization, 16-mixed precision with a GradScaler.
@@ -61,7 +119,7 @@ class StepRunner:
         """
         if not module.automatic_optimization:
             raise ConfigurationError("ParcaeStrategy supports automatic optimization only")
-        if getattr(self.strategy.precision_plugin, "scaler", None) is not None:
+        if getattr(self.host.precision_plugin, "scaler", None) is not None:
             raise ConfigurationError(
                 "16-mixed precision with a GradScaler is not supported by ParcaeStrategy; use precision='bf16-mixed' "
                 "or '32-true'"
@@ -69,23 +127,24 @@ class StepRunner:
 
     def call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
                    given: Optional[Tensor] = None) -> Any:
-        s = self.strategy
-        module = s.lightning_module
+        s, host = self.state, self.host
+        module = host.lightning_module
         assert module is not None and s.stack_path is not None
-        if s._proxy is None or (s.groups is not None and s.groups.pipeline_stages == 1):
+        if s.proxy is None or (s.groups is not None and s.groups.pipeline_stages == 1):
             return getattr(module, name)(batch, *rest, **kwargs)  # P = 1: the user's step as written
-        s._proxy.mode, s._proxy.given, s._proxy.captured = mode, given, None
-        with swapped(module, s.stack_path, s._proxy):
+        s.proxy.mode, s.proxy.given, s.proxy.captured = mode, given, None
+        with swapped(module, s.stack_path, s.proxy):
             return getattr(module, name)(batch, *rest, **kwargs)
 
     def head(self, name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], Tensor]:
-        s = self.strategy
+        s = self.state
+
         def head(mb: Any) -> Tensor:
             try:
                 self.call_step(name, "head", mb, rest, kwargs)
             except StageBoundary:
-                assert s._proxy is not None
-                return s._proxy.captured  # type: ignore[return-value]
+                assert s.proxy is not None
+                return s.proxy.captured  # type: ignore[return-value]
             raise ModelLayoutError(f"{name} returned without running the layer stack '{s.stack_path}'")
 
         return head
@@ -94,99 +153,135 @@ class StepRunner:
                                                                                                  Tensor]]:
         """For a block list: a middle stage runs the user's step with its blocks fed by the received activation,
         so that blocks get the extra arguments (masks, positions) the step computes; None for an nn.Sequential."""
-        s = self.strategy
-        if not isinstance(s._proxy, BlockListProxy):
+        s = self.state
+        if not isinstance(s.proxy, BlockListProxy):
             return None
 
         def middle(mb: Any, act: Tensor) -> Tensor:
             try:
                 self.call_step(name, "middle", mb, rest, kwargs, act)
             except StageBoundary:
-                assert s._proxy is not None
-                return s._proxy.captured  # type: ignore[return-value]
+                assert s.proxy is not None
+                return s.proxy.captured  # type: ignore[return-value]
             raise ModelLayoutError(f"{name} returned without running the blocks of '{s.stack_path}'")
 
         return middle
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss."""
-        s = self.strategy
-        module = s.lightning_module
+        s, host = self.state, self.host
+        module = host.lightning_module
         g = s.groups
-        assert module is not None and g is not None and s._p2p is not None and s._stage is not None
+        assert module is not None and g is not None and s.p2p is not None and s.stage is not None
         trainer = module.trainer
-        batch, rest = s.data.effective_batch(args[0]), tuple(args[1:])
-        m_total = s.micro_batches
+        batch, rest = self.data.effective_batch(args[0]), tuple(args[1:])
+        m_total = self.micro_batches
         micro = split_micro_batches(batch, m_total)
         params = [p for p in module.parameters() if p.requires_grad]
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
         results: list[Any] = []
-        outputs: list[Tensor] = []
         recorder = LogRecorder(module)
 
         def tail(mb: Any, act: Optional[Tensor]) -> Tensor:
             result = self.call_step("training_step", "full" if act is None else "tail", mb, rest, kwargs, act)
             results.append(result)
-            if s._proxy is not None and isinstance(s._proxy.captured, Tensor):
-                outputs.append(s._proxy.captured.detach())
             return _loss_of(result)
 
-        ops = schedule_ops(s.schedule, g.coords.stage, g.pipeline_stages, m_total)
+        ops = schedule_ops(self.schedule, g.coords.stage, g.pipeline_stages, m_total)
         scale = 1.0 / (m_total * trainer.accumulate_grad_batches)
         with recorder.active():
             run_train_schedule(
-                ops, micro, s._stage, s._p2p, g.prev_rank(), g.next_rank(),
-                self.head("training_step", rest, kwargs), tail, scale, s.precision_plugin.train_step_context,
+                ops, micro, s.stage, s.p2p, g.prev_rank(), g.next_rank(),
+                self.head("training_step", rest, kwargs), tail, scale, host.precision_plugin.train_step_context,
                 middle=self.middle("training_step", rest, kwargs),
             )
-            if g.pipeline_stages > 1:
-                results = self.mirror_train(micro, rest, kwargs, outputs, results)
-        recorder.replay()
         self.pending_grads = [p.grad for p in params]
         for p, prev in zip(params, previous):
             p.grad = prev
-        s.data.count_samples()
-        losses = torch.stack([_loss_of(r).detach().float() for r in results])
-        loss = losses.mean().to(losses.device)
-        last = results[-1]
-        if isinstance(last, Mapping):
-            return {**last, "loss": loss}
+        self.data.count_samples(trainer.current_epoch)
+        if g.pipeline_stages == 1 or g.is_last_stage:
+            losses = torch.stack([_loss_of(r).detach().float() for r in results])
+            loss = losses.mean().to(losses.device)
+            last = results[-1]
+            extras = {k: v for k, v in last.items() if k != "loss"} if isinstance(last, Mapping) else None
+            mine = StepOutcome(recorder.merged(), (loss, extras))
+        else:
+            mine = None
+        outcome = self.share_outcome(mine)
+        replay_calls(module, outcome.calls)
+        loss, extras = outcome.result
+        if extras is not None:
+            return {**extras, "loss": loss}
         return loss
 
-    def mirror_train(self, micro: list[Any], rest: tuple[Any, ...], kwargs: dict[str, Any],
-                      outputs: list[Tensor], results: list[Any]) -> list[Any]:
-        """Give every stage the last stage's outputs and re-run the user's step there (no grad)."""
-        s = self.strategy
+    def share_outcome(self, mine: Optional["StepOutcome"]) -> "StepOutcome":
+        """The last stage's outcome of a step, on every stage of the pipeline (``mine`` on the last stage, ``None``
+        elsewhere); at P = 1 ``mine`` itself.
+
+        The outcome is pickled (tensors on the CPU, a logged Metric as its state) and broadcast over the pipeline
+        group as one byte tensor; the receiving stages get it back with tensors on their device and their copies of
+        the logged metrics holding the last stage's state. A step whose outcome cannot be pickled (a ``self.log``
+        option that is not a plain value) fails with the same error on every stage instead of hanging the others.
+
+        Raises:
+            ConfigurationError: if the last stage's outcome cannot be sent.
+        """
+        s, host = self.state, self.host
         g = s.groups
-        assert g is not None and s._p2p is not None
-        full = torch.cat(outputs) if g.is_last_stage else None
-        full = s._p2p.broadcast(full, g.last_stage_rank())
+        module = host.lightning_module
+        assert g is not None and module is not None
+        if g.pipeline_stages == 1:
+            assert mine is not None
+            return mine
+        assert s.p2p is not None
         if g.is_last_stage:
-            return results
-        chunks = torch.chunk(full, len(micro))
-        mirrored = []
-        with torch.no_grad(), s.precision_plugin.train_step_context():
-            for mb, out in zip(micro, chunks):
-                mirrored.append(self.call_step("training_step", "given", mb, rest, kwargs, out))
-        return mirrored
+            assert mine is not None
+            try:
+                payload = pickle.dumps(("ok", portable_calls(module, mine.calls), _to_cpu(mine.result)))
+            except (pickle.PicklingError, TypeError, AttributeError, ConfigurationError) as exc:
+                payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}", None))
+            data: Optional[Tensor] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(s.p2p.device)
+        else:
+            data = None
+        data = s.p2p.broadcast(data, g.last_stage_rank())
+        kind, calls, result = pickle.loads(data.cpu().numpy().tobytes())  # noqa: S301 -- our own pipeline's stage
+        if kind == "error":
+            raise ConfigurationError(
+                "under ParcaeStrategy (P > 1) what a step logs and returns is sent from the last pipeline stage to "
+                f"the others, and this step's could not be sent ({calls}); log plain numbers, tensors or "
+                "torchmetrics Metric attributes, with plain options"
+            )
+        if g.is_last_stage:
+            assert mine is not None
+            return mine
+        return StepOutcome(local_calls(module, calls, host.root_device), _to_device(result, host.root_device))
 
     def eval_step(self, name: str, context: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
-        s = self.strategy
-        module = s.lightning_module
+        """Evaluation at P > 1: the stack forward over the stages, then the user's step once on the last stage with
+        the concatenated outputs; its logs and return value are replayed / returned on every stage."""
+        s, host = self.state, self.host
+        module = host.lightning_module
         g = s.groups
-        assert module is not None and g is not None and s._p2p is not None and s._stage is not None
+        assert module is not None and g is not None and s.p2p is not None and s.stage is not None
         with context():
             if g.pipeline_stages == 1:
                 return getattr(module, name)(*args, **kwargs)
             batch, rest = args[0], tuple(args[1:])
-            micro = chunk_batch(batch, s.micro_batches)
+            micro = chunk_batch(batch, self.micro_batches)
             middle = self.middle(name, rest, kwargs)  # block lists: the last stage also stops after its blocks
-            outs = run_forward_only(micro, s._stage, s._p2p, g.prev_rank(), g.next_rank(),
+            outs = run_forward_only(micro, s.stage, s.p2p, g.prev_rank(), g.next_rank(),
                                     self.head(name, rest, kwargs), middle=middle, tail=middle)
-            full = s._p2p.broadcast(torch.cat(outs) if g.is_last_stage else None, g.last_stage_rank())
-            return self.call_step(name, "given", batch, rest, kwargs, full)
+            mine = None
+            if g.is_last_stage:
+                recorder = LogRecorder(module)
+                with recorder.active():
+                    result = self.call_step(name, "given", batch, rest, kwargs, torch.cat(outs))
+                mine = StepOutcome(recorder.in_order(), result)
+            outcome = self.share_outcome(mine)
+            replay_calls(module, outcome.calls)
+            return outcome.result
 
     # -------------------------------------------------------------------------------------------- gradients
     @contextmanager
@@ -200,10 +295,10 @@ class StepRunner:
 
     def backward(self, closure_loss: Tensor) -> Tensor:
         """Put back the gradients computed in :meth:`training_step`, then reduce them (unless accumulating)."""
-        s = self.strategy
-        module = s.lightning_module
+        host = self.host
+        module = host.lightning_module
         assert module is not None
-        closure_loss = s.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = host.precision_plugin.pre_backward(closure_loss, module)
         params = [p for p in module.parameters() if p.requires_grad]
         pending = self.pending_grads or [None] * len(params)
         for p, g in zip(params, pending):
@@ -212,21 +307,21 @@ class StepRunner:
         self.pending_grads = None
         if self.sync_grads:
             self.reduce_gradients()
-        closure_loss = s.precision_plugin.post_backward(closure_loss, module)
+        closure_loss = host.precision_plugin.post_backward(closure_loss, module)
         return closure_loss
 
     def replicated_params(self) -> list[nn.Parameter]:
         """Trainable parameters outside the layer stack (present on every stage)."""
-        s = self.strategy
-        assert s.lightning_module is not None and s._stage is not None
-        local = {id(p) for p in s._stage.parameters()}
-        return [p for p in s.lightning_module.parameters() if p.requires_grad and id(p) not in local]
+        s, host = self.state, self.host
+        assert host.lightning_module is not None and s.stage is not None
+        local = {id(p) for p in s.stage.parameters()}
+        return [p for p in host.lightning_module.parameters() if p.requires_grad and id(p) not in local]
 
     def reduce_gradients(self) -> None:
         """Sum replicated parameters' gradients over the pipeline, then average everything over the D replicas."""
-        s = self.strategy
+        s, host = self.state, self.host
         g = s.groups
-        module = s.lightning_module
+        module = host.lightning_module
         assert g is not None and module is not None
         replicated = self.replicated_params()
         if g.pipeline_stages > 1 and replicated:
@@ -237,12 +332,12 @@ class StepRunner:
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the norm of the gradients of ALL parameters of the model (every stage's), like one process."""
-        s = self.strategy
+        s, host = self.state, self.host
         g = s.groups
         assert g is not None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         replicated = {id(p) for p in self.replicated_params()}
-        sq = torch.zeros((), dtype=torch.float32, device=s.root_device)
+        sq = torch.zeros((), dtype=torch.float32, device=host.root_device)
         for p in params:
             if id(p) in replicated and not g.is_first_stage:
                 continue  # counted once, on stage 0
@@ -268,6 +363,32 @@ def _loss_of(result: Any) -> Tensor:
     )
 
 
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it (through dicts, lists and tuples) detached and on the CPU."""
+    if isinstance(obj, Tensor):
+        return obj.detach().to("cpu", copy=True)  # a copy: a view would pickle its whole storage
+    if isinstance(obj, Mapping):
+        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_cpu(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it on ``device``."""
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
 
 
 def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> None:

@@ -23,8 +23,14 @@ How a training step runs (see ``docs/strategy.md`` for the user-facing version):
    replicas of that stage (skipped while Lightning accumulates). Clipping uses the norm over *all* stages. Only
    then does the optimizer step (two-phase: no stage updates before every stage has its reduced gradients).
 
-The class itself is thin: Lightning calls its hooks by name and each forwards to one part, constructed with the
-strategy -- :class:`~lightning_parcae.training.options.StrategyOptions` (the checked options),
+The class itself is thin: Lightning calls its hooks by name and each forwards to one part. The parts get narrow
+typed collaborators (the options they read, the :class:`~lightning_parcae.training.stage_state.StageState`, each
+other, and a small ``Protocol`` of what they need from the strategy), never the strategy's private fields. The
+stage state -- groups, stack path, layer names, partition, layer times, stage module, proxy, transport -- is owned
+by the layout; the strategy exposes it read-only (``groups``, ``partition``, ``full_stack``, ... which Lightning's
+callers and the runtime's :class:`~lightning_parcae.runtime.host.TrainingHost` read). Lightning's own internals
+are reached only through :mod:`lightning_parcae.training.lightning_internals`. The parts:
+:class:`~lightning_parcae.training.options.StrategyOptions` (the checked options),
 :class:`~lightning_parcae.training.process_setup.ProcessSetup` (ranks, store, process groups),
 :class:`~lightning_parcae.training.layout.StageLayout`, :class:`~lightning_parcae.training.data_path.DataPath`,
 :class:`~lightning_parcae.training.step_runner.StepRunner`, :class:`~lightning_parcae.training.collectives.Collectives`,
@@ -47,17 +53,19 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 
 from lightning_parcae.runtime.groups import ProcessGroups
-from lightning_parcae.runtime.pipeline import P2P, StageProxy
 from lightning_parcae.training import environment as launcher_env
 from lightning_parcae.training.checkpointing import StrategyCheckpoints
 from lightning_parcae.training.collectives import Collectives
 from lightning_parcae.training.data_path import DataPath
 from lightning_parcae.training.elastic_hooks import ElasticHooks
 from lightning_parcae.training.layout import StageLayout
+from lightning_parcae.training.lightning_internals import module_trainer, optimizers_to_device, unwrap_after_closure
+from lightning_parcae.training import lightning_internals
 from lightning_parcae.training.namespaces import IMPORT_HINT, check_trainer, namespace
 from lightning_parcae.training.options import StrategyOptions
 from lightning_parcae.training.process_setup import ProcessSetup
 from lightning_parcae.training.profiling import LayerProfiler
+from lightning_parcae.training.stage_state import StageState
 from lightning_parcae.training.step_runner import StepRunner
 
 if TYPE_CHECKING:
@@ -152,30 +160,58 @@ class ParcaeStrategyMixin:
         self.pipeline_stages_option, self.micro_batches, self.schedule = o.pipeline_stages, o.micro_batches, o.schedule
         self.layers_attr, self.balance, self.profile_repeats = o.layers_attr, o.balance, o.profile_repeats
         self.max_stage_memory_bytes, self.optimizer_state_factor = o.max_stage_memory_bytes, o.optimizer_state_factor
-        self.max_pipeline_stages, self.elastic = o.max_pipeline_stages, o.elastic
+        self.elastic = o.elastic
         self.elastic_options = o.elastic_options
         self._num_nodes = 1
-        # runtime state (rebuildable under a new generation)
-        self.groups: Optional[ProcessGroups] = None
-        self.stack_path: Optional[str] = None
-        self.layer_names: list[str] = []
-        self.partition: list[int] = []
-        self.layer_times: list[float] = []
-        self._stage: Optional[nn.Sequential] = None
-        self._proxy: Optional[StageProxy] = None
-        self._p2p: Optional[P2P] = None
-        self._full_stack: Optional[nn.Sequential] = None
-        self._no_cut_reason: Optional[str] = None
         self.elastic_runtime: Optional[Any] = None
-        # the parts (each does one job; see docs/design.md)
-        self.process = ProcessSetup(self)
-        self.collectives = Collectives(self)
-        self.elastic_hooks = ElasticHooks(self)
-        self.checkpoints = StrategyCheckpoints(self)
-        self.layout = StageLayout(self)
-        self.steps = StepRunner(self)
-        self.data = DataPath(self)
-        self.profiler = LayerProfiler(self)
+        # this process's stage (rebuildable under a new generation): owned and written by the layout only
+        self.stage_state = StageState()
+        # the parts (each does one job; see docs/design.md), each given only what it uses
+        ns_name = self._ns_name
+        self.profiler = LayerProfiler(self.stage_state, o.profile_repeats, self)
+        self.layout = StageLayout(self.stage_state, o, self, self.profiler)
+        self.process = ProcessSetup(self, o, self.layout, ns_name)
+        self.data = DataPath(self.stage_state, o.micro_batches, o.elastic, lambda batch: self.batch_to_device(batch))
+        self.steps = StepRunner(self.stage_state, o.micro_batches, o.schedule, self, self.data)
+        self.collectives = Collectives(self.stage_state, self)
+        self.elastic_hooks = ElasticHooks(self, self.data, self.steps, self.process, ns_name)
+        self.checkpoints = StrategyCheckpoints(self.stage_state, o.micro_batches, self, self.data,
+                                               checkpoint_dir=launcher_env.launcher_checkpoint_dir(),
+                                               member=launcher_env.launcher_member())
+
+    # ============================================================================================ the stage (read-only)
+    # The layout owns these facts (see :class:`~lightning_parcae.training.stage_state.StageState`); the runtime reads
+    # them through its TrainingHost protocol.
+    @property
+    def groups(self) -> Optional[ProcessGroups]:
+        """This generation's process groups (``None`` before ``setup_environment``)."""
+        return self.stage_state.groups
+
+    @property
+    def stack_path(self) -> Optional[str]:
+        """Dotted path of the layer stack in the module (``""``: no cuttable stack, P = 1; ``None``: not yet)."""
+        return self.stage_state.stack_path
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Child names of the whole layer stack, in order."""
+        return self.stage_state.layer_names
+
+    @property
+    def partition(self) -> list[int]:
+        """Layers per stage of the current layout."""
+        return self.stage_state.partition
+
+    @property
+    def layer_times(self) -> list[float]:
+        """Measured forward + backward time per layer (may be empty)."""
+        return self.stage_state.layer_times
+
+    @property
+    def max_pipeline_stages(self) -> Optional[int]:
+        """Deepest pipeline live reconfiguration may choose: 1 for a model without a cuttable stack, else the
+        option (``None``: as many as layers)."""
+        return 1 if self.stage_state.whole_model else self.options.max_pipeline_stages
 
     # ============================================================================================ Lightning plumbing
     @property
@@ -257,7 +293,7 @@ class ParcaeStrategyMixin:
         self.steps.check_supported(module)
         self.model = self.precision_plugin.convert_module(module)
         self.data.install(trainer)
-        joining = self.elastic_runtime is not None and self.elastic_runtime.joining and self._stage is None
+        joining = self.elastic_runtime is not None and self.elastic_runtime.joining and self.stage_state.stage is None
         if joining:
             self.elastic_hooks.install_live_restore(trainer)
         self.layout.place(trainer, joining)
@@ -265,9 +301,7 @@ class ParcaeStrategyMixin:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == _FIT:
-            from lightning_fabric.utilities.optimizer import _optimizers_to_device  # noqa: PLC0415
-
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.clip_grad_by_norm = self.steps.clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == _FIT:
             self.process.add_launcher_callbacks(trainer)
@@ -287,17 +321,25 @@ class ParcaeStrategyMixin:
 
     def apply_layout(self, trainer: "pl.Trainer", layout: Any, generation: int, received: Mapping[int, Any],
                      group_of: list[dict[str, int]]) -> None:
-        """Rebuild this process's groups, stage, optimizer binding and data slice for ``layout`` (in place)."""
-        self.layout.apply(trainer, layout, generation, received, group_of)
+        """Rebuild this process's groups, stage, optimizer binding and data slice for ``layout`` (in place): the
+        process setup makes this process its rank and builds the generation's groups, the layout installs them with
+        the received layers, the data path reslices the batches to come."""
+        assert self.elastic_runtime is not None and self.stage_state.full_stack is not None
+        rank = layout.members.index(self.elastic_runtime.member)
+        world, d, p = len(layout.members), layout.data_parallel, layout.pipeline_stages
+        self.process.set_ranks(rank, world)
+        groups = self.process.build_groups(generation, rank, world, d, p)
+        self.layout.apply(list(layout.partition), groups, received, group_of)
+        self.data.reshard(d, groups.coords.replica)
 
     @property
     def whole_model(self) -> bool:
         """True when the model has no cuttable layer stack and trains at P = 1 only."""
-        return self.stack_path == ""
+        return self.stage_state.whole_model
 
     def layer_key(self, name: str) -> str:
         """The state-dict prefix of layer ``name`` (``"<stack_path>.<name>"``)."""
-        return f"{self.stack_path}.{name}" if self.stack_path else name
+        return self.stage_state.layer_key(name)
 
     @property
     def global_batch(self) -> Optional[int]:
@@ -305,9 +347,9 @@ class ParcaeStrategyMixin:
         return self.data.global_batch
 
     @property
-    def full_stack(self) -> Optional[nn.Sequential]:
+    def full_stack(self) -> Optional[nn.Module]:
         """The whole layer stack (all layers, also those other stages hold), once built."""
-        return self._full_stack
+        return self.stage_state.full_stack
 
     def local_state_dump(self) -> AbstractContextManager[None]:
         """Within it, ``lightning_module_state_dict`` returns this process's own state (no gather)."""
@@ -320,6 +362,54 @@ class ParcaeStrategyMixin:
     def stage_key_set(self) -> set[str]:
         """The state-dict keys (global names) of the layers this process holds."""
         return self.layout.stage_key_set()
+
+    # --- TrainingHost: what the runtime asks of Lightning (runtime/host.py; owned by the runtime's helper) ---
+    def torch_optimizers(self) -> list[Optimizer]:
+        """The torch optimizers inside Lightning's ``LightningOptimizer`` wrappers, in the order of ``optimizers``."""
+        return [lightning_internals.inner_optimizer(o) for o in self.optimizers]
+
+    def validation_follows(self, trainer: "pl.Trainer") -> bool:
+        """Whether Lightning runs a validation right after the step that just ended.
+
+        Regression (held-out chaos seed 1102): a standby admitted at step 21, a validation step, restored the loop
+        state of the end of that step -- where Lightning treats the pending validation as done -- and went on
+        training while the members validated: mismatched collectives, a 15 s stall until the watchdog. Planned
+        admissions wait one step when this is true.
+        """
+        return lightning_internals.validation_follows(trainer)
+
+    def training_ends(self, trainer: "pl.Trainer") -> bool:
+        """Whether the step that just ended is the last one ``fit`` trains (``max_steps`` or the last epoch's end).
+
+        Regression (chaos seed 49, under load): a standby admitted at step 22 of ``max_steps=22`` restored a loop
+        that was already done, so its ``fit`` ended without the end-of-fit collectives the member still ran; the
+        member's guard gave up on them ("recovering at the next step boundary" -- there is none), and the code after
+        ``fit`` ran one collective apart: ``save_checkpoint``'s barrier failed, exit 1. Nobody is admitted (and
+        no interval plan is made) at the last step: no step would use the new shape.
+        """
+        return training_ends(trainer)
+
+    def loop_checkpoint(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        """Lightning's checkpoint of this process's own state: loops, callbacks, schedulers (no gather)."""
+        with self.local_state_dump():
+            return lightning_internals.checkpoint_connector(trainer).dump_checkpoint(weights_only=False)
+
+    def reset_eval_loaders(self, trainer: "pl.Trainer") -> None:
+        """Make Lightning rebuild the validation loader (and its distributed sampler) at the next validation.
+
+        Regression: the loader was built once, sharded for the D of the first validation; after a change of D the
+        stages of one pipeline read different validation batches and the last stage's output (16 sequences) no
+        longer matched its own targets (8) -- "Expected input batch_size (1024) to match target batch_size (512)".
+        """
+        lightning_internals.forget_val_loader(trainer)
+
+    def save_before_leaving(self, trainer: "pl.Trainer", path: str) -> None:
+        """Collective: save the whole job's checkpoint to ``path`` -- or, with the launcher's checkpoint directory, as
+        a new checkpoint there -- and wait until the write has finished."""
+        store = self.checkpoints.store
+        trainer.save_checkpoint(store.url if store is not None else path)
+        self.wait_for_checkpoint()
+    # --- end TrainingHost ---
 
     # ============================================================================================ data
     def data_state(self) -> dict[str, Any]:
@@ -420,11 +510,9 @@ class ParcaeStrategyMixin:
     def teardown(self) -> None:
         """Undo the data hook. Process groups stay up (like DDP) so ``trainer.save_checkpoint`` works after ``fit``;
         the next ``setup_environment`` replaces them with a new generation."""
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        self.data.uninstall(trainer)
+        self.data.uninstall(module_trainer(self.lightning_module))
         self.precision_plugin.__dict__.pop("clip_grad_by_norm", None)
-        self.precision_plugin.__dict__.pop("_after_closure", None)
+        unwrap_after_closure(self.precision_plugin)
         self.wait_for_checkpoint()
         if self.elastic_runtime is not None:
             self.elastic_hooks.close()
@@ -437,16 +525,27 @@ class ParcaeStrategyMixin:
         """Register ``"parcae"``."""
         strategy_registry.register("parcae", cls, description=_DESCRIPTION, override=True)
 
-    @property
-    def _ns(self) -> Any:
-        """This class's Lightning namespace (see :mod:`lightning_parcae.training.namespaces`)."""
-        return namespace(self._ns_name)
-
     def __repr__(self) -> str:
         # Lightning puts the repr into its "invalid strategy" error when a Trainer of the other namespace gets
         # this object: say there which import that Trainer needs.
         other = "lightning.pytorch" if self._ns_name == "pytorch_lightning" else "pytorch_lightning"
         return (f"ParcaeStrategy (built for {self._ns_name}; a {other}.Trainer needs {IMPORT_HINT[other]})")
+
+
+# --- TrainingHost: what the runtime asks of Lightning (the loop's end, read through Lightning's public loop state) ---
+def training_ends(trainer: "pl.Trainer") -> bool:
+    """Whether the step that just ended is the last one ``fit`` trains (see ``ParcaeStrategy.training_ends``)."""
+    max_steps = getattr(trainer, "max_steps", -1)
+    if max_steps is not None and max_steps >= 0 and int(trainer.global_step) >= max_steps:
+        return True
+    try:
+        loop = trainer.fit_loop
+        max_epochs = loop.max_epochs
+        last_epoch = max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
+        return bool(last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
+    except Exception:  # noqa: BLE001 -- Lightning internals: when in doubt, do not hold admissions back
+        return False
+# --- end TrainingHost ---
 
 
 # ------------------------------------------------------------------------------------------------ namespaces

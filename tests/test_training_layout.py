@@ -1,0 +1,136 @@
+"""The stage layout: partitioning, (re)building this process's stage and applying a new layout -- with fakes of
+the strategy (module, device, optimizers) and of the process groups, no processes."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parcae.errors import ModelLayoutError
+from lightning_parcae.runtime.pipeline import StageProxy
+from lightning_parcae.training.layout import StageLayout, named_layers
+from lightning_parcae.training.options import StrategyOptions
+from lightning_parcae.training.stage_state import StageState
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)])
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+
+class FakeHost:
+    """The strategy as the layout sees it."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.lightning_module = module
+        self.root_device = torch.device("cpu")
+        self.optimizers: list[Any] = []
+        self.moved = 0
+
+    def model_to_device(self) -> None:
+        self.moved += 1
+
+
+class FakeGroups:
+    def __init__(self, world: int, stages: int, stage: int = 0) -> None:
+        self.world, self.pipeline_stages = world, stages
+        self.data_parallel = world // stages
+        self.coords = types.SimpleNamespace(stage=stage, replica=0)
+        self.pipeline_group = None
+        self.data_group = None
+
+    def rebuilt(self, data_parallel: int, stages: int) -> "FakeGroups":
+        return FakeGroups(data_parallel * stages, stages)
+
+
+def _options(**given: Any) -> StrategyOptions:
+    base: dict[str, Any] = dict(pipeline_stages=None, micro_batches=1, schedule="1f1b", layers_attr=None, balance=None,
+                                max_stage_memory_bytes=None, optimizer_state_factor=2.0, profile_repeats=1,
+                                start_method="popen", process_group_backend=None, timeout=None, elastic=False,
+                                interval_s=1.0, interval_steps=0, look_ahead=1, predictor="persistence",
+                                heartbeat_s=0.2, dead_after_s=3.0, stall_after_s=60.0, max_pipeline_stages=None,
+                                throughput="measured")
+    base.update(given)
+    return StrategyOptions(**base)
+
+
+def _layout(module: nn.Module, groups: FakeGroups, profiler: Optional[Any] = None,
+            **options: Any) -> tuple[StageLayout, StageState]:
+    state = StageState()
+    layout = StageLayout(state, _options(**options), FakeHost(module), profiler)  # type: ignore[arg-type]
+    layout.use_groups(groups)  # type: ignore[arg-type]
+    return layout, state
+
+
+def test_partition_by_balance_builds_this_stages_layers_in_place_of_the_stack() -> None:
+    module = Net()
+    layout, state = _layout(module, FakeGroups(2, 2, stage=1), balance=[1, 3], pipeline_stages=2)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    assert state.stack_path == "net" and state.layer_names == ["0", "1", "2", "3"] and state.partition == [1, 3]
+    assert [n for n, _ in state.stage.named_children()] == ["1", "2", "3"]  # type: ignore[union-attr]
+    assert module.net is state.stage and isinstance(state.proxy, StageProxy)
+    assert state.full_stack is not None and len(state.full_stack) == 4
+
+
+def test_a_balance_that_does_not_sum_to_the_layers_is_refused() -> None:
+    layout, _ = _layout(Net(), FakeGroups(2, 2), balance=[1, 1], pipeline_stages=2)
+    with pytest.raises(ModelLayoutError, match="summing to the 4 layers"):
+        layout.partition_module(trainer=None)  # type: ignore[arg-type]
+
+
+def test_a_partition_of_another_depth_rebuilds_the_groups() -> None:
+    layout, state = _layout(Net(), FakeGroups(2, 2), pipeline_stages=1)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    assert state.partition == [4] and state.groups.pipeline_stages == 1 and state.groups.data_parallel == 2  # type: ignore[union-attr]
+
+
+def test_a_model_without_a_stack_trains_whole_and_says_why() -> None:
+    class NoStack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.act, self.b = nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1)
+
+    module = NoStack()
+    layout, state = _layout(module, FakeGroups(1, 1), pipeline_stages=1)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    assert state.whole_model and state.layer_names == ["a", "b"] and state.partition == [2]
+    assert state.no_cut_reason and state.proxy is None and state.full_stack is module
+
+
+def test_a_joiner_adopts_the_admitted_layout_and_builds_its_stage_on_place() -> None:
+    module = Net()
+    host = FakeHost(module)
+    state = StageState()
+    layout = StageLayout(state, _options(), host, None)  # type: ignore[arg-type]
+    layout.adopt_admitted([2, 2], "net", ["0", "1", "2", "3"], [0.5] * 4)
+    layout.use_groups(FakeGroups(2, 2, stage=1))  # type: ignore[arg-type]
+    layout.place(trainer=None, joining=True)  # type: ignore[arg-type]
+    assert state.partition == [2, 2] and state.layer_times == [0.5] * 4
+    assert [n for n, _ in module.net.named_children()] == ["2", "3"] and host.moved == 1
+
+
+def test_apply_installs_the_new_groups_and_holds_the_new_partitions_layers() -> None:
+    module = Net()
+    layout, state = _layout(module, FakeGroups(2, 2, stage=0), balance=[2, 2], pipeline_stages=2)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    assert [n for n, _ in module.net.named_children()] == ["0", "1"]
+    new_groups = FakeGroups(2, 2, stage=1)
+    layout.apply([1, 3], new_groups, received={}, group_of=[])  # type: ignore[arg-type]
+    assert state.groups is new_groups and state.partition == [1, 3]
+    assert [n for n, _ in module.net.named_children()] == ["1", "2", "3"]
+
+
+def test_named_layers_lists_a_module_registered_twice_twice() -> None:
+    shared = nn.Linear(1, 1)
+    seq = nn.Sequential(shared, nn.ReLU(), shared)
+    assert [n for n, _ in named_layers(seq)] == ["0", "1", "2"]
+    assert [n for n, _ in seq.named_children()] == ["0", "1"]  # why the layout does not use named_children

@@ -1,0 +1,187 @@
+"""The step runner at P = 1, its gradient bookkeeping, and what its last stage hands the other stages -- with a fake
+strategy, fake groups, a fake transport and a fake data path (the pipelined schedule itself is covered by
+tests/test_strategy.py, against single-process training)."""
+
+from __future__ import annotations
+
+import types
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.runtime.pipeline import P2P
+from lightning_parcae.training.stage_state import StageState
+from lightning_parcae.training.log_replay import LogCall
+from lightning_parcae.training.step_runner import StepOutcome, StepRunner
+
+
+class Module(nn.Module):
+    automatic_optimization = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 1, bias=False))
+        self.trainer = types.SimpleNamespace(accumulate_grad_batches=1, current_epoch=3)
+        self.steps: list[Any] = []
+
+    def training_step(self, batch: torch.Tensor, idx: int) -> torch.Tensor:
+        self.steps.append(batch)
+        return self.net(batch).sum()
+
+
+class Precision:
+    scaler = None
+
+    def train_step_context(self) -> Any:
+        return nullcontext()
+
+    def pre_backward(self, loss: torch.Tensor, module: Any) -> torch.Tensor:
+        return loss
+
+    def post_backward(self, loss: torch.Tensor, module: Any) -> torch.Tensor:
+        return loss
+
+
+class Data:
+    def __init__(self) -> None:
+        self.counted: list[int] = []
+
+    def effective_batch(self, batch: Any) -> Any:
+        return batch
+
+    def count_samples(self, epoch: int) -> None:
+        self.counted.append(epoch)
+
+
+def _runner(module: Module, micro: int = 1) -> tuple[StepRunner, Data]:
+    groups = types.SimpleNamespace(pipeline_stages=1, data_parallel=1, world=1, is_first_stage=True,
+                                   coords=types.SimpleNamespace(stage=0), prev_rank=lambda: None,
+                                   next_rank=lambda: None, pipeline_group=None, data_group=None)
+    state = StageState(groups=groups, stack_path="net", stage=module.net, p2p=P2P(torch.device("cpu")))  # type: ignore[arg-type]
+    host = types.SimpleNamespace(lightning_module=module, precision_plugin=Precision(), root_device=torch.device("cpu"))
+    data = Data()
+    return StepRunner(state, micro, "1f1b", host, data), data  # type: ignore[arg-type]
+
+
+def test_at_p1_the_users_step_runs_per_micro_batch_and_the_cursor_advances_once() -> None:
+    module = Module()
+    runner, data = _runner(module, micro=2)
+    loss = runner.training_step(torch.ones(4, 2), 0)
+    assert [b.shape[0] for b in module.steps] == [2, 2] and data.counted == [3]
+    assert torch.isclose(loss, module.net(torch.ones(2, 2)).sum().detach())
+
+
+def test_the_steps_gradients_are_kept_aside_and_put_back_in_backward() -> None:
+    module = Module()
+    runner, _ = _runner(module)
+    loss = runner.training_step(torch.ones(1, 2), 0)
+    weight = module.net[0].weight
+    assert weight.grad is None and runner.pending_grads is not None  # Lightning's zero_grad comes in between
+    runner.backward(loss)
+    assert weight.grad is not None and torch.allclose(weight.grad, torch.ones(1, 2))
+    assert runner.pending_grads is None
+
+
+def test_a_discarded_step_drops_its_pending_gradients() -> None:
+    module = Module()
+    runner, _ = _runner(module)
+    loss = runner.training_step(torch.ones(1, 2), 0)
+    runner.discard_pending()
+    runner.backward(loss)
+    assert module.net[0].weight.grad is None
+
+
+def test_no_sync_suspends_the_gradient_reduction_only_inside() -> None:
+    runner, _ = _runner(Module())
+    with runner.no_sync():
+        assert runner.sync_grads is False
+    assert runner.sync_grads is True
+
+
+def test_manual_optimization_and_a_grad_scaler_are_refused() -> None:
+    module = Module()
+    runner, _ = _runner(module)
+    module.automatic_optimization = False
+    with pytest.raises(ConfigurationError, match="automatic optimization"):
+        runner.check_supported(module)
+    module.automatic_optimization = True
+    runner.host.precision_plugin.scaler = object()  # type: ignore[attr-defined]
+    with pytest.raises(ConfigurationError, match="GradScaler"):
+        runner.check_supported(module)
+
+
+def test_clipping_scales_by_the_norm_over_all_parameters() -> None:
+    module = Module()
+    runner, _ = _runner(module)
+    module.net[0].weight.grad = torch.tensor([[3.0, 4.0]])
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    runner.clip_grad_by_norm(opt, 1.0)
+    assert torch.allclose(module.net[0].weight.grad.norm(), torch.tensor(1.0), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- what crosses stages at P = 2
+class Transport:
+    """Stands in for the pipeline transport: records what is broadcast, answers with what the last stage sent."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, incoming: Optional[torch.Tensor] = None) -> None:
+        self.sent: list[tuple[torch.Tensor, int]] = []
+        self.incoming = incoming
+
+    def broadcast(self, t: Optional[torch.Tensor], src: int) -> torch.Tensor:
+        if t is not None:
+            self.sent.append((t, src))
+            return t
+        assert self.incoming is not None
+        return self.incoming
+
+
+class MetricModule(Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
+
+
+def _stage_runner(module: Module, last: bool, transport: Transport) -> StepRunner:
+    groups = types.SimpleNamespace(pipeline_stages=2, data_parallel=1, world=2, is_last_stage=last,
+                                   is_first_stage=not last, last_stage_rank=lambda: 1)
+    state = StageState(groups=groups, stack_path="net", stage=module.net, p2p=transport)  # type: ignore[arg-type]
+    host = types.SimpleNamespace(lightning_module=module, precision_plugin=Precision(), root_device=torch.device("cpu"))
+    return StepRunner(state, 2, "1f1b", host, Data())  # type: ignore[arg-type]
+
+
+def test_the_last_stage_sends_its_logs_and_loss_and_the_others_get_them() -> None:
+    sender, receiver = MetricModule(), MetricModule()
+    sender.acc(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 1, 1, 1]))
+    big = torch.randn(64, 1024)  # the stack output of a language model: it must not cross
+    # mse_loss returns a 0-d view of a buffer the size of its input; pickling the view would send the buffer
+    loss = torch.nn.functional.mse_loss(big, torch.zeros_like(big))
+    mine = StepOutcome([LogCall("loss", loss, {"sync_dist": True}), LogCall("acc", sender.acc, {})],
+                       (loss.detach(), {"seen": torch.tensor(3.0)}))
+    out = Transport()
+    assert _stage_runner(sender, True, out).share_outcome(mine) is mine  # the last stage keeps its own outcome
+    (payload, src), = out.sent
+    assert src == 1 and payload.dtype == torch.uint8 and payload.numel() < big.numel() * 4 / 20
+    got = _stage_runner(receiver, False, Transport(payload)).share_outcome(None)
+    assert [(c.name, c.kwargs) for c in got.calls] == [("loss", {"sync_dist": True}), ("acc", {})]
+    assert torch.equal(got.calls[0].value, loss.detach()) and got.calls[1].value is receiver.acc
+    assert float(receiver.acc.compute()) == pytest.approx(0.5)
+    received_loss, extras = got.result
+    assert torch.equal(received_loss, loss.detach()) and float(extras["seen"]) == 3.0
+
+
+def test_an_outcome_that_cannot_cross_fails_on_every_stage_instead_of_hanging_the_others() -> None:
+    mine = StepOutcome([LogCall("loss", torch.tensor(1.0), {"reduce_fx": lambda xs: xs.mean()})], (None, None))
+    out = Transport()
+    with pytest.raises(ConfigurationError, match="could not be sent"):
+        _stage_runner(Module(), True, out).share_outcome(mine)
+    (payload, _), = out.sent  # the last stage still sent something: the error
+    with pytest.raises(ConfigurationError, match="could not be sent"):
+        _stage_runner(Module(), False, Transport(payload)).share_outcome(None)
