@@ -7,6 +7,9 @@ in each module, they drifted (three modules defined ``PARCAE_STORE``, two ``PARC
 below every layer, and everything else imports them. ``docs/failure_contract.md`` describes the behaviour behind
 each exit status.
 
+:func:`worker_contract` builds a worker's ``PARCAE_*`` variables from these names -- the one builder used by ``parcae
+run``'s two modes and by ``parcae agent`` (it was assembled three times, in three modules).
+
 Store keys and notice records stay with their owners (:mod:`lightning_parcae.runtime.store`,
 :mod:`lightning_parcae.runtime.coordinator`, :mod:`lightning_parcae.signals.notices`): only one module writes and
 reads each of them.
@@ -14,8 +17,12 @@ reads each of them.
 
 from __future__ import annotations
 
+from os import PathLike
+from typing import Optional, Union
+
 __all__ = [
-    "ENV_PREFIX", "RUN_DIR_ENV", "RESUME_ENV", "STORE_ENV", "JOB_TOKEN_ENV", "MEMBER_ENV", "JOIN_ENV",
+    "worker_contract",
+    "ENV_PREFIX", "RUN_DIR_ENV", "RESUME_ENV", "CHECKPOINT_DIR_ENV", "MAX_INSTANCES_ENV", "STORE_ENV", "JOB_TOKEN_ENV", "MEMBER_ENV", "JOIN_ENV",
     "GENERATION_ENV", "GENERATION_BASE_ENV", "PIPELINE_ENV", "INTERVAL_ENV", "MODE_ENV", "ELASTIC_ENV", "STALL_ENV",
     "SHARED_CORES_ENV", "WRONG_TOKEN_EXIT", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT",
 ]
@@ -26,6 +33,11 @@ ENV_PREFIX = "PARCAE_"
 RUN_DIR_ENV = "PARCAE_RUN_DIR"
 """The run directory (checkpoints, events, logs)."""
 RESUME_ENV = "PARCAE_RESUME_CKPT"
+MAX_INSTANCES_ENV = "PARCAE_MAX_INSTANCES"
+"""The largest instance count of the job (the forecasts' upper bound; the runtime assumes 64 when unset)."""
+CHECKPOINT_DIR_ENV = "PARCAE_CHECKPOINT_DIR"
+"""Where the launcher's checkpoints go: a local path, a shared mount or an fsspec URL (``s3://bucket/job``); unset:
+``run_dir/ckpt/last.ckpt`` on the writer's own disk (see :mod:`lightning_parcae.runtime.checkpoint_store`)."""
 """On a relaunch: the checkpoint to resume from (used when ``fit`` gets no ``ckpt_path``)."""
 STORE_ENV = "PARCAE_STORE"
 """The coordination store (``tcp://host:port`` or ``etcd://host:port``) that outlives the workers."""
@@ -51,6 +63,65 @@ STALL_ENV = "PARCAE_STALL_S"
 """The progress watchdog in seconds (overrides ``stall_after_s``)."""
 SHARED_CORES_ENV = "PARCAE_SHARED_CORES"
 """All workers on one machine: the cores they share (the measured model's contention term). Unset on a cluster."""
+
+
+
+def worker_contract(*, store: str, token: Optional[str], elastic: bool, run_dir: Union[str, PathLike[str], None] = None,
+                    member: Optional[str] = None, join: Optional[bool] = None, generation: Optional[int] = None,
+                    pipeline_stages: Optional[str] = None, mode: Optional[str] = None,
+                    interval_s: Optional[float] = None, stall_s: Optional[float] = None,
+                    shared_cores: Optional[int] = None,
+                    resume: Union[str, PathLike[str], None] = None,
+                    checkpoint_dir: Optional[str] = None, max_instances: Optional[int] = None) -> dict[str, str]:
+    """The ``PARCAE_*`` variables of one worker; a variable whose argument is None (or a falsy token / stall) is
+    left out, so the worker's default applies.
+
+    Args:
+        store: :data:`STORE_ENV`.
+        token: :data:`JOB_TOKEN_ENV` (None or empty: an open store).
+        elastic: :data:`ELASTIC_ENV` (``1`` / ``0``).
+        run_dir: :data:`RUN_DIR_ENV`.
+        member: :data:`MEMBER_ENV`.
+        join: :data:`JOIN_ENV` (``1`` / ``0``).
+        generation: :data:`GENERATION_ENV`, and :data:`GENERATION_BASE_ENV` as ``1000 * generation``.
+        pipeline_stages: :data:`PIPELINE_ENV` (a number or ``auto``).
+        mode: :data:`MODE_ENV`.
+        interval_s: :data:`INTERVAL_ENV` (``%g``).
+        stall_s: :data:`STALL_ENV` (``%g``; None or 0: not set).
+        shared_cores: :data:`SHARED_CORES_ENV`.
+        resume: :data:`RESUME_ENV`.
+        checkpoint_dir: :data:`CHECKPOINT_DIR_ENV`.
+        max_instances: :data:`MAX_INSTANCES_ENV`.
+    """
+    env = {ELASTIC_ENV: "1" if elastic else "0", STORE_ENV: store}
+    if token:
+        env[JOB_TOKEN_ENV] = token
+    if member is not None:
+        env[MEMBER_ENV] = member
+    if join is not None:
+        env[JOIN_ENV] = "1" if join else "0"
+    if run_dir is not None:
+        env[RUN_DIR_ENV] = str(run_dir)
+    if generation is not None:
+        env[GENERATION_ENV], env[GENERATION_BASE_ENV] = str(generation), str(1000 * generation)
+    if pipeline_stages is not None:
+        env[PIPELINE_ENV] = pipeline_stages
+    if mode is not None:
+        env[MODE_ENV] = mode
+    if interval_s is not None:
+        env[INTERVAL_ENV] = f"{interval_s:g}"
+    if stall_s:
+        env[STALL_ENV] = f"{stall_s:g}"
+    if shared_cores is not None:
+        env[SHARED_CORES_ENV] = str(shared_cores)
+    if resume is not None:
+        env[RESUME_ENV] = str(resume)
+    if checkpoint_dir:
+        env[CHECKPOINT_DIR_ENV] = checkpoint_dir
+    if max_instances is not None:
+        env[MAX_INSTANCES_ENV] = str(max_instances)
+    return env
+
 
 # ------------------------------------------------------------------------------------ worker -> launcher (exit)
 WRONG_TOKEN_EXIT = 3

@@ -26,3 +26,32 @@ def test_worker_environment_keeps_only_named_variables_and_leaves_threads_alone_
     assert env[RESUME_ENV] == "/ckpt" and env[MEMBER_ENV] == "host-1" and env["OMP_NUM_THREADS"] == "8"
     assert "OMP_NUM_THREADS" not in worker_environment({}, rank=0, world=1, local_rank=0, local_world=1,
                                                        master_port=1, parcae={}, shared_machine=False)
+
+
+def test_a_failure_carries_the_tail_of_each_workers_log(tmp_path) -> None:
+    from launch_fakes import worker
+
+    from lightning_parcae.launch.processes import RunFailed, WorkerPool
+
+    w = worker("i0", returncode=1, log_dir=tmp_path)
+    w.log_path.write_text("\n".join(f"line {k}" for k in range(40)) + "\nTraceback: boom\n")
+    err = WorkerPool().failure("parcae run failed: worker i0 exited with 1", [w])
+    assert isinstance(err, RunFailed)
+    text = str(err)
+    assert text.startswith("parcae run failed") and "Traceback: boom" in text and "(exit 1)" in text
+    assert "line 15\n" not in text and "line 16\n" in text  # the last 25 lines only
+
+
+def test_kill_all_stops_every_process_group(tmp_path) -> None:
+    import sys
+
+    from lightning_parcae.launch.processes import Worker, WorkerPool, start_worker_process
+
+    pool = WorkerPool()
+    for k in range(2):
+        log = tmp_path / f"w{k}.log"
+        proc = start_worker_process([sys.executable, "-c", "import time; time.sleep(60)"], {}, log)
+        pool.workers.append(Worker(k, proc, log))
+    pool.kill_all()
+    assert all(not w.alive() for w in pool.workers)
+    pool.kill_all()  # idempotent

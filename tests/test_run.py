@@ -442,17 +442,62 @@ def test_restart_fallback_chooses_only_d_that_splits_the_reported_batch() -> Non
 
     cfg = _config(["--instances", "4", "--restart-fallback", "--", "python", "x.py"])
     launcher = Launcher(cfg, out=open(os.devnull, "w"))
-    assert launcher._shape_for(3) == (2, 2, 1)  # nothing reported yet: a power of two
+    shape_for = launcher.relaunch.shape_for
+    assert shape_for(3) == (2, 2, 1)  # nothing reported yet: a power of two
     for b, m in [(64, 2), (48, 2), (60, 1), (30, 2), (7, 1)]:
-        launcher._batch = (b, m)
+        launcher.reports.batch = (b, m)
         for n in range(1, 7):
-            workers, d, p = launcher._shape_for(n)
+            workers, d, p = shape_for(n)
             legal = [k for k in range(1, n + 1) if batch_splits(b, k, m)]
             assert d == (max(legal) if legal else 1) and workers == d, (b, m, n, d)
-    launcher._batch = (64, 2)
-    assert launcher._shape_for(3) == (2, 2, 1)
-    launcher._batch = (48, 2)
-    assert launcher._shape_for(3) == (3, 3, 1)
+    launcher.reports.batch = (64, 2)
+    assert shape_for(3) == (2, 2, 1)
+    launcher.reports.batch = (48, 2)
+    assert shape_for(3) == (3, 3, 1)
+
+
+def _write_events(run_dir: Path, events: list[dict]) -> None:
+    with open(run_dir / "events.jsonl", "a") as f:
+        for ev in events:
+            f.write(json.dumps(ev) + "\n")
+
+
+def test_the_launcher_completes_a_pending_restart_at_the_first_step_and_finishes_at_the_end(tmp_path: Path) -> None:
+    """The launcher, not the console, acts on what the workers report: the first step past the resume point
+    completes the pending restart (once), a checkpoint is remembered for the next relaunch, the end finishes."""
+    from lightning_parcae.launch.state import Phase
+
+    cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--", "python", "x.py"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    st = launcher.state
+    st.launched(generation=1, resume_step=10, instances=2, now=0.0, launch=1)
+    st.pending_restart = {"t_request": 0.0, "last_step": 12, "samples_per_s": 10.0}
+    w = {"source": "worker", "generation": 1, "samples": 110, "time": 2.0}
+    _write_events(tmp_path, [{**w, "event": "progress", "step": 10}, {**w, "event": "progress", "step": 0,
+                                                                       "generation": 0}])
+    launcher._read_events()
+    assert st.phase is Phase.STARTING and st.restarts == []
+    _write_events(tmp_path, [{**w, "event": "progress", "step": 11}, {**w, "event": "checkpoint", "step": 11},
+                             {**w, "event": "progress", "step": 12}])
+    launcher._read_events()
+    assert st.phase is Phase.RUNNING and len(st.restarts) == 1 and st.last_ckpt_step == 11
+    assert st.restarts[0]["redo_steps"] == 2 and st.restarts[0]["downtime_s"] == 2.0
+    _write_events(tmp_path, [{**w, "event": "end", "step": 20}])
+    launcher._read_events()
+    assert st.phase is Phase.FINISHED and st.finished_at is not None and len(st.restarts) == 1
+    launcher._read_events()  # the launcher's own events come back through the log
+    kinds = [e["event"] for e in launcher.reports.events if e.get("source") == "launcher"]
+    assert kinds == ["restart_done", "finished"]
+
+
+def test_the_launcher_takes_a_fallbacks_reason_from_the_first_member_that_reports_it(tmp_path: Path) -> None:
+    cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--", "python", "x.py"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    e = {"source": "elastic", "event": "fallback", "time": 1.0}
+    _write_events(tmp_path, [{**e, "member": "i0", "reason": "stage 1 lost"}, {**e, "member": "i0", "reason": "x"},
+                             {**e, "member": "i1", "reason": "stage 0 lost"}])
+    launcher._read_events()
+    assert launcher.state.fallback_reason == "stage 0 lost" and launcher.state.fallback_seen == {"i0", "i1"}
 
 
 @pytest.mark.slow

@@ -2,9 +2,10 @@
 
 Problem: a user watching a spot cluster wants each change as it happens (notices, plans, migrations, restarts), a
 progress line every few seconds, and at the end ``report.json`` / ``report.png`` with what every migration and
-restart cost. The launcher's process management should not be tangled with formatting: this module reads the
-workers' events from ``run_dir/events.jsonl`` and turns them into lines and the report, for one
-:class:`~lightning_parcae.launch.run.Launcher`.
+restart cost. The launcher's process management should not be tangled with formatting: :class:`Console` reads the
+workers' events from ``run_dir/events.jsonl`` into the :class:`~.state.WorkerReports` it owns and turns them into
+lines and the report. It only reads and reports: it reads the run's :class:`~.state.RunState` but never changes it
+(the launcher acts on the events it returns -- a first step, a checkpoint, the end).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from lightning_parcae.launch.processes import ELASTIC
+from lightning_parcae.launch.config import RunConfig
+from lightning_parcae.launch.processes import ELASTIC, WorkerControl
+from lightning_parcae.launch.state import Phase, RunState, WorkerReports
 
 __all__ = ["Console"]
 
@@ -23,75 +26,84 @@ class Console:
     """Console output and the report of one launcher run.
 
     Args:
-        rt: The :class:`~lightning_parcae.launch.run.Launcher` (its state is read and its event list updated).
+        cfg: The run's options.
+        state: The run's state (read only).
+        reports: What the workers reported: written here only, from the event log.
+        pool: The worker processes (read only: standbys and whether a generation runs).
+        out: Where the lines go.
     """
 
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, cfg: RunConfig, state: RunState, reports: WorkerReports, pool: WorkerControl,
+                 out: TextIO) -> None:
+        self.cfg, self.state, self.reports, self.pool, self.out = cfg, state, reports, pool, out
+        self._offset = 0
+        self._last_line = 0.0
+        self._recoveries: set[Any] = set()
+        self._recovering_since: dict[int, float] = {}
 
-    def read_events(self) -> None:
-        path = self.rt.cfg.run_dir / "events.jsonl"
+    def read_new(self) -> list[dict[str, Any]]:
+        """The events appended to ``run_dir/events.jsonl`` since the last call (complete lines only); not yet
+        recorded (see :meth:`record`)."""
+        path = self.cfg.run_dir / "events.jsonl"
         try:
             with open(path, "rb") as f:
-                f.seek(self.rt._events_offset)
+                f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:
-            return
+            return []
         end = data.rfind(b"\n") + 1
-        self.rt._events_offset += end
+        self._offset += end
+        out = []
         for line in data[:end].splitlines():
             try:
-                ev = json.loads(line)
+                out.append(json.loads(line))
             except ValueError:
                 continue
-            self.rt.events.append(ev)
-            if ev.get("source") == "worker":
-                if ev.get("global_batch"):
-                    self.rt._batch = (int(ev["global_batch"]), int(ev.get("micro_batches") or 1))
-                rate = ev.get("samples_per_s", self.rt.latest.get("samples_per_s", 0.0))
-                if ev.get("event") != "progress" and ev.get("generation") == self.rt.latest.get("generation"):
-                    rate = self.rt.latest.get("samples_per_s", 0.0)  # only progress events carry a fresh rate
-                self.rt.latest = {**ev, "samples_per_s": rate}
-                if ev.get("generation") == self.rt.generation and ev.get("event") in ("progress", "checkpoint", "end",
-                                                                                   "stop"):
-                    if ev.get("step", 0) > self.rt._resume_step and not self.rt._gen_first_step:
-                        self.rt._gen_first_step = True
-                        self.rt.relaunch.finish_restart(ev)
-                if ev.get("event") == "checkpoint":
-                    self.rt._last_ckpt_step = int(ev.get("step", 0))
-                if ev.get("event") == "end" and self.rt.cfg.mode == ELASTIC and not self.rt.finished:
-                    self.rt.finished, self.rt._finished_at = True, time.time()
-                    self.rt.event("finished", step=ev.get("step"))
-            elif ev.get("source") == "elastic":
-                self.on_elastic_event(ev)
+        return out
+
+    def record(self, ev: dict[str, Any]) -> None:
+        """Take one event into the reports (and print what a change line says)."""
+        rep = self.reports
+        rep.events.append(ev)
+        if ev.get("source") == "worker":
+            if ev.get("global_batch"):
+                rep.batch = (int(ev["global_batch"]), int(ev.get("micro_batches") or 1))
+            rate = ev.get("samples_per_s", rep.latest.get("samples_per_s", 0.0))
+            if ev.get("event") != "progress" and ev.get("generation") == rep.latest.get("generation"):
+                rate = rep.latest.get("samples_per_s", 0.0)  # only progress events carry a fresh rate
+            rep.latest = {**ev, "samples_per_s": rate}
+        elif ev.get("source") == "elastic":
+            self.on_elastic_event(ev)
 
     def say(self, msg: str) -> None:
-        print(f"[parcae run {time.time() - self.rt.t0:6.1f}s] {msg}", file=self.rt.out, flush=True)
+        """Print one line, stamped with the seconds since the run started."""
+        print(f"[parcae run {time.time() - self.state.t0:6.1f}s] {msg}", file=self.out, flush=True)
 
     def on_elastic_event(self, ev: dict[str, Any]) -> None:
         """Follow what the workers' live-reconfiguration runtime reports (phases, plans, migrations, losses)."""
+        rep = self.reports
         member = str(ev.get("member", ""))
         kind = ev.get("event")
-        t = float(ev.get("time", time.time())) - self.rt.t0
+        t = float(ev.get("time", time.time())) - self.state.t0
         if kind == "phase":
-            self.rt.phases[member] = str(ev.get("new"))
+            rep.phases[member] = str(ev.get("new"))
             g = int(ev.get("generation", -1))
             if ev.get("new") == "recovering":
-                self.rt._recovering_since.setdefault(g, t)
-            if ev.get("new") == "training" and ev.get("old") == "starting" and g > self.rt.egen:  # a (re)launch trains
-                self.rt.egen = g
+                self._recovering_since.setdefault(g, t)
+            if ev.get("new") == "training" and ev.get("old") == "starting" and g > rep.egen:  # a (re)launch trains
+                rep.egen = g
                 d, p = int(ev.get("D", 0) or 0), int(ev.get("P", 0) or 0)
-                self.rt.shapes.append({"t": t, "N": d * p, "D": d, "P": p, "generation": g, "why": "launch"})
+                rep.shapes.append({"t": t, "N": d * p, "D": d, "P": p, "generation": g, "why": "launch"})
         elif kind == "decision":
-            self.rt.decision = ev
+            rep.decision = ev
             if ev.get("chosen") != ev.get("current") or ev.get("leaving"):
                 cur, new = ev.get("current") or [0, 0], ev.get("chosen")
                 to = f"{new[0]}x{new[1]}" if new else "no shape (fallback)"
                 self.say(f"plan: {cur[0]}x{cur[1]} -> {to} for N={ev.get('N')} ({ev.get('reason')}; predicted "
-                          f"N={ev.get('predicted')})")
+                         f"N={ev.get('predicted')})")
         elif kind == "migration":
             g = int(ev.get("generation", -1))
-            m = self.rt.migrations.get(g)
+            m = rep.migrations.get(g)
             if m is None:
                 m = {"generation": g, "kind": ev.get("kind"), "reason": ev.get("reason", ""),
                      "duration_s": 0.0, "transfer_s": 0.0, "bytes_moved": int(ev.get("bytes_moved", 0) or 0),
@@ -99,14 +111,14 @@ class Console:
                      "joiners": list(ev.get("joiners") or []), "t_end": t, "members": [], "printed": False,
                      "recovery": "recovery" in str(ev.get("reason", "")), "lost_from": None}
                 if m["recovery"]:  # the job stalled from the loss (our SIGKILL, if any) until the survivors resumed
-                    prev = max((x["t_end"] for x in self.rt.migrations.values()), default=0.0)
-                    kills = [k for k in self.rt._kill_times if prev <= k <= t]
-                    m["lost_from"] = min(kills) if kills else self.rt._recovering_since.get(g - 1)
-                self.rt.migrations[g] = m
-                if g > self.rt.egen:
-                    self.rt.egen = g
-                    self.rt.shapes.append({"t": t, "N": ev.get("N"), "D": ev.get("D"), "P": ev.get("P"),
-                                        "generation": g, "why": ev.get("kind")})
+                    prev = max((x["t_end"] for x in rep.migrations.values()), default=0.0)
+                    kills = [k for k in self.state.kill_times if prev <= k <= t]
+                    m["lost_from"] = min(kills) if kills else self._recovering_since.get(g - 1)
+                rep.migrations[g] = m
+                if g > rep.egen:
+                    rep.egen = g
+                    rep.shapes.append({"t": t, "N": ev.get("N"), "D": ev.get("D"), "P": ev.get("P"),
+                                       "generation": g, "why": ev.get("kind")})
             m["duration_s"] = max(m["duration_s"], float(ev.get("duration_s", 0.0) or 0.0))
             m["transfer_s"] = max(m["transfer_s"], float(ev.get("transfer_s", 0.0) or 0.0))
             m["t_end"] = max(m["t_end"], t)
@@ -115,12 +127,9 @@ class Console:
                 self._print_migration(m)
         elif kind == "left":
             self.say(f"{member} left ({ev.get('reason')}): handed its state over in {float(ev.get('transfer_s', 0)):.2f} s")
-        elif kind == "recovering" and ev.get("generation") not in self.rt._recoveries:
-            self.rt._recoveries.add(ev.get("generation"))
+        elif kind == "recovering" and ev.get("generation") not in self._recoveries:
+            self._recoveries.add(ev.get("generation"))
             self.say(f"sudden loss of {ev.get('dead')}: survivors {ev.get('survivors')} recover in place")
-        elif kind == "fallback" and member not in self.rt._fallback_seen:
-            self.rt._fallback_seen.add(member)
-            self.rt._fallback_reason = str(ev.get("reason", ""))
 
     def _print_migration(self, m: dict[str, Any]) -> None:
         if m["printed"]:
@@ -130,72 +139,84 @@ class Console:
         reason = m["reason"] if len(m["reason"]) <= 90 else m["reason"][:87] + "..."
         stall = f" (stalled {_lost(m):.2f} s since the loss)" if m["recovery"] else ""
         self.say(f"migration -> gen {m['generation']}: {m['kind']} to {m['D']}x{m['P']} (N={m['N']}) at step "
-                  f"{m['step']} in {m['duration_s']:.2f} s{stall}, {m['bytes_moved'] / 1e6:.2f} MB moved{extra} "
-                  f"[{reason}]")
+                 f"{m['step']} in {m['duration_s']:.2f} s{stall}, {m['bytes_moved'] / 1e6:.2f} MB moved{extra} "
+                 f"[{reason}]")
 
-    def progress(self, force: bool = False) -> None:
+    def flush_migrations(self) -> None:
+        """Print every migration not printed yet (a member that never reported: what the others said)."""
+        for m in self.reports.migrations.values():
+            self._print_migration(m)
+
+    def progress(self, force: bool = False, instances: int = 0) -> None:
+        """Print a progress line (at most every ``--progress-every`` seconds unless ``force``).
+
+        Args:
+            force: Print now.
+            instances: ``--elastic``: the instances the fleet holds now.
+        """
         now = time.time()
-        if not force and now - self.rt._last_line < self.rt.cfg.progress_every_s:
+        if not force and now - self._last_line < self.cfg.progress_every_s:
             return
-        self.rt._last_line = now
-        ev = self.rt.latest
-        current = ev.get("generation") == self.rt.generation
+        self._last_line = now
+        st, rep = self.state, self.reports
+        ev = rep.latest
+        current = ev.get("generation") == st.generation
         rate = float(ev.get("samples_per_s", 0.0)) if current else 0.0
-        if self.rt.cfg.mode == ELASTIC:
-            for m in self.rt.migrations.values():  # a member that never reported: print what the others said
-                if not m["printed"] and now - self.rt.t0 - m["t_end"] > 2.0:
+        if self.cfg.mode == ELASTIC:
+            for m in rep.migrations.values():  # a member that never reported: print what the others said
+                if not m["printed"] and now - st.t0 - m["t_end"] > 2.0:
                     self._print_migration(m)
-            sh = self.rt.shapes[-1] if self.rt.shapes else None
+            sh = rep.shapes[-1] if rep.shapes else None
             shape = f"{sh['D']}x{sh['P']}" if sh else "-"
-            standby = sum(1 for w in self.rt.workers if w.alive() and self.rt.fleet.waiting(w))
-            lost = sum(_lost(m) for m in self.rt.migrations.values())
-            state = " (fallback: relaunching)" if self.rt._fallback is not None else (
-                " (starting)" if not self.rt._gen_first_step and self.rt.instances else "")
-            if not self.rt.instances:
+            standby = sum(1 for w in self.pool.workers if w.alive() and rep.waiting(w))
+            lost = sum(_lost(m) for m in rep.migrations.values())
+            state = " (fallback: relaunching)" if st.fallback is not None else (
+                " (starting)" if st.phase in (Phase.PENDING, Phase.STARTING) and instances else "")
+            if not instances:
                 state = " (paused: no instances)"
-            print(f"[parcae run {now - self.rt.t0:6.1f}s] N={len(self.rt.instances)} DxP={shape} gen={self.rt.egen} "
+            print(f"[parcae run {now - st.t0:6.1f}s] N={instances} DxP={shape} gen={rep.egen} "
                   f"step={ev.get('step', 0)} samples/s={rate:.0f} next={self._next_change()}, "
-                  f"standby={standby} migrations={len(self.rt.migrations)} ({lost:.1f}s lost) "
-                  f"restarts={len(self.rt.restarts)}{state}", file=self.rt.out, flush=True)
+                  f"standby={standby} migrations={len(rep.migrations)} ({lost:.1f}s lost) "
+                  f"restarts={len(st.restarts)}{state}", file=self.out, flush=True)
             return
-        d, p = (ev.get("D"), ev.get("P")) if current else self.rt.shape
-        state = "" if current or not self.rt.workers else " (starting)"
-        lost = sum(r["lost_s"] for r in self.rt.restarts)
-        print(f"[parcae run {now - self.rt.t0:6.1f}s] N={self.rt.n} DxP={d}x{p} gen={self.rt.generation} "
+        d, p = (ev.get("D"), ev.get("P")) if current else st.shape
+        state = "" if current or not self.pool.workers else " (starting)"
+        lost = sum(r["lost_s"] for r in st.restarts)
+        print(f"[parcae run {now - st.t0:6.1f}s] N={st.n} DxP={d}x{p} gen={st.generation} "
               f"step={ev.get('step', 0)} samples/s={rate:.0f} "
-              f"restarts={len(self.rt.restarts)} time_lost={lost:.1f}s{state}", file=self.rt.out, flush=True)
+              f"restarts={len(st.restarts)} time_lost={lost:.1f}s{state}", file=self.out, flush=True)
 
     def _next_change(self) -> str:
         """The next planned change from the leader's latest decision ('keep' when none is pending)."""
-        dec = self.rt.decision
+        dec = self.reports.decision
         if not dec:
             return "-"
         pred = dec.get("predicted")
         pred_s = f" (pred N={','.join(str(c) for c in pred)})" if pred else ""
         chosen, cur = dec.get("chosen"), dec.get("current")
-        if int(dec.get("generation", -1)) >= self.rt.egen and (chosen != cur or dec.get("leaving")):
+        if int(dec.get("generation", -1)) >= self.reports.egen and (chosen != cur or dec.get("leaving")):
             to = f"{chosen[0]}x{chosen[1]}" if chosen else "fallback"
             return f"{to}{pred_s}"
         return f"keep{pred_s}"
 
     def report(self) -> dict[str, Any]:
         """Write ``report.json`` (and ``report.png``) and return the report."""
-        cfg = self.rt.cfg
-        wev = [e for e in self.rt.events if e.get("source") == "worker"]
+        cfg, st, rep = self.cfg, self.state, self.reports
+        wev = [e for e in rep.events if e.get("source") == "worker"]
         final = max((int(e.get("step", 0)) for e in wev), default=0)
         samples = max((int(e.get("samples", 0)) for e in wev), default=0)
-        wall = time.time() - self.rt.t0
+        wall = time.time() - st.t0
         rates = [float(e["samples_per_s"]) for e in wev if e.get("event") == "progress" and e.get("samples_per_s")]
         migrations = [{"generation": m["generation"], "kind": m["kind"], "reason": m["reason"],
                        "t": m["t_end"] - m["duration_s"], "duration_s": m["duration_s"], "transfer_s": m["transfer_s"],
                        "bytes_moved": m["bytes_moved"], "step": m["step"], "D": m["D"], "P": m["P"], "N": m["N"],
                        "joiners": m["joiners"], "recovery": m["recovery"], "lost_s": _lost(m)}
-                      for _, m in sorted(self.rt.migrations.items())]
+                      for _, m in sorted(rep.migrations.items())]
         by_kind: dict[str, float] = {}
         for m in migrations:  # planned migrations by kind; recoveries from a sudden loss count apart
             key = "recovery" if m["recovery"] else m["kind"]
             by_kind[key] = by_kind.get(key, 0.0) + m["lost_s"]
-        by_kind["restart"] = sum(r.get("lost_s", 0.0) for r in self.rt.restarts)
+        by_kind["restart"] = sum(r.get("lost_s", 0.0) for r in st.restarts)
         report = {
             "mode": cfg.mode,
             "command": cfg.command,
@@ -204,29 +225,29 @@ class Console:
                       "wall_interval_s": cfg.wall_interval_s, "trace_counts": cfg.trace_counts,
                       "instances_per_interval": cfg.schedule} if cfg.trace else None,
             "static_instances": None if cfg.trace else cfg.instances,
-            "timeline": self.rt.timeline,
-            "restarts": self.rt.restarts,
-            "num_restarts": len(self.rt.restarts),
+            "timeline": st.timeline,
+            "restarts": st.restarts,
+            "num_restarts": len(st.restarts),
             "migrations": migrations,
             "num_migrations": len(migrations),
             "time_lost_by_kind_s": by_kind,
             "time_lost_s": sum(by_kind.values()),
-            "changes": self.rt.changes,
-            "shapes": self.rt.shapes,
-            "launches": self.rt.launch + 1 if cfg.mode == ELASTIC else self.rt.generation + 1,
+            "changes": st.changes,
+            "shapes": rep.shapes,
+            "launches": st.launch + 1 if cfg.mode == ELASTIC else st.generation + 1,
             "final_step": final,
             "samples": samples,
             "wall_s": wall,
             "samples_per_s_overall": samples / wall if wall > 0 else 0.0,
             "samples_per_s_while_training_median": sorted(rates)[len(rates) // 2] if rates else 0.0,
-            "events": self.rt.events,
+            "events": rep.events,
         }
         (cfg.run_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
         if cfg.plot:
             try:
                 _plot(report, cfg.run_dir / "report.png")
             except Exception as exc:  # noqa: BLE001 -- a missing matplotlib must not lose the run's report
-                print(f"[parcae run] report.png not written: {exc}", file=self.rt.out, flush=True)
+                print(f"[parcae run] report.png not written: {exc}", file=self.out, flush=True)
         return report
 
 
@@ -323,7 +344,3 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Entry point
-# ---------------------------------------------------------------------------------------------------------------

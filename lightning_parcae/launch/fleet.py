@@ -5,58 +5,99 @@ instances as warm standbys (joiners), delivers preemption notices with a grace p
 treats a worker that dies from outside as a lost instance (and starts a fresh standby in its place, up to
 ``--max-restarts``), restarts members the runtime released or fenced as standbys, relaunches everything from the
 checkpoint when a stage lost every replica, and fails the job -- with the worker's log -- when the user's code
-fails. This module is that manager for one :class:`~lightning_parcae.launch.run.Launcher`.
+fails. :class:`Fleet` is that manager: it owns the instances and their processes' bookkeeping, decides from the
+run's :class:`~.state.RunState` phase and the workers' :class:`~.state.WorkerReports`, and starts a fallback through
+:class:`~.relaunch.Relaunch`; the launcher's loop calls its steps.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
-import subprocess
 import time
-from typing import Any
+from pathlib import Path
+from typing import Callable, Optional, Union
 
-from lightning_parcae.contract import (
-    RUN_DIR_ENV,
-    RESUME_ENV,
-    STORE_ENV,
-    JOB_TOKEN_ENV,
-    MEMBER_ENV,
-    JOIN_ENV,
-    GENERATION_ENV,
-    GENERATION_BASE_ENV,
-    PIPELINE_ENV,
-    INTERVAL_ENV,
-    MODE_ENV,
-    ELASTIC_ENV,
-    STALL_ENV,
-    SHARED_CORES_ENV,
-    WRONG_TOKEN_EXIT,
-    FALLBACK_EXIT,
-    RELEASED_EXIT,
-    FENCED_EXIT,
+from lightning_parcae.contract import WRONG_TOKEN_EXIT, FALLBACK_EXIT, RELEASED_EXIT, FENCED_EXIT, worker_contract
+from lightning_parcae.launch.config import RunConfig
+from lightning_parcae.launch.job_store import StoreLink
+from lightning_parcae.launch.processes import (
+    Worker,
+    WorkerControl,
+    free_port,
+    initial_members,
+    start_worker_process,
+    worker_environment,
 )
-from lightning_parcae.launch.processes import POLL_S, Worker, free_port, initial_members, worker_environment
+from lightning_parcae.launch.relaunch import Relaunch
+from lightning_parcae.launch.state import EventSink, Phase, RunState, WorkerReports
 
-__all__ = ["Fleet"]
+__all__ = ["Fleet", "shared_units"]
+
+MEMBERS_GONE_S = 3.0
+"""How long every training member must be gone (standbys waiting) before the launcher starts the fallback itself:
+phase events reach the launcher with a delay."""
+FINISHED_DRAIN_S = 15.0
+"""After the job reported its end, processes still alive this long (e.g. a standby that never heard) get SIGKILL."""
+
+
+def shared_units(cfg: RunConfig, host_capacity: Callable[[], int]) -> int:
+    """Processing units the workers of this one-machine cluster share: GPUs, else CPU cores (0 with
+    ``--emulated-devices``: each instance has its own emulated accelerator, nothing is shared)."""
+    if cfg.emulated_devices:
+        return 0
+    capacity = host_capacity()
+    cores = os.cpu_count() or 1
+    return cores if capacity == 2 * cores else capacity
 
 
 class Fleet:
     """Instances and their worker processes of one ``--elastic`` launcher run.
 
     Args:
-        rt: The :class:`~lightning_parcae.launch.run.Launcher` (configuration, store, events, console).
+        cfg: The run's options.
+        state: The run's state; this part may change ``n``, ``launch``/``generation`` (through
+            :meth:`~.state.RunState.launched`), ``fallback_reason`` (through :meth:`Relaunch.start_fallback`),
+            ``kill_times``, ``timeline`` and ``changes``.
+        reports: What the workers reported (read only).
+        pool: The worker processes (this part appends the ones it starts).
+        store: The run's store (URL and token for the workers, notices).
+        events: The launcher's event log.
+        say: Prints one console line.
+        relaunch: Starts a fallback.
+        host_capacity: Instances this machine hosts (for :func:`shared_units`; called once, lazily).
     """
 
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, cfg: RunConfig, state: RunState, reports: WorkerReports, pool: WorkerControl, store: StoreLink,
+                 events: EventSink, say: Callable[[str], None], relaunch: Relaunch,
+                 host_capacity: Callable[[], int]) -> None:
+        self.cfg, self.state, self.reports, self.pool = cfg, state, reports, pool
+        self.store, self.events, self.say, self.relaunch = store, events, say, relaunch
+        self._host_capacity = host_capacity
+        self.instances: dict[int, Optional[Worker]] = {}
+        """Instance id -> its current process (None while it has none); owned by this part."""
+        self._next_instance = 0
+        self._incarnations: dict[int, int] = {}
         self._slots: dict[int, int] = {}  # instance -> device slot (LOCAL_RANK), see device_slot
-        self._victim_rng = random.Random(int(rt.cfg.seed))  # --victims random
+        self._lost: dict[int, int] = {}  # instance -> how often its process died by a signal nobody here sent
+        self._no_members_since: Optional[float] = None
+        self._victim_rng = random.Random(int(cfg.seed))  # --victims random
+
+    @functools.cached_property
+    def shared_units(self) -> int:
+        """:func:`shared_units` of this run (computed once)."""
+        return shared_units(self.cfg, self._host_capacity)
+
+    def standbys(self) -> int:
+        """Live workers that wait to be admitted."""
+        return sum(1 for w in self.pool.workers if w.alive() and self.reports.waiting(w))
 
     def member_name(self, instance: int) -> str:
-        c = self.rt._incarnations.get(instance, -1) + 1
-        self.rt._incarnations[instance] = c
+        """The member id of a new process of ``instance``: ``i<k>``, then ``i<k>.<restart>``."""
+        c = self._incarnations.get(instance, -1) + 1
+        self._incarnations[instance] = c
         return f"i{instance}" if c == 0 else f"i{instance}.{c}"
 
     def device_slot(self, instance: int) -> int:
@@ -72,101 +113,94 @@ class Fleet:
         slots = self._slots
         if instance in slots:
             return slots[instance]
-        busy = {slots[w.instance] for w in self.rt.workers
+        busy = {slots[w.instance] for w in self.pool.workers
                 if w.alive() and w.instance != instance and w.instance in slots}
-        held = {slots[k] for k in self.rt.instances if k != instance and k in slots}
-        free = [k for k in range(self.rt.cfg.max_instances) if k not in busy | held] or \
-            [k for k in range(self.rt.cfg.max_instances) if k not in held] or [0]
+        held = {slots[k] for k in self.instances if k != instance and k in slots}
+        free = [k for k in range(self.cfg.max_instances) if k not in busy | held] or \
+            [k for k in range(self.cfg.max_instances) if k not in held] or [0]
         slots[instance] = free[0]
         return free[0]
 
     def spawn(self, instance: int, *, join: bool, rank: int = 0, world: int = 1, p: int = 1,
-               resume: bool = False) -> Worker:
-        """Start one worker process for ``instance``: an initial member of a (re)launch, or a joiner."""
-        cfg = self.rt.cfg
+              resume: Optional[Union[str, Path]] = None) -> Worker:
+        """Start one worker process for ``instance``: an initial member of a (re)launch (resuming from ``resume``, a
+        path or URL resolved once for the whole launch), or a joiner."""
+        cfg, st = self.cfg, self.state
         member = self.member_name(instance)
         slot = self.device_slot(instance)
-        parcae = {
-            ELASTIC_ENV: "1", STORE_ENV: self.rt.store_url, JOB_TOKEN_ENV: self.rt.token,
-            MEMBER_ENV: member, JOIN_ENV: "1" if join else "0", RUN_DIR_ENV: str(cfg.run_dir),
-            GENERATION_ENV: str(self.rt.launch), GENERATION_BASE_ENV: str(1000 * self.rt.launch),
-            PIPELINE_ENV: str(p) if p else "auto", MODE_ENV: cfg.mode,
-            INTERVAL_ENV: f"{cfg.wall_interval_s:g}",
+        parcae = worker_contract(
+            elastic=True, store=self.store.url, token=self.store.token, member=member, join=join,
+            run_dir=cfg.run_dir, generation=st.launch, pipeline_stages=str(p) if p else "auto", mode=cfg.mode,
+            interval_s=cfg.wall_interval_s, stall_s=cfg.stall_timeout_s,
             # every instance of this one-machine cluster shares its cores (the measured model's contention term)
-            SHARED_CORES_ENV: str(self.rt.shared_units),
-        }
-        if cfg.stall_timeout_s:
-            parcae[STALL_ENV] = f"{cfg.stall_timeout_s:g}"
+            shared_cores=self.shared_units, resume=resume, checkpoint_dir=cfg.checkpoint_dir,
+            max_instances=cfg.max_instances,
+        )
         env = worker_environment(os.environ, rank=rank, world=world, local_rank=slot,
                                  local_world=max(cfg.max_instances, slot + 1), master_port=free_port(), parcae=parcae)
-        ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
-        if resume and ckpt.exists():
-            env[RESUME_ENV] = str(ckpt)
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{member}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cfg.command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = start_worker_process(cfg.command, env, log_path)
         w = Worker(rank if not join else -1, proc, log_path, member=member, instance=instance, joiner=join,
-                    launch=self.rt.launch, started=time.time())
-        self.rt.workers.append(w)
-        self.rt.instances[instance] = w
+                   launch=st.launch, started=time.time())
+        self.pool.workers.append(w)
+        self.instances[instance] = w
         return w
+
+    def add_instances(self, n: int) -> None:
+        """The run starts with ``n`` instances (processes start at the first launch)."""
+        for _ in range(n):
+            self.instances[self._next_instance] = None
+            self._next_instance += 1
+        self.state.n = n
 
     def launch_instances(self) -> None:
         """(Re)launch: the oldest instances as the initial members (D a power of two), the others as joiners."""
-        cfg = self.rt.cfg
-        ids = sorted(self.rt.instances)
+        cfg, st = self.cfg, self.state
+        ids = sorted(self.instances)
         m, p = initial_members(len(ids), cfg.pipeline_stages)
-        self.rt.launch += 1
-        self.rt.generation = self.rt.launch
-        if self.rt._pending_restart is not None:
-            self.rt._pending_restart["new_N"] = len(ids)
-        ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
-        resume = self.rt.launch > 0 and ckpt.exists()
-        self.rt._resume_step = self.rt._last_ckpt_step if resume else 0
+        launch = st.launch + 1
+        ckpt, ckpt_step = cfg.resume_checkpoint() if launch > 0 else (None, None)
+        resume = ckpt is not None
+        st.launched(generation=launch, launch=launch,
+                    resume_step=(st.last_ckpt_step if ckpt_step is None else ckpt_step) if resume else 0,
+                    instances=len(ids), now=time.time())
         for r, k in enumerate(ids[:m]):
-            self.spawn(k, join=False, rank=r, world=m, p=p, resume=resume)
+            self.spawn(k, join=False, rank=r, world=m, p=p, resume=ckpt)
         for k in ids[m:]:
             self.spawn(k, join=True)
-        self.rt._gen_started_at = time.time()
-        self.rt._gen_first_step = False
-        members = [self.rt.instances[k].member for k in ids[:m]]  # type: ignore[union-attr]
-        standbys = [self.rt.instances[k].member for k in ids[m:]]  # type: ignore[union-attr]
-        self.rt.event("launch", launch=self.rt.launch, generation=self.rt.launch, N=len(ids), members=members,
-                   standbys=standbys, P=p or "auto", resume_ckpt=str(ckpt) if resume else None,
-                   resume_step=self.rt._resume_step)
-        what = "relaunch from last.ckpt" if resume else "launch"
-        self.rt.console.say(f"{what} #{self.rt.launch}: {len(ids)} instances, members {members}"
-                  + (f", warm standbys {standbys}" if standbys else "") + f" (P={p or 'auto'})")
-
-    def waiting(self, w: Worker) -> bool:
-        """A joiner that has not been admitted yet (holds no training state)."""
-        return w.joiner and self.rt.phases.get(w.member) in (None, "starting", "standby")
+        st.started_at = time.time()
+        members = [self.instances[k].member for k in ids[:m]]  # type: ignore[union-attr]
+        standbys = [self.instances[k].member for k in ids[m:]]  # type: ignore[union-attr]
+        self.events("launch", launch=launch, generation=launch, N=len(ids), members=members,
+                    standbys=standbys, P=p or "auto", resume_ckpt=str(ckpt) if resume else None,
+                    resume_step=st.resume_step)
+        what = f"relaunch from {'last.ckpt' if cfg.checkpoint_dir is None else ckpt}" if resume else "launch"
+        self.say(f"{what} #{launch}: {len(ids)} instances, members {members}"
+                 + (f", warm standbys {standbys}" if standbys else "") + f" (P={p or 'auto'})")
 
     def notice(self, w: Worker) -> str:
         """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it is a waiting standby."""
         from lightning_parcae.runtime.liveness import notice_key  # noqa: PLC0415
-        from lightning_parcae.runtime.store import publish  # noqa: PLC0415
 
         now = time.time()
-        if self.waiting(w) or self.rt._fallback is not None and w.joiner:
-            self.rt._signal(w, signal.SIGKILL)
+        if self.reports.waiting(w) or self.state.fallback is not None and w.joiner:
+            self.pool.signal(w, signal.SIGKILL)
             w.killed = True
             return "standby stopped"
-        w.noticed_at, w.deadline = now, now + self.rt.cfg.wall_grace_s
+        w.noticed_at, w.deadline = now, now + self.cfg.wall_grace_s
         try:
-            publish(self.rt.store, notice_key(w.member), {"member": w.member, "kind": "preempt", "source": "replay",
-                                                       "deadline": w.deadline}, self.rt.token)
+            self.store.publish(notice_key(w.member), {"member": w.member, "kind": "preempt", "source": "replay",
+                                                      "deadline": w.deadline})
         except Exception as exc:  # noqa: BLE001 -- a store hiccup must not stop the notice itself
-            self.rt.event("store_error", error=str(exc))
-        if w.member in self.rt.phases:  # its handler is installed: SIGTERM is a notice, not a kill
-            self.rt._signal(w, signal.SIGTERM)
+            self.events("store_error", error=str(exc))
+        if w.member in self.reports.phases:  # its handler is installed: SIGTERM is a notice, not a kill
+            self.pool.signal(w, signal.SIGTERM)
             w.sigterm_sent = True
         return "notice"
 
-    def _removal_order(self, ids: list[int]) -> list[int]:
+    def removal_order(self, ids: list[int]) -> list[int]:
         """Instances in the order the trace removes them: those not training in the job (standbys, including
         members released by a shape change and restarted) before members; within each, newest first
         (``--victims newest``) or in a seeded random order (``--victims random``: a spot provider does not pick
@@ -178,13 +212,12 @@ class Fleet:
         not yet counted by the leader) stayed -- the job found no shape for 1 instance and fell back to the
         checkpoint.
         """
-        busy = ("training", "planning", "migrating", "recovering")
 
         def member(k: int) -> bool:
-            w = self.rt.instances.get(k)
-            return w is not None and self.rt.phases.get(w.member) in busy
+            w = self.instances.get(k)
+            return w is not None and self.reports.trains(w)
 
-        if self.rt.cfg.victims == "random":
+        if self.cfg.victims == "random":
             shuffled = sorted(ids)
             self._victim_rng.shuffle(shuffled)
             rank = {k: i for i, k in enumerate(shuffled)}
@@ -192,181 +225,149 @@ class Fleet:
         return sorted(ids, key=lambda k: (member(k), -k))
 
     def change(self, target: int) -> None:
-        """The trace moved to ``target`` instances: notice some (:meth:`_removal_order`), or start joiners."""
-        ids = sorted(self.rt.instances)
+        """The trace moved to ``target`` instances: notice some (:meth:`removal_order`), or start joiners."""
+        st = self.state
+        ids = sorted(self.instances)
         cur = len(ids)
-        running = self.rt.launch >= 0 and not self.rt._need_launch and self.rt._fallback is None
+        running = st.training
         if target < cur:
             done = []
-            for k in self._removal_order(ids)[: cur - target]:
-                w = self.rt.instances.pop(k)
+            for k in self.removal_order(ids)[: cur - target]:
+                w = self.instances.pop(k)
                 action = self.notice(w) if w is not None and w.alive() else "no process"
                 done.append({"instance": k, "member": w.member if w else None, "action": action})
-            self.rt.event("remove", old_N=cur, new_N=target, victims=done, grace_s=self.rt.cfg.wall_grace_s)
-            self.rt.changes.append({"t": time.time() - self.rt.t0, "old_N": cur, "new_N": target, "removed": done})
-            self.rt.console.say(f"trace: {cur} -> {target} instances: " + ", ".join(
+            self.events("remove", old_N=cur, new_N=target, victims=done, grace_s=self.cfg.wall_grace_s)
+            st.changes.append({"t": time.time() - st.t0, "old_N": cur, "new_N": target, "removed": done})
+            self.say(f"trace: {cur} -> {target} instances: " + ", ".join(
                 f"{d['action']} to {d['member']}" if d["action"] == "notice" else f"{d['member']}: {d['action']}"
-                for d in done) + (f" (grace {self.rt.cfg.wall_grace_s:.1f} s)" if any(d["action"] == "notice"
-                                                                                   for d in done) else ""))
+                for d in done) + (f" (grace {self.cfg.wall_grace_s:.1f} s)" if any(d["action"] == "notice"
+                                                                                  for d in done) else ""))
         else:
             added = []
             for _ in range(target - cur):
-                k = self.rt._next_instance
-                self.rt._next_instance += 1
-                self.rt.instances[k] = None
-                if running and not self.rt.finished:
+                k = self._next_instance
+                self._next_instance += 1
+                self.instances[k] = None
+                if running:
                     added.append(self.spawn(k, join=True).member)
                 else:
                     added.append(f"i{k}")
-            self.rt.event("add", old_N=cur, new_N=target, joiners=added)
-            self.rt.changes.append({"t": time.time() - self.rt.t0, "old_N": cur, "new_N": target, "added": added})
-            how = "started as warm standby" if running and not self.rt.finished else "will start at the next launch"
-            self.rt.console.say(f"trace: {cur} -> {target} instances: new {', '.join(added)} {how}")
-        self.rt.n = target
-        self.rt.timeline.append({"t": time.time() - self.rt.t0, "N": target, "workers": len(self.rt.instances),
-                              "D": self.rt.shapes[-1]["D"] if self.rt.shapes else 0,
-                              "P": self.rt.shapes[-1]["P"] if self.rt.shapes else 0, "generation": self.rt.egen})
+            self.events("add", old_N=cur, new_N=target, joiners=added)
+            st.changes.append({"t": time.time() - st.t0, "old_N": cur, "new_N": target, "added": added})
+            how = "started as warm standby" if running else "will start at the next launch"
+            self.say(f"trace: {cur} -> {target} instances: new {', '.join(added)} {how}")
+        st.n = target
+        shapes = self.reports.shapes
+        st.timeline.append({"t": time.time() - st.t0, "N": target, "workers": len(self.instances),
+                            "D": shapes[-1]["D"] if shapes else 0, "P": shapes[-1]["P"] if shapes else 0,
+                            "generation": self.reports.egen})
         if target == 0:
-            self.rt.event("paused", reason="no instances available")
+            self.events("paused", reason="no instances available")
 
     def reap(self) -> None:
-        """Account for workers that exited: released ones restart as joiners, 75 starts the fallback, others fail."""
-        for w in self.rt.workers:
+        """Account for workers that exited: released ones restart as joiners, 75 starts the fallback, others fail.
+
+        Raises:
+            RunFailed: A worker rejected the token, failed in the user's code, or an instance was lost more often
+                than ``--max-restarts``; every worker has been stopped.
+        """
+        st = self.state
+        for w in self.pool.workers:
             if w.handled or w.proc.poll() is None:
                 continue
             w.handled = True
             rc = int(w.proc.returncode)
-            current = self.rt.instances.get(w.instance) is w
-            self.rt.event("exit", member=w.member, instance=w.instance, rc=rc, noticed=w.noticed_at is not None,
-                       killed=w.killed)
+            current = self.instances.get(w.instance) is w
+            self.events("exit", member=w.member, instance=w.instance, rc=rc, noticed=w.noticed_at is not None,
+                        killed=w.killed)
             if current:
-                self.rt.instances[w.instance] = None
+                self.instances[w.instance] = None
             if rc == WRONG_TOKEN_EXIT:
-                self.rt.kill_all()
-                raise self.rt._fail("parcae run failed: a worker rejected the job token (wrong or missing "
-                                 "PARCAE_JOB_TOKEN); stopped all workers", [w])
+                self.pool.kill_all()
+                raise self.pool.failure("parcae run failed: a worker rejected the job token (wrong or missing "
+                                        "PARCAE_JOB_TOKEN); stopped all workers", [w])
             if rc == FALLBACK_EXIT:
-                self.rt.relaunch.start_fallback()
+                self.relaunch.start_fallback()
                 continue
             if rc in (RELEASED_EXIT, FENCED_EXIT):
                 why = "released by the new shape" if rc == RELEASED_EXIT else "fenced (declared dead while silent)"
-                if current and not self.rt.finished and self.rt._fallback is None and not self.rt._need_launch:
+                if current and st.training:
                     self.spawn(w.instance, join=True)
-                    self.rt.console.say(f"{w.member} {why}: restarted as warm standby "
-                              f"{self.rt.instances[w.instance].member}")  # type: ignore[union-attr]
+                    self.say(f"{w.member} {why}: restarted as warm standby "
+                             f"{self.instances[w.instance].member}")  # type: ignore[union-attr]
                 continue
             ours = w.killed or (w.noticed_at is not None and rc in (-signal.SIGTERM, -signal.SIGKILL))
             lost = rc < 0 and not ours  # a signal nobody here sent (kill -9, the OOM killer): a lost instance
             if lost:
                 self._count_lost(w, rc)
             if rc == 0 or ours or lost:
-                if (not w.joiner and w.launch == self.rt.launch and w.member not in self.rt.phases and not self.rt.finished
-                        and self.rt._fallback is None):
+                if (not w.joiner and w.launch == st.launch and w.member not in self.reports.phases
+                        and st.phase in (Phase.PENDING, Phase.STARTING, Phase.RUNNING)):
                     # lost before the first generation formed: the other initial members cannot go on without it
-                    self.rt._fallback_reason = f"initial member {w.member} lost during start-up"
-                    self.rt.relaunch.start_fallback(startup=True)
-                elif lost and current and not self.rt.finished and self.rt._fallback is None and not self.rt._need_launch:
+                    self.relaunch.start_fallback(f"initial member {w.member} lost during start-up", startup=True)
+                elif lost and current and st.training:
                     self.spawn(w.instance, join=True)  # the survivors recover in place; a fresh standby for it
-                    self.rt.console.say(f"{w.member} died by signal {-rc} (not sent by parcae run): a lost instance; the "
-                              f"others recover in place, restarted as warm standby "
-                              f"{self.rt.instances[w.instance].member}")  # type: ignore[union-attr]
+                    self.say(f"{w.member} died by signal {-rc} (not sent by parcae run): a lost instance; the "
+                             f"others recover in place, restarted as warm standby "
+                             f"{self.instances[w.instance].member}")  # type: ignore[union-attr]
                 continue
             # an exception in the script (or any exit that is neither a signal nor a protocol status): like
             # Lightning, the job fails with the worker's traceback
-            self.rt.kill_all()
-            raise self.rt._fail(f"parcae run failed: worker {w.member} (launch {w.launch}) exited with {rc}; stopped "
-                             "all workers", [w])
+            self.pool.kill_all()
+            raise self.pool.failure(f"parcae run failed: worker {w.member} (launch {w.launch}) exited with {rc}; "
+                                    "stopped all workers", [w])
 
-    def _check_members_left(self, alive: list[Worker]) -> None:
+    def check_members_left(self, alive: list[Worker], now: Optional[float] = None) -> None:
         """Every training member is gone (killed together, or the last one lost) while standbys wait: nobody is
         left to hand state over or to exit 75, so the launcher starts the fallback itself (relaunch from
-        last.ckpt). The condition must hold for 3 s: phase events reach the launcher with a delay."""
-        members = [w for w in alive if not self.waiting(w)]
-        if members or not self.rt._gen_first_step or self.rt.finished or self.rt._fallback is not None or self.rt._need_launch:
-            self.rt._no_members_since = None
+        last.ckpt). The condition must hold for :data:`MEMBERS_GONE_S`: phase events reach the launcher with a
+        delay."""
+        members = [w for w in alive if not self.reports.waiting(w)]
+        if members or self.state.phase is not Phase.RUNNING:
+            self._no_members_since = None
             return
-        now = time.time()
-        if self.rt._no_members_since is None:
-            self.rt._no_members_since = now
-        elif now - self.rt._no_members_since > 3.0:
-            self.rt._no_members_since = None
-            self.rt._fallback_reason = "every training member was lost (no live process holds the model)"
-            self.rt.relaunch.start_fallback()
+        now = time.time() if now is None else now
+        if self._no_members_since is None:
+            self._no_members_since = now
+        elif now - self._no_members_since > MEMBERS_GONE_S:
+            self._no_members_since = None
+            self.relaunch.start_fallback("every training member was lost (no live process holds the model)")
 
     def _count_lost(self, w: Worker, rc: int) -> None:
         """Count one unrequested death by signal of ``w``'s instance; past ``--max-restarts`` the run fails."""
-        n = self.rt._lost[w.instance] = self.rt._lost.get(w.instance, 0) + 1
-        self.rt.event("lost", member=w.member, instance=w.instance, rc=rc, count=n, max_restarts=self.rt.cfg.max_restarts)
-        if n > self.rt.cfg.max_restarts:
-            self.rt.kill_all()
-            raise self.rt._fail(f"parcae run failed: instance {w.instance} lost its process to a signal {n} times "
-                             f"(last: {w.member}, signal {-rc}), more than --max-restarts {self.rt.cfg.max_restarts}; "
-                             "stopped all workers", [w])
+        n = self._lost[w.instance] = self._lost.get(w.instance, 0) + 1
+        self.events("lost", member=w.member, instance=w.instance, rc=rc, count=n, max_restarts=self.cfg.max_restarts)
+        if n > self.cfg.max_restarts:
+            self.pool.kill_all()
+            raise self.pool.failure(f"parcae run failed: instance {w.instance} lost its process to a signal {n} "
+                                    f"times (last: {w.member}, signal {-rc}), more than --max-restarts "
+                                    f"{self.cfg.max_restarts}; stopped all workers", [w])
 
     def enforce_deadlines(self) -> None:
+        """SIGTERM a noticed worker once its handler is installed; SIGKILL it when its grace period is over."""
         now = time.time()
-        for w in self.rt.workers:
+        for w in self.pool.workers:
             if not w.alive() or w.noticed_at is None:
                 continue
-            if not w.sigterm_sent and w.member in self.rt.phases:
-                self.rt._signal(w, signal.SIGTERM)
+            if not w.sigterm_sent and w.member in self.reports.phases:
+                self.pool.signal(w, signal.SIGTERM)
                 w.sigterm_sent = True
             if not w.killed and w.deadline is not None and now >= w.deadline:
-                self.rt._signal(w, signal.SIGKILL)
+                self.pool.signal(w, signal.SIGKILL)
                 w.killed = True
-                self.rt._kill_times.append(now - self.rt.t0)
-                self.rt.event("kill", member=w.member, instance=w.instance, reason="grace period over")
-                self.rt.console.say(f"{w.member} still alive when its grace period ended: SIGKILL (the others recover)")
+                self.state.kill_times.append(now - self.state.t0)
+                self.events("kill", member=w.member, instance=w.instance, reason="grace period over")
+                self.say(f"{w.member} still alive when its grace period ended: SIGKILL (the others recover)")
 
-    def run_elastic(self) -> None:
-        cfg = self.rt.cfg
-        n0 = self.rt.target_at(0.0)
-        for _ in range(n0):
-            self.rt.instances[self.rt._next_instance] = None
-            self.rt._next_instance += 1
-        self.rt.n = n0
-        self.rt.timeline.append({"t": 0.0, "N": n0, "workers": n0, "D": 0, "P": 0, "generation": -1})
-        self.rt._need_launch = True
-        if not n0:
-            self.rt.event("paused", reason="no instances available")
-        while True:
-            if self.rt._need_launch and self.rt.instances and self.rt._fallback is None and not self.rt.finished:
-                self.rt._need_launch = False
-                self.launch_instances()
-            time.sleep(POLL_S)
-            self.rt.console.read_events()
-            self.reap()
-            self.enforce_deadlines()
-            if self.rt._fallback is not None:
-                self.rt.relaunch.advance_fallback()
-            alive = [w for w in self.rt.workers if w.alive()]
-            self._check_members_left(alive)
-            if self.rt.finished:
-                if not alive:
-                    break
-                if self.rt._finished_at is not None and time.time() - self.rt._finished_at > 15.0:
-                    for w in alive:  # e.g. a standby that never heard that the job is over
-                        self.rt._signal(w, signal.SIGKILL)
-                        w.killed = True
-                continue
-            if not alive and self.rt._fallback is None and not self.rt._need_launch:
-                time.sleep(0.5)
-                self.rt.console.read_events()
-                if not self.rt.finished:
-                    raise self.rt._fail("parcae run failed: every worker exited but training did not finish",
-                                     [w for w in self.rt.workers if w.launch == self.rt.launch][:2])
-                break
-            target = self.rt.target_at(time.time() - self.rt.t0)
-            if target != len(self.rt.instances):
-                self.change(target)
-            if (not self.rt._need_launch and self.rt._fallback is None and not self.rt._gen_first_step
-                    and time.time() - self.rt._gen_started_at > cfg.startup_timeout_s):
-                self.rt.kill_all()
-                raise self.rt._fail(f"parcae run failed: launch {self.rt.launch} reported no training step within "
-                                 f"{cfg.startup_timeout_s:g} s", [w for w in self.rt.workers if w.launch == self.rt.launch
-                                                                   and not w.joiner][:1])
-            self.rt.console.progress()
-        self.rt.console.read_events()
-        self.reap()  # the exits seen by the last check
-        for m in self.rt.migrations.values():
-            self.rt.console._print_migration(m)
+    def drain(self, alive: list[Worker], now: Optional[float] = None) -> None:
+        """The job is over: SIGKILL what is still alive :data:`FINISHED_DRAIN_S` after the end (e.g. a standby that
+        never heard that the job is over)."""
+        now = time.time() if now is None else now
+        if self.state.finished_at is not None and now - self.state.finished_at > FINISHED_DRAIN_S:
+            for w in alive:
+                self.pool.signal(w, signal.SIGKILL)
+                w.killed = True
+
+    def this_launch(self, joiners: bool = True) -> list[Worker]:
+        """The workers started by the current launch (without its joiners if ``joiners`` is False)."""
+        return [w for w in self.pool.workers if w.launch == self.state.launch and (joiners or not w.joiner)]

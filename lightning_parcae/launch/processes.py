@@ -1,24 +1,31 @@
-"""The launcher's worker processes: the record of one, their environment, free ports, the modes, the first
-generation's size.
+"""The launcher's worker processes: the record of one, the pool that signals and stops them, their environment,
+free ports, the modes, the first generation's size.
 
 Problem: the parts of ``parcae run`` (:mod:`.run`, :mod:`.fleet`, :mod:`.relaunch`, :mod:`.console`) and
 ``parcae agent`` all start or handle worker processes and need the same few facts about them; they live here,
-below those parts. In particular the worker's environment is built by one function: it was built in three places
-with three rules (the restart fallback kept any stray ``PARCAE_*`` variable of the launcher's own environment, such
-as a ``PARCAE_MEMBER`` or ``PARCAE_RUN_DIR`` left in the user's shell).
+below those parts. In particular the worker's environment is built by one function (:func:`worker_environment`,
+its ``PARCAE_*`` part by :func:`lightning_parcae.contract.worker_contract`): it was built in three places with three
+rules (the restart fallback kept any stray ``PARCAE_*`` variable of the launcher's own environment, such as a
+``PARCAE_MEMBER`` or ``PARCAE_RUN_DIR`` left in the user's shell). The parts signal, stop and fail workers through
+the small :class:`WorkerControl` protocol, which :class:`WorkerPool` implements (tests give them a fake).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Protocol, Sequence
 
 from lightning_parcae.contract import ENV_PREFIX
+from lightning_parcae.errors import ParcaeError
 
-__all__ = ["ELASTIC", "RESTART_FALLBACK", "POLL_S", "initial_members", "free_port", "worker_environment", "Worker"]
+__all__ = ["ELASTIC", "RESTART_FALLBACK", "POLL_S", "initial_members", "free_port", "worker_environment", "Worker",
+           "start_worker_process", "RunFailed", "WorkerControl", "WorkerPool"]
 
 ELASTIC = "elastic"
 """Mode: membership changes are live reconfigurations in place (the default)."""
@@ -109,3 +116,78 @@ class Worker:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+
+def start_worker_process(command: Sequence[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``command`` in a session of its own (so its whole process group can be signalled), output to
+    ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(list(command), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+class RunFailed(ParcaeError, RuntimeError):
+    """A worker failed (crashed, rejected the token, or never started training); the message holds its log tail."""
+
+
+class WorkerControl(Protocol):
+    """What the launcher's parts may do to the run's worker processes (:class:`WorkerPool`, or a test's fake)."""
+
+    workers: list[Worker]
+    """The processes of the run, oldest first (the restart fallback: those of the current generation only)."""
+
+    def signal(self, w: Worker, sig: int) -> None:
+        """Send ``sig`` to ``w``'s process group (nothing if it is gone)."""
+
+    def kill_all(self) -> None:
+        """Stop every worker (SIGTERM, then SIGKILL)."""
+
+    def failure(self, why: str, workers: Sequence[Worker]) -> RunFailed:
+        """The error that fails the run: ``why`` and the tail of each of ``workers``' logs."""
+
+
+class WorkerPool:
+    """The run's worker processes: signals to their process groups, the stop of them all, a failure's log tails.
+
+    Owned by the :class:`~.run.Launcher`; ``workers`` is appended to by ``Fleet.spawn`` (``--elastic``) and replaced
+    by ``Relaunch`` (one generation at a time in the restart fallback).
+    """
+
+    def __init__(self) -> None:
+        self.workers: list[Worker] = []
+
+    def signal(self, w: Worker, sig: int) -> None:
+        """Send ``sig`` to ``w``'s process group (nothing if it is gone)."""
+        try:
+            os.killpg(w.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def failure(self, why: str, workers: Sequence[Worker]) -> RunFailed:
+        """The error that fails the run: ``why`` and the last 25 lines of each of ``workers``' logs."""
+        tails = []
+        for w in workers:
+            try:
+                text = w.log_path.read_text(errors="replace")
+            except OSError:
+                text = ""
+            tail = "\n".join(text.splitlines()[-25:])
+            tails.append(f"--- {w.log_path} (exit {w.proc.returncode}) ---\n{tail}")
+        return RunFailed(f"{why}\n" + "\n".join(tails))
+
+    def kill_all(self) -> None:
+        """SIGTERM, then SIGKILL every worker's process group (idempotent; also run at exit)."""
+        for w in self.workers:
+            if w.alive():
+                self.signal(w, signal.SIGTERM)
+        t_end = time.time() + 2.0
+        while time.time() < t_end and any(w.alive() for w in self.workers):
+            time.sleep(0.05)
+        for w in self.workers:
+            if w.handled and not w.alive():
+                continue  # exited and accounted for long ago: its pid may belong to someone else by now
+            self.signal(w, signal.SIGKILL)  # also reaps grandchildren left in the group
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass

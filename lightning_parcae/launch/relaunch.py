@@ -4,7 +4,9 @@ Problem: under ``--restart-fallback`` every membership change -- and under ``--e
 restarts the job the way torchrun does: every worker stops (gracefully when it can, so rank 0 writes
 ``run_dir/ckpt/last.ckpt`` at an agreed step), the launcher picks a shape whose data-parallel width splits the
 global batch, starts a new generation of workers that resume from the checkpoint, and measures what the restart
-cost. This module is that state machine for one :class:`~lightning_parcae.launch.run.Launcher`.
+cost. :class:`Relaunch` is that state machine; it works on the run's :class:`~.state.RunState` (the phase changes
+through its methods), reads the :class:`~.state.WorkerReports`, and handles processes through a
+:class:`~.processes.WorkerControl` -- it never sees the launcher.
 """
 
 from __future__ import annotations
@@ -13,21 +15,20 @@ import os
 import signal
 import subprocess
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
-from lightning_parcae.contract import (
-    RUN_DIR_ENV,
-    RESUME_ENV,
-    STORE_ENV,
-    JOB_TOKEN_ENV,
-    GENERATION_ENV,
-    GENERATION_BASE_ENV,
-    PIPELINE_ENV,
-    MODE_ENV,
-    ELASTIC_ENV,
-    STALL_ENV,
+from lightning_parcae.contract import worker_contract
+from lightning_parcae.launch.config import RunConfig
+from lightning_parcae.launch.job_store import StoreLink
+from lightning_parcae.launch.processes import (
+    Worker,
+    WorkerControl,
+    free_port,
+    initial_members,
+    start_worker_process,
+    worker_environment,
 )
-from lightning_parcae.launch.processes import Worker, free_port, initial_members, worker_environment
+from lightning_parcae.launch.state import EventSink, RunState, WorkerReports
 
 __all__ = ["Relaunch"]
 
@@ -36,11 +37,21 @@ class Relaunch:
     """Stop-and-relaunch generations of one launcher run.
 
     Args:
-        rt: The :class:`~lightning_parcae.launch.run.Launcher` (workers, store, configuration, events).
+        cfg: The run's options.
+        state: The run's state; this part may change ``generation``/``n``/``shape`` (through
+            :meth:`~.state.RunState.launched`), ``pending_restart``, ``fallback``, ``restarts`` and ``timeline``.
+        reports: What the workers reported (read only).
+        pool: The worker processes (the restart fallback replaces ``pool.workers`` per generation).
+        store: The run's store (URL and token for the workers, notices).
+        events: The launcher's event log.
+        say: Prints one console line.
+        refresh: Reads the event log's new lines (the launcher's reading, which may finish a pending restart).
     """
 
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, cfg: RunConfig, state: RunState, reports: WorkerReports, pool: WorkerControl, store: StoreLink,
+                 events: EventSink, say: Callable[[str], None], refresh: Callable[[], None]) -> None:
+        self.cfg, self.state, self.reports, self.pool = cfg, state, reports, pool
+        self.store, self.events, self.say, self.refresh = store, events, say, refresh
 
     def shape_for(self, n: int) -> tuple[int, int, int]:
         """(workers, D, P) for ``n`` instances; with a fixed P, instances beyond D*P stay idle.
@@ -50,147 +61,162 @@ class Relaunch:
         micro-batches M, D is the largest ``<= n // P`` that splits B into D x M; before that (the first launch)
         it is a power of two, as :func:`initial_members` chooses for ``--elastic``.
         """
-        if self.rt.cfg.pipeline_stages == "auto":
+        if self.cfg.pipeline_stages == "auto":
             return n, 0, 0  # the strategy picks; D, P come back in the workers' events
-        p = min(int(self.rt.cfg.pipeline_stages), n)
-        if self.rt._batch is None:
+        p = min(int(self.cfg.pipeline_stages), n)
+        if self.reports.batch is None:
             members, _ = initial_members(n, str(p))
             d = members // p
         else:
             from lightning_parcae.planning.costmodel import batch_splits  # noqa: PLC0415
 
-            b, m = self.rt._batch
+            b, m = self.reports.batch
             d = next((k for k in range(n // p, 0, -1) if batch_splits(b, k, m)), 1)
         return d * p, d, p
 
     def start_generation(self, n: int) -> None:
-        cfg = self.rt.cfg
-        self.rt.generation += 1
+        """Start the next generation of the restart fallback for ``n`` instances (resuming from ``last.ckpt``)."""
+        cfg, st = self.cfg, self.state
+        generation = st.generation + 1
         workers, d, p = self.shape_for(n)
-        self.rt.n, self.rt.shape = n, (d, p)
-        ckpt = cfg.run_dir / "ckpt" / "last.ckpt"
-        self.rt._resume_step = int(self.rt.latest.get("step", 0)) if ckpt.exists() else 0
+        st.n, st.shape = n, (d, p)
+        ckpt, ckpt_step = cfg.resume_checkpoint()
+        resume_step = (int(self.reports.latest.get("step", 0)) if ckpt_step is None else ckpt_step) if ckpt else 0
         port = free_port()
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.rt.workers = []
+        self.pool.workers = []  # appended one by one: a failed start leaves the ones started for kill_all
         for rank in range(workers):
-            parcae = {
-                STORE_ENV: self.rt.store_url, JOB_TOKEN_ENV: self.rt.token, RUN_DIR_ENV: str(cfg.run_dir),
-                GENERATION_ENV: str(self.rt.generation), GENERATION_BASE_ENV: str(1000 * self.rt.generation),
-                PIPELINE_ENV: cfg.pipeline_stages, MODE_ENV: cfg.mode, ELASTIC_ENV: "0",
-            }
-            if cfg.stall_timeout_s:
-                parcae[STALL_ENV] = f"{cfg.stall_timeout_s:g}"
-            if ckpt.exists():
-                parcae[RESUME_ENV] = str(ckpt)
+            parcae = worker_contract(
+                elastic=False, store=self.store.url, token=self.store.token, run_dir=cfg.run_dir,
+                generation=generation, pipeline_stages=cfg.pipeline_stages, mode=cfg.mode,
+                stall_s=cfg.stall_timeout_s, resume=ckpt, checkpoint_dir=cfg.checkpoint_dir,
+                max_instances=cfg.max_instances,
+            )
             env = worker_environment(os.environ, rank=rank, world=workers, local_rank=rank, local_world=workers,
                                      master_port=port, parcae=parcae)
-            log_path = logs / f"gen{self.rt.generation}_rank{rank}.log"
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(cfg.command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-            self.rt.workers.append(Worker(rank, proc, log_path))
-        self.rt._gen_started_at = time.time()
-        self.rt._gen_first_step = False
-        self.rt.timeline.append({"t": time.time() - self.rt.t0, "N": n, "workers": workers, "D": d, "P": p,
-                              "generation": self.rt.generation})
-        self.rt.event("launch", generation=self.rt.generation, N=n, workers=workers, D=d, P=p,
-                   resume_ckpt=str(ckpt) if ckpt.exists() else None, resume_step=self.rt._resume_step,
-                   master_port=port)
+            log_path = logs / f"gen{generation}_rank{rank}.log"
+            self.pool.workers.append(Worker(rank, start_worker_process(cfg.command, env, log_path), log_path))
+        st.launched(generation=generation, resume_step=resume_step, instances=n, now=time.time())
+        st.timeline.append({"t": time.time() - st.t0, "N": n, "workers": workers, "D": d, "P": p,
+                            "generation": generation})
+        self.events("launch", generation=generation, N=n, workers=workers, D=d, P=p,
+                    resume_ckpt=str(ckpt) if ckpt else None, resume_step=resume_step, master_port=port)
 
     def stop_generation(self, target: int) -> dict[str, Any]:
-        """Notice -> graceful stop of the whole group (restart fallback) -> SIGKILL after the grace period."""
-        from lightning_parcae.runtime.store import publish  # noqa: PLC0415
+        """Notice -> graceful stop of the whole group (restart fallback) -> SIGKILL after the grace period.
 
+        Returns:
+            The restart's record (its cost is completed by :meth:`finish_restart`).
+        """
+        st, pool = self.state, self.pool
         t_req = time.time()
-        old_n = self.rt.n
-        removed = [w.rank for w in self.rt.workers][target:] if target < len(self.rt.workers) else []
-        deadline = t_req + self.rt.cfg.wall_grace_s
+        old_n = st.n
+        removed = [w.rank for w in pool.workers][target:] if target < len(pool.workers) else []
+        deadline = t_req + self.cfg.wall_grace_s
         for rank in removed:  # the preempted instances get their notice first
             notice = {"instance": f"rank{rank}", "kind": "preempt", "deadline_s": deadline, "source": "replay",
-                      "detail": {"generation": self.rt.generation, "target_n": target}}
+                      "detail": {"generation": st.generation, "target_n": target}}
             try:
-                publish(self.rt.store, f"parcae/run/notice/gen{self.rt.generation}/rank{rank}", notice, self.rt.token)
+                self.store.publish(f"parcae/run/notice/gen{st.generation}/rank{rank}", notice)
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not stop the notice itself
-                self.rt.event("store_error", error=str(exc))
-            self.rt._signal(self.rt.workers[rank], signal.SIGTERM)
-        self.rt.event("notice", generation=self.rt.generation, old_N=old_n, new_N=target, preempted=removed,
-                   grace_s=self.rt.cfg.wall_grace_s,
-                   note="restart fallback: the whole group stops and relaunches; --elastic changes it in place")
-        for w in self.rt.workers:
+                self.events("store_error", error=str(exc))
+            pool.signal(pool.workers[rank], signal.SIGTERM)
+        self.events("notice", generation=st.generation, old_N=old_n, new_N=target, preempted=removed,
+                    grace_s=self.cfg.wall_grace_s,
+                    note="restart fallback: the whole group stops and relaunches; --elastic changes it in place")
+        for w in pool.workers:
             if w.rank not in removed:
-                self.rt._signal(w, signal.SIGTERM)
-        while time.time() < deadline and any(w.alive() for w in self.rt.workers):
+                pool.signal(w, signal.SIGTERM)
+        while time.time() < deadline and any(w.alive() for w in pool.workers):
             time.sleep(0.05)
-        killed = [w.rank for w in self.rt.workers if w.alive()]
-        for w in self.rt.workers:
+        killed = [w.rank for w in pool.workers if w.alive()]
+        for w in pool.workers:
             if w.alive():
-                self.rt._signal(w, signal.SIGKILL)
-        for w in self.rt.workers:
+                pool.signal(w, signal.SIGKILL)
+        for w in pool.workers:
             try:
                 w.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        self.rt.console.read_events()
-        stopped = [e for e in self.rt.events if e.get("source") == "worker" and e.get("event") == "stop"
-                   and e.get("generation") == self.rt.generation]
-        last_step = max((int(e.get("step", 0)) for e in self.rt.events if e.get("source") == "worker"
-                         and e.get("generation") == self.rt.generation), default=0)
-        rate = float(self.rt.latest.get("samples_per_s", 0.0) or 0.0)
-        self.rt.event("stopped", generation=self.rt.generation, stop_s=time.time() - t_req, killed=killed,
-                   graceful=bool(stopped) and not killed, last_step=last_step)
-        self.rt.workers = []
-        return {"t_request": t_req, "from_generation": self.rt.generation, "old_N": old_n, "new_N": target,
+        self.refresh()
+        events = self.reports.events
+        stopped = [e for e in events if e.get("source") == "worker" and e.get("event") == "stop"
+                   and e.get("generation") == st.generation]
+        last_step = max((int(e.get("step", 0)) for e in events if e.get("source") == "worker"
+                         and e.get("generation") == st.generation), default=0)
+        rate = float(self.reports.latest.get("samples_per_s", 0.0) or 0.0)
+        self.events("stopped", generation=st.generation, stop_s=time.time() - t_req, killed=killed,
+                    graceful=bool(stopped) and not killed, last_step=last_step)
+        pool.workers = []
+        return {"t_request": t_req, "from_generation": st.generation, "old_N": old_n, "new_N": target,
                 "stop_s": time.time() - t_req, "killed": killed, "last_step": last_step, "samples_per_s": rate,
                 "graceful": bool(stopped) and not killed}
 
-    def finish_restart(self, ev: dict[str, Any]) -> None:
-        r = self.rt._pending_restart
+    def finish_restart(self, ev: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The new generation reported its first step (``ev``): complete the pending restart's cost and record it.
+
+        Returns:
+            The restart's record, or None when no restart was pending.
+        """
+        st = self.state
+        r = st.pending_restart
         if r is None:
-            return
-        self.rt._pending_restart = None
+            return None
+        st.pending_restart = None
+        latest = self.reports.latest
         downtime = float(ev["time"]) - r["t_request"]
-        redo_steps = max(0, int(r["last_step"]) - int(self.rt._resume_step))
-        spb = self.rt.latest.get("samples", 0) / max(1, self.rt.latest.get("step", 1))
+        redo_steps = max(0, int(r["last_step"]) - int(st.resume_step))
+        spb = latest.get("samples", 0) / max(1, latest.get("step", 1))
         redo_s = redo_steps * spb / r["samples_per_s"] if r["samples_per_s"] > 0 else 0.0
         r.update(downtime_s=downtime, redo_steps=redo_steps, redo_s=redo_s, lost_s=downtime + redo_s,
-                 to_generation=self.rt.generation, resume_step=self.rt._resume_step)
-        self.rt.restarts.append(r)
-        self.rt.event("restart_done", **{k: v for k, v in r.items() if k != "t_request"})
+                 to_generation=st.generation, resume_step=st.resume_step)
+        st.restarts.append(r)
+        self.events("restart_done", **{k: v for k, v in r.items() if k != "t_request"})
+        return r
 
-    def start_fallback(self, startup: bool = False) -> None:
-        """Stop this launch and relaunch from ``last.ckpt``.
+    def start_fallback(self, reason: Optional[str] = None, startup: bool = False) -> None:
+        """Stop this launch and relaunch from ``last.ckpt`` (nothing if a fallback is already in progress).
 
         Args:
+            reason: Why (default: the reason the workers reported, ``state.fallback_reason``).
             startup: The cause is an initial member lost before the first generation formed: nobody holds state
                 worth a checkpoint yet, so the others (stuck in the rendezvous) are stopped at once instead of
                 after the grace a checkpointing member would get.
         """
-        if self.rt._fallback is not None:
+        st = self.state
+        if st.fallback is not None:
             return
-        rate = float(self.rt.latest.get("samples_per_s", 0.0) or 0.0)
-        last_step = max((int(e.get("step", 0)) for e in self.rt.events if e.get("source") == "worker"), default=0)
-        self.rt._fallback = {"t_request": time.time(), "from_generation": self.rt.launch, "reason": self.rt._fallback_reason,
-                          "old_N": int(self.rt.shapes[-1]["N"] or 0) if self.rt.shapes else 0, "last_step": last_step,
-                          "samples_per_s": rate,
-                          "killed": [], "graceful": True, "startup": startup}
-        self.rt.event("fallback", launch=self.rt.launch, reason=self.rt._fallback_reason, last_step=last_step)
-        self.rt.console.say(f"FALLBACK: {self.rt._fallback_reason or 'some stage lost every replica'}; waiting for every worker "
-                  "to exit, then relaunching from last.ckpt")
-        for w in self.rt.workers:  # standbys hold no state: stop them now
-            if w.alive() and w.joiner and self.rt.fleet.waiting(w):
-                self.rt._signal(w, signal.SIGKILL)
+        if reason is not None:
+            st.fallback_reason = reason
+        reports = self.reports
+        rate = float(reports.latest.get("samples_per_s", 0.0) or 0.0)
+        last_step = max((int(e.get("step", 0)) for e in reports.events if e.get("source") == "worker"), default=0)
+        st.begin_fallback({"t_request": time.time(), "from_generation": st.launch, "reason": st.fallback_reason,
+                           "old_N": int(reports.shapes[-1]["N"] or 0) if reports.shapes else 0,
+                           "last_step": last_step, "samples_per_s": rate, "killed": [], "graceful": True,
+                           "startup": startup})
+        self.events("fallback", launch=st.launch, reason=st.fallback_reason, last_step=last_step)
+        self.say(f"FALLBACK: {st.fallback_reason or 'some stage lost every replica'}; waiting for every worker "
+                 f"to exit, then relaunching from {self.cfg.checkpoint_dir or 'last.ckpt'}"
+                 + (" (its newest complete checkpoint)" if self.cfg.checkpoint_dir else ""))
+        for w in self.pool.workers:  # standbys hold no state: stop them now
+            if w.alive() and w.joiner and reports.waiting(w):
+                self.pool.signal(w, signal.SIGKILL)
                 w.killed = True
 
-    def advance_fallback(self) -> None:
-        fb = self.rt._fallback
-        assert fb is not None
-        alive = [w for w in self.rt.workers if w.alive()]
-        if alive and not fb.get("startup") and time.time() < fb["t_request"] + max(10.0, 2.0 * self.rt.cfg.wall_grace_s):
-            return
-        for w in alive:  # stragglers (stuck on a dead peer): stop them
-            self.rt._signal(w, signal.SIGKILL)
+    def stop_stragglers(self) -> bool:
+        """Advance the fallback in progress: once every worker exited -- or its grace is over, when the stragglers
+        (stuck on a dead peer) are killed -- return True; the caller then reaps the exits and calls
+        :meth:`end_fallback`."""
+        fb = self.state.fallback
+        if fb is None:
+            raise ValueError("stop_stragglers: no fallback in progress")
+        alive = [w for w in self.pool.workers if w.alive()]
+        if alive and not fb.get("startup") and time.time() < fb["t_request"] + max(10.0, 2.0 * self.cfg.wall_grace_s):
+            return False
+        for w in alive:
+            self.pool.signal(w, signal.SIGKILL)
             w.killed = True
             fb["killed"].append(w.member)
             fb["graceful"] = False
@@ -199,15 +225,12 @@ class Relaunch:
                 w.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        # reap while the fallback is still in progress: the stragglers just killed are not new losses (regression:
-        # reaped after it ended, a straggler of a start-up loss started a second fallback, "initial member i0 lost
-        # during start-up", for the member parcae run had itself killed)
-        self.rt.fleet.reap()
-        self.rt._fallback = None
+        return True
+
+    def end_fallback(self) -> None:
+        """Every worker of the fallback is stopped and reaped: record the stop; a relaunch is due
+        (:meth:`~.state.RunState.end_fallback`)."""
+        fb = self.state.end_fallback()
         fb["stop_s"] = time.time() - fb["t_request"]
-        self.rt._fallback_seen.clear()
-        self.rt._fallback_reason = ""
-        self.rt._pending_restart = fb
-        self.rt.event("stopped", generation=fb["from_generation"], stop_s=fb["stop_s"], killed=fb["killed"],
-                   graceful=fb["graceful"], last_step=fb["last_step"])
-        self.rt._need_launch = True
+        self.events("stopped", generation=fb["from_generation"], stop_s=fb["stop_s"], killed=fb["killed"],
+                    graceful=fb["graceful"], last_step=fb["last_step"])

@@ -22,6 +22,16 @@ Two ways to handle a membership change:
   :class:`~lightning_parcae.training.callbacks.ParcaeRunCallback`) and relaunches it at the new size, resuming from that
   checkpoint (``PARCAE_RESUME_CKPT``). The time each restart costs is measured and reported.
 
+Structure: the :class:`Launcher` owns the run's state -- the phase and shared facts in a
+:class:`~lightning_parcae.launch.state.RunState` (an explicit phase machine: PENDING, STARTING, RUNNING, PAUSED,
+FALLBACK, FINISHED), what the workers reported in :class:`~lightning_parcae.launch.state.WorkerReports`, the processes
+in a :class:`~lightning_parcae.launch.processes.WorkerPool`, the store in a
+:class:`~lightning_parcae.launch.job_store.JobStore` -- and runs one loop per mode that calls the steps of its parts:
+:class:`~lightning_parcae.launch.fleet.Fleet` (``--elastic``), :class:`~lightning_parcae.launch.relaunch.Relaunch`
+(stop and relaunch) and :class:`~lightning_parcae.launch.console.Console` (lines and the report; it only reads). Each
+part gets those objects, never the launcher. The launcher alone acts on what the event log says (a generation's
+first step completes a pending restart; the job's end finishes the run).
+
 Usage::
 
     python -m lightning_parcae.launch.run --instances 4 --trace hh_55_65 -- python examples/train_run.py --max-steps 3000
@@ -34,36 +44,40 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import functools
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TextIO
 
 from lightning_parcae.contract import WRONG_TOKEN_EXIT, FALLBACK_EXIT, RELEASED_EXIT, FENCED_EXIT
-from lightning_parcae.launch.processes import ELASTIC, POLL_S, RESTART_FALLBACK, Worker, initial_members
+from lightning_parcae.launch.config import DEFAULT_TIME_SCALE as _DEFAULT_TIME_SCALE, RunConfig
 from lightning_parcae.launch.console import Console
 from lightning_parcae.launch.fleet import Fleet
+from lightning_parcae.launch.job_store import JobStore
+from lightning_parcae.launch.processes import (
+    ELASTIC,
+    POLL_S,
+    RESTART_FALLBACK,
+    RunFailed,
+    Worker,
+    WorkerPool,
+    initial_members,
+)
 from lightning_parcae.launch.relaunch import Relaunch
+from lightning_parcae.launch.state import Phase, RunState, WorkerReports
 from lightning_parcae.events import append_event
 from lightning_parcae.errors import ConfigurationError, CoordinationError, ParcaeError
 from lightning_parcae.signals.traces import scale_counts
 
-__all__ = ["build_parser", "main", "RunConfig", "Launcher", "host_capacity", "scale_counts", "initial_members",
-           "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
+__all__ = ["build_parser", "main", "RunConfig", "RunFailed", "Launcher", "host_capacity", "scale_counts",
+           "initial_members", "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
 VICTIM_ORDERS = ("newest", "random")
 """``--victims``: which training members a trace's drop removes (idle standbys always go first)."""
-
-_DEFAULT_TIME_SCALE = 20.0  # a 1-hour segment of 60-s intervals replays in 3 minutes
-
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Configuration
@@ -128,50 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "examples/gpt's device_ms_per_sample; see lightning_parcae.testing.emulated_device), so the "
                    "instances do not share this machine's cores: the runtime's throughput model gets no CPU "
                    "contention term (PARCAE_SHARED_CORES=0)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="URL",
+                   help="where checkpoints go: a local path, a shared mount, or s3://bucket/prefix, gs://..., az://... "
+                   "(fsspec; install the extra lightning-parcae[s3|gcs|azure]); checked before any worker starts, "
+                   "resumed from the newest complete checkpoint there whoever wrote it (default: run_dir/ckpt/"
+                   "last.ckpt on the disk of the member that is rank 0)")
     p.add_argument("--progress-every", type=float, default=2.0, help="seconds between progress lines")
     p.add_argument("--no-plot", action="store_true", help="skip report.png")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command, e.g. python train.py")
     return p
-
-
-@dataclass
-class RunConfig:
-    """Validated options of one ``parcae run``."""
-
-    instances: int
-    command: list[str]
-    run_dir: Path
-    trace: Optional[str] = None
-    time_scale: float = _DEFAULT_TIME_SCALE
-    interval_s: float = 60.0
-    grace_s: float = 120.0
-    max_instances: int = 1
-    pipeline_stages: str = "1"
-    store_host: str = "127.0.0.1"
-    store_url: Optional[str] = None
-    store_timeout_s: float = 10.0
-    startup_timeout_s: float = 120.0
-    progress_every_s: float = 2.0
-    plot: bool = True
-    mode: str = ELASTIC
-    max_restarts: int = 3
-    stall_timeout_s: Optional[float] = None
-    emulated_devices: bool = False
-    victims: str = "newest"
-    seed: int = 0
-    schedule: list[int] = field(default_factory=list)
-    """Instances during each (scaled) replay interval; empty for a static cluster."""
-    trace_counts: list[int] = field(default_factory=list)
-
-    @property
-    def wall_interval_s(self) -> float:
-        """One trace interval in wall seconds."""
-        return self.interval_s / self.time_scale
-
-    @property
-    def wall_grace_s(self) -> float:
-        """The notice period in wall seconds."""
-        return self.grace_s / self.time_scale
 
 
 def host_capacity() -> int:
@@ -232,12 +211,29 @@ def _config(argv: Sequence[str]) -> RunConfig:
         startup_timeout_s=ns.startup_timeout, progress_every_s=ns.progress_every, plot=not ns.no_plot,
         mode=ns.mode, max_restarts=ns.max_restarts, stall_timeout_s=ns.stall_timeout,
         emulated_devices=ns.emulated_devices, victims=ns.victims, seed=ns.seed,
+        checkpoint_dir=checked_checkpoint_dir(ns.checkpoint_dir),
     )
     if ns.trace is not None:
         cfg.trace_counts, cfg.schedule = _load_schedule(ns.trace, ns.interval, max_inst)
         if not any(cfg.schedule):
             raise ConfigurationError(f"trace {ns.trace!r} never has any instance: nothing to run")
     return cfg
+
+
+def checked_checkpoint_dir(url: Optional[str]) -> Optional[str]:
+    """``--checkpoint-dir``, proven writable before any worker starts (None stays None: the legacy local file).
+
+    Raises:
+        CheckpointStorageError: the location cannot be used (no backend for the scheme, no credentials, no such
+            bucket, unwritable, no answer); the message says how to fix it.
+    """
+    if url is None:
+        return None
+    from lightning_parcae.runtime.checkpoint_store import CheckpointStore  # noqa: PLC0415
+
+    store = CheckpointStore(url)
+    store.check()
+    return store.url
 
 
 def _load_schedule(name: str, interval_s: float, cap: int) -> tuple[list[int], list[int]]:
@@ -261,151 +257,85 @@ def _load_schedule(name: str, interval_s: float, cap: int) -> tuple[list[int], l
 # ---------------------------------------------------------------------------------------------------------------
 # The launcher
 # ---------------------------------------------------------------------------------------------------------------
-class RunFailed(ParcaeError, RuntimeError):
-    """A worker failed (crashed, rejected the token, or never started training); the message holds its log tail."""
-
-
 class Launcher:
     """Hosts the store, starts and replaces worker generations, replays the trace and writes the report.
+
+    It owns the run's state and hands each part only what it needs: the :class:`~.state.RunState` (the phase and
+    the shared facts), the :class:`~.state.WorkerReports` (what the workers said; written by the console), the
+    :class:`~.processes.WorkerPool`, the :class:`~.job_store.JobStore` and its own :meth:`event` log. The run is one
+    loop per mode (:meth:`_run_elastic`, :meth:`_run_restart`) that calls the parts' steps.
 
     Args:
         cfg: Validated options (see :func:`build_parser`).
         out: Where progress lines go.
     """
 
-    def __init__(self, cfg: RunConfig, out: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, out: Optional[TextIO] = None) -> None:
         self.cfg = cfg
-        self.out = out if out is not None else sys.stdout
-        self.workers: list[Worker] = []
-        self.generation = -1
-        self.n = 0
-        self.shape = (0, 0)
-        self.store: Any = None
-        self.store_url = ""
-        self.token = ""
-        self.t0 = 0.0
-        self.restarts: list[dict[str, Any]] = []
-        self._pending_restart: Optional[dict[str, Any]] = None
-        self._gen_started_at = 0.0
-        self._gen_first_step = False
-        self._events_offset = 0
-        self._resume_step = 0
-        self.events: list[dict[str, Any]] = []
-        self.latest: dict[str, Any] = {}
-        self._last_line = 0.0
-        self.timeline: list[dict[str, Any]] = []  # (time, N, D, P) whenever the running group changes
-        # --elastic: instances (id -> its current process, None while it has none), processes, what they report
-        self.instances: dict[int, Optional[Worker]] = {}
-        self._next_instance = 0
-        self._incarnations: dict[int, int] = {}
-        self.launch = -1
-        self.phases: dict[str, str] = {}
-        self.migrations: dict[int, dict[str, Any]] = {}
-        self.decision: dict[str, Any] = {}
-        self.egen = -1
-        self.changes: list[dict[str, Any]] = []
-        self.shapes: list[dict[str, Any]] = []  # (t, N members, D, P, generation) whenever the job's shape changes
-        self.finished = False
-        self._finished_at: Optional[float] = None
-        self._fallback: Optional[dict[str, Any]] = None
-        self._last_ckpt_step = 0
-        self._need_launch = False
-        self._fallback_seen: set[str] = set()
-        self._fallback_reason = ""
-        self._recoveries: set[Any] = set()
-        self._recovering_since: dict[int, float] = {}
-        self._kill_times: list[float] = []
-        self._batch: Optional[tuple[int, int]] = None
-        """(global batch, micro-batches) as the workers report them (None until the first report)."""
-        self._lost: dict[int, int] = {}
-        """Instance -> how often its process died by a signal nobody here sent."""
-        self._lost_relaunches = 0
-        self._no_members_since: Optional[float] = None
-        self.console = Console(self)
+        self.out: TextIO = out if out is not None else sys.stdout
+        self.state = RunState()
+        """The run's phase and the facts the parts share."""
+        self.reports = WorkerReports()
+        """What the workers reported (written by the console only)."""
+        self.pool = WorkerPool()
+        """The worker processes."""
+        self.job_store = JobStore(cfg.store_host, cfg.store_url, cfg.store_timeout_s)
+        """The coordination store, its URL and the job token (opened by :meth:`run`)."""
+        self.console = Console(cfg, self.state, self.reports, self.pool, self.out)
         """Event log reading, console lines and the report."""
-        self.relaunch = Relaunch(self)
+        self.relaunch = Relaunch(cfg, self.state, self.reports, self.pool, self.job_store, self.event,
+                                 self.console.say, self._read_events)
         """The stop-and-relaunch state machine (``--restart-fallback``, and fallbacks under ``--elastic``)."""
-        self.fleet = Fleet(self)
+        self.fleet = Fleet(cfg, self.state, self.reports, self.pool, self.job_store, self.event, self.console.say,
+                           self.relaunch, lambda: host_capacity())
         """The ``--elastic`` instance manager."""
 
-    # ------------------------------------------------------------------------------------------------ store
-    def _open_store(self) -> None:
-        from lightning_parcae.runtime.store import host_store, new_token, parse_store_url  # noqa: PLC0415
+    @property
+    def workers(self) -> list[Worker]:
+        """The run's worker processes (see :class:`~.processes.WorkerPool`)."""
+        return self.pool.workers
 
-        self.token = new_token()
-        cfg = self.cfg
-        if cfg.store_url is None:
-            self.store = host_store(f"tcp://{cfg.store_host}:0", token=self.token, timeout_s=cfg.store_timeout_s)
-            self.store_url = f"tcp://{cfg.store_host}:{self.store.port}"
-            return
-        spec = parse_store_url(cfg.store_url)
-        if spec.scheme == "tcp" and spec.port:
-            from lightning_parcae.runtime.store import connect_store, install_token  # noqa: PLC0415
-
-            self.store = connect_store(spec, token=None, timeout_s=cfg.store_timeout_s, op_timeout_s=30.0)
-            install_token(self.store, self.token)
-        else:
-            self.store = host_store(spec, token=self.token, timeout_s=cfg.store_timeout_s)
-            if spec.scheme == "tcp":
-                spec = spec.with_port(self.store.port)
-        self.store_url = spec.url
+    @property
+    def shared_units(self) -> int:
+        """Processing units the workers of this one-machine cluster share (:func:`.fleet.shared_units`)."""
+        return self.fleet.shared_units
 
     # ------------------------------------------------------------------------------------------------ events
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: str, /, **fields: Any) -> None:
         """Append a launcher event to ``events.jsonl``."""
         append_event(self.cfg.run_dir, {"source": "launcher", "event": kind, "mode": self.cfg.mode,
-                                        "elapsed_s": time.time() - self.t0, **fields})
+                                        "elapsed_s": time.time() - self.state.t0, **fields})
+
+    def _read_events(self) -> None:
+        """Read the event log's new lines: the console records each, then the launcher acts on it."""
+        for ev in self.console.read_new():
+            self.console.record(ev)
+            self._observe(ev)
+
+    def _observe(self, ev: dict[str, Any]) -> None:
+        """What an event changes in the run: a generation's first step (which completes a pending restart), a
+        checkpoint, the job's end, a member's reason for a fallback."""
+        st = self.state
+        if ev.get("source") == "worker":
+            kind = ev.get("event")
+            if kind in ("progress", "checkpoint", "end", "stop") and st.is_first_step(ev.get("generation"),
+                                                                                        ev.get("step", 0)):
+                self.relaunch.finish_restart(ev)
+            if kind == "checkpoint":
+                st.last_ckpt_step = int(ev.get("step", 0))
+            if kind == "end" and self.cfg.mode == ELASTIC and not st.finished:
+                st.finish(time.time())
+                self.event("finished", step=ev.get("step"))
+        elif ev.get("source") == "elastic" and ev.get("event") == "fallback":
+            member = str(ev.get("member", ""))
+            if member not in st.fallback_seen:
+                st.fallback_seen.add(member)
+                st.fallback_reason = str(ev.get("reason", ""))
 
     # ------------------------------------------------------------------------------------------------ workers
-    def _shape_for(self, n: int) -> tuple[int, int, int]:
-        """(workers, D, P) for ``n`` instances; with a fixed P, instances beyond D*P stay idle. (:meth:`relaunch.Relaunch.shape_for`)."""
-        return self.relaunch.shape_for(n)
-
-
-    def _signal(self, w: Worker, sig: int) -> None:
-        try:
-            os.killpg(w.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def _fail(self, why: str, workers: Sequence[Worker]) -> RunFailed:
-        tails = []
-        for w in workers:
-            try:
-                text = w.log_path.read_text(errors="replace")
-            except OSError:
-                text = ""
-            tail = "\n".join(text.splitlines()[-25:])
-            tails.append(f"--- {w.log_path} (exit {w.proc.returncode}) ---\n{tail}")
-        return RunFailed(f"{why}\n" + "\n".join(tails))
-
     def kill_all(self) -> None:
         """SIGTERM, then SIGKILL every worker's process group (idempotent; also run at exit)."""
-        for w in self.workers:
-            if w.alive():
-                self._signal(w, signal.SIGTERM)
-        t_end = time.time() + 2.0
-        while time.time() < t_end and any(w.alive() for w in self.workers):
-            time.sleep(0.05)
-        for w in self.workers:
-            if w.handled and not w.alive():
-                continue  # exited and accounted for long ago: its pid may belong to someone else by now
-            self._signal(w, signal.SIGKILL)  # also reaps grandchildren left in the group
-            try:
-                w.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-    # ------------------------------------------------------------------------------------------------ elastic
-    @functools.cached_property
-    def shared_units(self) -> int:
-        """Processing units the workers of this one-machine cluster share: GPUs, else CPU cores (0 with
-        ``--emulated-devices``: each instance has its own emulated accelerator, nothing is shared)."""
-        if self.cfg.emulated_devices:
-            return 0
-        capacity = host_capacity()
-        cores = os.cpu_count() or 1
-        return cores if capacity == 2 * cores else capacity
+        self.pool.kill_all()
 
     # ------------------------------------------------------------------------------------------------ main loop
     def target_at(self, elapsed: float) -> int:
@@ -425,75 +355,130 @@ class Launcher:
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "events.jsonl").unlink(missing_ok=True)
-        self.t0 = time.time()
-        self._open_store()
-        self.event("run_start", command=shlex.join(cfg.command), store=self.store_url, instances=cfg.instances,
+        self.state.t0 = time.time()
+        self.job_store.open()
+        self.event("run_start", command=shlex.join(cfg.command), store=self.job_store.url, instances=cfg.instances,
                    trace=cfg.trace, time_scale=cfg.time_scale, schedule=cfg.schedule, grace_s=cfg.wall_grace_s,
                    interval_s=cfg.wall_interval_s)
         if cfg.mode == ELASTIC:
-            print(f"[parcae run] run dir {cfg.run_dir}; store {self.store_url}; membership changes are live "
-                  "reconfigurations in place (--elastic); a stage with no live replica restarts from last.ckpt",
+            print(f"[parcae run] run dir {cfg.run_dir}; store {self.job_store.url}; membership changes are live "
+                  "reconfigurations in place (--elastic); a stage with no live replica restarts from "
+                  f"{cfg.checkpoint_dir or 'last.ckpt'}",
                   file=self.out, flush=True)
-            self.fleet.run_elastic()
-            self.console.progress(force=True)
-            self.event("run_end", restarts=len(self.restarts), migrations=len(self.migrations))
+            self._run_elastic()
+            self.console.progress(force=True, instances=len(self.fleet.instances))
+            self.event("run_end", restarts=len(self.state.restarts), migrations=len(self.reports.migrations))
             return self.report()
-        print(f"[parcae run] run dir {cfg.run_dir}; store {self.store_url}; membership changes use the restart "
+        print(f"[parcae run] run dir {cfg.run_dir}; store {self.job_store.url}; membership changes use the restart "
               "fallback (stop all, checkpoint, relaunch)", file=self.out, flush=True)
+        self._run_restart()
+        self.console.progress(force=True)
+        self.event("run_end", restarts=len(self.state.restarts))
+        return self.report()
+
+    def _run_elastic(self) -> None:
+        """``--elastic``: one loop over the fleet's steps until the job ended and every process exited."""
+        cfg, st, fleet, pool = self.cfg, self.state, self.fleet, self.pool
+        n0 = self.target_at(0.0)
+        fleet.add_instances(n0)
+        st.timeline.append({"t": 0.0, "N": n0, "workers": n0, "D": 0, "P": 0, "generation": -1})
+        if not n0:
+            self.event("paused", reason="no instances available")
+        while True:
+            if st.phase is Phase.PENDING and fleet.instances:
+                fleet.launch_instances()
+            time.sleep(POLL_S)
+            self._read_events()
+            fleet.reap()
+            fleet.enforce_deadlines()
+            if st.fallback is not None and self.relaunch.stop_stragglers():
+                # reap while the fallback is still in progress: the stragglers just killed are not new losses
+                # (regression: reaped after it ended, a straggler of a start-up loss started a second fallback,
+                # "initial member i0 lost during start-up", for the member parcae run had itself killed)
+                fleet.reap()
+                self.relaunch.end_fallback()
+            alive = [w for w in pool.workers if w.alive()]
+            fleet.check_members_left(alive)
+            if st.finished:
+                if not alive:
+                    break
+                fleet.drain(alive)
+                continue
+            if not alive and st.training:
+                time.sleep(0.5)
+                self._read_events()
+                if not st.finished:
+                    raise pool.failure("parcae run failed: every worker exited but training did not finish",
+                                       fleet.this_launch()[:2])
+                break
+            target = self.target_at(time.time() - st.t0)
+            if target != len(fleet.instances):
+                fleet.change(target)
+            if st.phase is Phase.STARTING and time.time() - st.started_at > cfg.startup_timeout_s:
+                pool.kill_all()
+                raise pool.failure(f"parcae run failed: launch {st.launch} reported no training step within "
+                                   f"{cfg.startup_timeout_s:g} s", fleet.this_launch(joiners=False)[:1])
+            self.console.progress(instances=len(fleet.instances))
+        self._read_events()
+        fleet.reap()  # the exits seen by the last check
+        self.console.flush_migrations()
+
+    def _run_restart(self) -> None:
+        """``--restart-fallback``: every change of the trace stops the generation and relaunches it."""
+        cfg, st, pool = self.cfg, self.state, self.pool
         n0 = self.target_at(0.0)
         if n0:
             self.relaunch.start_generation(n0)
+        lost_relaunches = 0
         while True:
             time.sleep(POLL_S)
-            self.console.read_events()
-            elapsed = time.time() - self.t0
-            if self.workers:
-                codes = [w.proc.poll() for w in self.workers]
-                bad = [w for w, c in zip(self.workers, codes) if c not in (None, 0)]
+            self._read_events()
+            elapsed = time.time() - st.t0
+            if pool.workers:
+                codes = [w.proc.poll() for w in pool.workers]
+                bad = [w for w, c in zip(pool.workers, codes) if c not in (None, 0)]
                 lost = [w for w in bad if w.proc.returncode < 0]
-                if lost and self._lost_relaunches < cfg.max_restarts:
+                if lost and lost_relaunches < cfg.max_restarts:
                     # a worker died by a signal nobody here sent: a lost instance. The others cannot go on without
                     # it (no live reconfiguration here): stop the generation and relaunch it from last.ckpt
-                    self._lost_relaunches += 1
+                    lost_relaunches += 1
                     self.event("lost", ranks=[w.rank for w in lost], rc=[w.proc.returncode for w in lost],
-                               count=self._lost_relaunches, max_restarts=cfg.max_restarts)
+                               count=lost_relaunches, max_restarts=cfg.max_restarts)
                     print(f"[parcae run] worker(s) {[w.rank for w in lost]} died by signal "
-                          f"{[-int(w.proc.returncode) for w in lost]}: relaunching generation {self.generation + 1} "
+                          f"{[-int(w.proc.returncode) for w in lost]}: relaunching generation {st.generation + 1} "
                           "from last.ckpt", file=self.out, flush=True)
-                    self._pending_restart = self.relaunch.stop_generation(self.n)
-                    self.relaunch.start_generation(self.n)
+                    st.pending_restart = self.relaunch.stop_generation(st.n)
+                    self.relaunch.start_generation(st.n)
                     continue
                 if bad:
                     if any(w.proc.returncode == WRONG_TOKEN_EXIT for w in bad):
                         why = "a worker rejected the job token (wrong or missing PARCAE_JOB_TOKEN)"
                     else:
-                        why = f"worker(s) {[w.rank for w in bad]} of generation {self.generation} exited with " \
+                        why = f"worker(s) {[w.rank for w in bad]} of generation {st.generation} exited with " \
                               f"{[w.proc.returncode for w in bad]}"
                     self.kill_all()
-                    raise self._fail(f"parcae run failed: {why}; stopped all workers", bad)
+                    raise pool.failure(f"parcae run failed: {why}; stopped all workers", bad)
                 if all(c == 0 for c in codes):
-                    self.console.read_events()
+                    self._read_events()
+                    st.finish(time.time())
                     break
-                if not self._gen_first_step and time.time() - self._gen_started_at > cfg.startup_timeout_s:
+                if st.phase is Phase.STARTING and time.time() - st.started_at > cfg.startup_timeout_s:
                     self.kill_all()
-                    raise self._fail(f"parcae run failed: generation {self.generation} reported no training step "
-                                     f"within {cfg.startup_timeout_s:g} s", self.workers[:1])
+                    raise pool.failure(f"parcae run failed: generation {st.generation} reported no training step "
+                                       f"within {cfg.startup_timeout_s:g} s", pool.workers[:1])
             target = self.target_at(elapsed)
-            if target != self.n:
-                if self.workers:
-                    self._pending_restart = self.relaunch.stop_generation(target)
-                self.n = target
+            if target != st.n:
+                if pool.workers:
+                    st.pending_restart = self.relaunch.stop_generation(target)
+                st.n = target
                 if target > 0:
                     self.relaunch.start_generation(target)
                 else:
-                    self.timeline.append({"t": time.time() - self.t0, "N": 0, "workers": 0, "D": 0, "P": 0,
-                                          "generation": self.generation})
+                    st.pause()
+                    st.timeline.append({"t": time.time() - st.t0, "N": 0, "workers": 0, "D": 0, "P": 0,
+                                        "generation": st.generation})
                     self.event("paused", reason="no instances available")
             self.console.progress()
-        self.console.progress(force=True)
-        self.event("run_end", restarts=len(self.restarts))
-        report = self.report()
-        return report
 
     # ------------------------------------------------------------------------------------------------ report
     def report(self) -> dict[str, Any]:
@@ -542,7 +527,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         atexit.unregister(launcher.kill_all)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        launcher.store = None
+        launcher.job_store.close()
     if cfg.mode == ELASTIC:
         lost = report["time_lost_by_kind_s"]
         kinds = ", ".join(f"{k} {v:.1f} s" for k, v in lost.items() if k != "restart") or "none"
