@@ -297,8 +297,12 @@ def _reference(trial: Trial, cache: Path) -> dict[str, Any]:
     return torch.load(path / "reference.pt", weights_only=True)
 
 
-def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeout_s: float = 420.0) -> dict[str, Any]:
-    """Run ``trial`` under ``parcae run`` with its faults; returns the result with ``failures`` (empty: passed)."""
+def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeout_s: float = 420.0,
+              launcher_args: tuple[str, ...] = (), env_extra: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Run ``trial`` under ``parcae run`` with its faults; returns the result with ``failures`` (empty: passed).
+
+    ``launcher_args`` go to ``parcae run`` before ``--`` (e.g. ``--checkpoint-dir s3://...``); ``env_extra`` into the
+    environment of the launcher and its workers (e.g. the S3 endpoint and credentials)."""
     import torch
 
     run_dir = work / f"seed{trial.seed}"
@@ -307,12 +311,13 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "lightning_parcae.launch.run", "--instances", str(trial.instances), "--run-dir",
            str(run_dir), "--no-plot", "--progress-every", "30", "--oversubscribe", "--stall-timeout", str(WATCHDOG_S),
-           "--pipeline-stages", str(trial.pipeline_stages), "--startup-timeout", "240", "--",
+           "--pipeline-stages", str(trial.pipeline_stages), "--startup-timeout", "240", *launcher_args, "--",
            sys.executable, JOB, "--out", str(out), *trial.job_args()]
     if trial.after_fit:
         cmd.append("--after-fit")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("PARCAE_")}
+    env.update(env_extra or {})
     store_proc = None
     if any(f["kind"] == "store_pause" for f in trial.faults):
         # the store in a process of its own (as on a cluster), so that the fault can stop it without the launcher

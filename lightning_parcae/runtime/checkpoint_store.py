@@ -42,7 +42,7 @@ from typing import IO, Any, Callable, Mapping, Optional, TypeVar
 
 from lightning_parcae.errors import CheckpointStorageError
 
-__all__ = ["CheckpointRef", "CheckpointStore", "EXTRAS", "SaveFailed"]
+__all__ = ["CheckpointRef", "CheckpointStore", "EXTRAS", "SaveFailed", "read_url"]
 
 EXTRAS: dict[str, tuple[str, str]] = {
     "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
@@ -126,6 +126,30 @@ def _bounded(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:
     return box["value"]
 
 
+def read_url(url: str, *, storage_options: Optional[Mapping[str, Any]] = None) -> bytes:
+    """The bytes of one checkpoint blob given by its URL (what a relaunch gets in ``PARCAE_RESUME_CKPT``).
+
+    When the blob has its manifest beside it (a checkpoint this module wrote) the bytes are checked against the
+    recorded size and SHA-256; any other URL is read as it is.
+
+    Raises:
+        CheckpointStorageError: no backend for the scheme, or the blob differs from its manifest.
+        FileNotFoundError: there is no such blob.
+    """
+    directory, _, name = url.rstrip("/").rpartition("/")
+    store = CheckpointStore(directory or ".", storage_options=storage_options)
+    m = _NAME.match(name)
+    if m is not None and m.group(3) == "ckpt":
+        try:
+            record = json.loads(store.fs.cat_file(f"{store.root}/{name[: -len('.ckpt')]}.json"))
+            ref = CheckpointRef(url, int(record["step"]), int(record["bytes"]), str(record.get("sha256", "")), record)
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            ref = None
+        if ref is not None:
+            return store.read(ref)
+    return bytes(store.fs.cat_file(f"{store.root}/{name}"))
+
+
 def _scheme(url: str) -> str:
     m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", url)
     return m.group(1).lower() if m else "file"
@@ -178,7 +202,9 @@ class CheckpointStore:
             import fsspec  # noqa: PLC0415
 
             fsspec.get_filesystem_class(self.scheme)
-            fs, root = fsspec.core.url_to_fs(self.url, **options)
+            # a fresh client, never a cached one: a cached instance keeps the endpoint and credentials of the
+            # environment it was made in (a long-lived launcher, a test with another server)
+            fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **options)
         except ImportError as exc:
             pkg, extra = EXTRAS.get(self.scheme, (None, None))
             fix = (f"pip install 'lightning-parcae[{extra}]' (or pip install {pkg})" if pkg
