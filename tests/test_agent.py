@@ -5,16 +5,22 @@ Three "machines" on loopback (one agent + one worker each) against a real etcd t
 interval admits it; once it trains, the first machine gets a preemption notice (SIGTERM to its agent, as a cloud's
 shutdown hook would send). (An earlier version added the third machine mid-run; on a loaded 2-core machine its
 start-up outlasted the 10 s job and it never joined.) The job must finish with the parameters of an uninterrupted run.
+
+The whole-job fallback without a person: agents started with ``--nodes MIN:MAX`` and no ranks agree on the roster
+through the store, and when a stage loses every replica (exit 75) they agree on one relaunch round from the
+checkpoint and go on by themselves -- with fake workers (seconds) and with the real elastic job over etcd (slow).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 
@@ -24,14 +30,91 @@ from lightning_parcae.testing.etcd_server import EtcdServer
 from lightning_parcae.runtime.store import host_store, new_token
 
 
-def test_agent_exits_2_with_a_message_if_node_rank_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
-    assert agent_main(["--store", "tcp://127.0.0.1:9", "--nodes", "2", "--", "python", "x.py"]) == 2
-    assert "--node-rank" in capsys.readouterr().err
+@pytest.mark.parametrize("nodes, rank, says", [("2", "5", "--node-rank 5 needs --nodes N"),
+                                               ("2:3", "0", "--node-rank 0 needs --nodes N"),
+                                               ("3:2", None, "MIN:MAX"), ("x", None, "MIN:MAX")])
+def test_agent_exits_2_with_a_message_if_nodes_or_node_rank_is_malformed(
+        capsys: pytest.CaptureFixture[str], nodes: str, rank: Optional[str], says: str) -> None:
+    how = ["--nodes", nodes] + (["--node-rank", rank] if rank is not None else [])
+    assert agent_main(["--store", "tcp://127.0.0.1:9", *how, "--", "python", "x.py"]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_agent_exits_2_with_the_storage_message_if_the_checkpoint_dir_is_unusable(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    token = new_token()
+    server = host_store("tcp://127.0.0.1:0", token=token)
+    monkeypatch.setenv("PARCAE_JOB_TOKEN", token)
+    assert agent_main(["--store", f"tcp://127.0.0.1:{server.port}", "--nodes", "1", "--checkpoint-dir",
+                       "zz://bucket/job", "--", "python", "x.py"]) == 2
+    assert "checkpoint directory 'zz://bucket/job'" in capsys.readouterr().err
 
 
 def test_agent_exits_2_with_a_message_if_no_command_is_given(capsys: pytest.CaptureFixture[str]) -> None:
     assert agent_main(["--store", "tcp://127.0.0.1:9", "--join"]) == 2
     assert "training command" in capsys.readouterr().err
+
+
+FAKE_WORKER = r"""
+import json, os, sys, time
+out, env = sys.argv[1], dict(os.environ)
+member = env["PARCAE_MEMBER"]
+with open(os.path.join(out, f"env_{member}.json"), "w") as f:
+    json.dump({k: env.get(k) for k in ("RANK", "WORLD_SIZE", "PARCAE_JOIN", "PARCAE_GENERATION_BASE",
+                                       "PARCAE_RESUME_CKPT", "PARCAE_RUN_DIR")}, f)
+if env.get("PARCAE_GENERATION_BASE", "0") != "0":
+    sys.exit(0)                      # the relaunch trains to the end
+if env["PARCAE_JOIN"] == "1":
+    time.sleep(120)                  # a standby waiting to be admitted (the agent must stop it)
+time.sleep(1.0)
+sys.exit(75)                         # a stage lost every replica
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_agents_without_ranks_relaunch_the_job_from_the_checkpoint_by_themselves_if_a_worker_exits_75(
+        tmp_path: Path) -> None:
+    """Two agents with ``--nodes 2`` (no ranks) and a ``--join`` one on a TCPStore; the fake workers of round 0
+    exit 75, the standby waits. The agents must agree on relaunch round 1 (generation base 1000, the shared
+    run_dir's last.ckpt), stop the standby, and all finish with 0."""
+    token = new_token()
+    server = host_store("tcp://127.0.0.1:0", token=token)
+    url = f"tcp://127.0.0.1:{server.port}"
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "last.ckpt").write_bytes(b"x")
+    worker = tmp_path / "worker.py"
+    worker.write_text(FAKE_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PARCAE_JOB_TOKEN=token, PYTHONPATH=ROOT)
+    agents = {}
+    for name, how in (("a", ["--nodes", "2"]), ("b", ["--nodes", "2"]), ("c", ["--join"])):
+        log = open(tmp_path / f"agent_{name}.txt", "wb")
+        agents[name] = subprocess.Popen(
+            [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name,
+             "--notices", "none", "--run-dir", str(tmp_path), "--settle", "0.5", *how, "--", sys.executable,
+             str(worker), str(tmp_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        codes = {n: p.wait(timeout=90) for n, p in agents.items()}
+    finally:
+        for p in agents.values():
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join(f.read_text(errors="replace")[-3000:] for f in tmp_path.glob("agent_*.txt"))
+    assert codes == {"a": 0, "b": 0, "c": 0}, logs
+    import json
+
+    envs = {f.stem[4:]: json.loads(f.read_text()) for f in tmp_path.glob("env_*.json")}
+    first = {m: e for m, e in envs.items() if "." not in m}
+    assert sorted((e["RANK"], e["WORLD_SIZE"]) for m, e in first.items() if m != "c") == [("0", "2"), ("1", "2")]
+    assert first["c"]["PARCAE_JOIN"] == "1" and first["a"]["PARCAE_GENERATION_BASE"] is None
+    again = {m: e for m, e in envs.items() if m.endswith(".1")}
+    assert sorted(again) == ["a.1", "b.1", "c.1"], logs  # every live agent took part in round 1
+    members = [e for e in again.values() if e["PARCAE_JOIN"] == "0"]
+    assert sorted(e["RANK"] for e in members) == ["0", "1"] and {e["WORLD_SIZE"] for e in members} == {"2"}
+    assert {e["PARCAE_GENERATION_BASE"] for e in again.values()} == {"1000"}
+    assert {e["PARCAE_RESUME_CKPT"] for e in members} == {str(tmp_path / "ckpt" / "last.ckpt")}
+    assert "declared relaunch round 1" in logs and "stopping this standby worker" in logs
 
 
 @pytest.mark.multiprocess
@@ -87,5 +170,83 @@ def test_agents_train_one_job_over_etcd_if_a_machine_joins_and_another_is_preemp
     ref = reference(tmp_path / "ref", args)
     finals = {f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")}
     final = merged_final(finals)
+    for k in ref:
+        assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_agents_with_nodes_min_max_relaunch_from_the_checkpoint_by_themselves_if_a_machine_holding_a_stage_dies(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    """Three agents with ``--nodes 2:3`` and no ranks over a real etcd: two form the job (D=1, P=2), the third
+    arrives after the roster and waits as a standby. The machine holding stage 1 dies (agent and worker SIGKILLed):
+    stage 1 has no live holder, the survivor's worker exits 75, and the agents -- no person, no launcher -- agree
+    on relaunch round 1 from the shared run_dir's last.ckpt (the standby's worker is stopped for it), train to the
+    end and exit 0, with the parameters of an undisturbed run; the steps after the checkpoint are redone (the
+    newest generation's records count)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    url = etcd_server.store_url("/parcae/agent-relaunch")
+    token = new_token()
+    host_store(url, token=token)
+    args = ["--max-steps", "30", "--pipeline-stages", "2", "--interval-steps", "0", "--delay", "0.25",
+            "--batch-size", "24", "--samples", "480", "--ckpt-every", "4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PARCAE_JOB_TOKEN=token, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(name: str) -> None:
+        log = open(out / f"agent_{name}.txt", "wb")
+        agents[name] = subprocess.Popen(
+            [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name,
+             "--notices", "none", "--run-dir", str(out), "--nodes", "2:3", "--settle", "1", "--", sys.executable,
+             JOB, "--out", str(out), *args],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # a "machine": its own group
+
+    def log(name: str) -> str:
+        return (out / f"agent_{name}.txt").read_text(errors="replace")
+
+    def max_step() -> int:
+        return max((json.loads(line)["step"] for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()
+                    if line.strip()), default=0)
+
+    def until(what: str, cond: Any, timeout: float = 180.0) -> None:
+        t_end = time.time() + timeout
+        while not cond():
+            assert time.time() < t_end, f"{what}: " + "\n".join(log(n)[-2000:] for n in agents)
+            time.sleep(0.1)
+
+    try:
+        start("a0")
+        start("a1")
+        until("the job never started", lambda: max_step() >= 2)
+        start("a2")  # arrives after the roster: a standby of round 0
+        until("a2 never became a standby", lambda: "round 0: a standby" in log("a2"))
+        until("no checkpoint", lambda: (out / "ckpt" / "last.ckpt").exists() and max_step() >= 10)
+        stage1 = next(n for n in ("a0", "a1") if "round 0: rank 1 of 2" in log(n))
+        os.killpg(agents[stage1].pid, signal.SIGKILL)  # the machine holding stage 1 is gone, worker and agent
+        agents[stage1].wait(timeout=30)
+        codes = {n: p.wait(timeout=300) for n, p in agents.items() if n != stage1}
+    finally:
+        for p in agents.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = "\n".join(f"--- {n}\n" + log(n)[-3000:] for n in agents)
+    survivor = "a1" if stage1 == "a0" else "a0"
+    assert codes == {survivor: 0, "a2": 0}, logs
+    assert "relaunch round 1" in log(survivor) and "round 1: rank" in log("a2"), logs
+    steps = [json.loads(line) for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()]
+    assert {r["member"] for r in steps} >= {survivor, f"{survivor}.1", "a2.1"}
+    assert max(r["step"] for r in steps) == 30
+    assert max(r["gen"] for r in steps) >= 1000  # the relaunch's generations: base 1000, no key collisions
+    check_samples_once(steps, 30, 24)
+    import torch
+
+    ref = reference(tmp_path / "ref", args)
+    finals = {f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")}
+    final = merged_final(finals)
+    assert set(final) == set(ref)
     for k in ref:
         assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k

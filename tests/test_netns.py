@@ -149,3 +149,96 @@ def test_agents_on_three_namespaced_machines_train_one_job_if_a_machine_is_preem
 
 def _logs(out: Path) -> Any:
     return "\n".join(f.read_text(errors="replace")[-1500:] for f in sorted(out.glob("agent_*.txt")))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_agents_without_ranks_relaunch_from_the_checkpoint_by_themselves_if_the_machine_holding_a_stage_goes_silent(
+        tmp_path: Path) -> None:
+    """Three namespaced machines run ``parcae agent --nodes 2:3`` (no ranks; the store in a fourth namespace).
+    Two form the job (D=1, P=2), the third arrives after the roster and waits as a standby. The machine holding
+    stage 1 goes silent (link down: no reset, its processes live on). The survivor's heartbeats declare it dead,
+    stage 1 has no live holder, and the agents relaunch by themselves from the shared run_dir's last.ckpt (round 1,
+    the standby's worker stopped for it). Both reachable agents exit 0 with the undisturbed run's parameters."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--max-steps", "30", "--pipeline-stages", "2", "--interval-steps", "0", "--delay", "0.25",
+            "--batch-size", "24", "--samples", "480", "--ckpt-every", "4", "--stall-s", "30"]
+    token = new_token()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PARCAE_JOB_TOKEN=token, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+
+    def log(name: str) -> str:
+        return (out / f"agent_{name}.txt").read_text(errors="replace")
+
+    def max_step() -> int:
+        return max((json.loads(line)["step"] for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()
+                    if line.strip()), default=0)
+
+    def until(what: str, cond: Any, timeout: float = 180.0) -> None:
+        t_end = time.time() + timeout
+        while not cond():
+            assert time.time() < t_end, f"{what}: {_logs(out)}"
+            time.sleep(0.1)
+
+    with netns.Cluster(["a0", "a1", "a2"]) as cluster:
+        url, store = cluster.host_store(token)
+
+        def start(name: str) -> None:
+            cmd = [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name,
+                   "--notices", "none", "--run-dir", str(out), "--nodes", "2:3", "--settle", "1", "--",
+                   sys.executable, JOB, "--out", str(out), *args]
+            agents[name] = cluster.popen(name, cmd, env, out / f"agent_{name}.txt")
+
+        silent = None
+        try:
+            start("a0")
+            start("a1")
+            until("the job never started", lambda: max_step() >= 2)
+            start("a2")  # after the roster: a standby of round 0
+            until("a2 never became a standby", lambda: "round 0: a standby" in log("a2"))
+            until("no checkpoint", lambda: (out / "ckpt" / "last.ckpt").exists() and max_step() >= 10)
+            silent = next(n for n in ("a0", "a1") if "round 0: rank 1 of 2" in log(n))
+            cluster.silence(silent)
+            codes = {n: p.wait(timeout=300) for n, p in agents.items() if n != silent}
+        finally:
+            for p in agents.values():
+                for pid in [*_descendants(p.pid), p.pid]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                p.wait()
+            store.kill()
+            store.wait()
+    survivor = "a1" if silent == "a0" else "a0"
+    assert codes == {survivor: 0, "a2": 0}, _logs(out)
+    assert "relaunch round 1" in log(survivor) and "round 1: rank" in log("a2"), _logs(out)
+    steps = [json.loads(line) for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()]
+    assert {r["member"] for r in steps} >= {f"{survivor}.1", "a2.1"}
+    assert max(r["step"] for r in steps) == 30 and max(r["gen"] for r in steps) >= 1000
+    check_samples_once(steps, 30, 24)
+    ref = reference(tmp_path / "ref", args)
+    final = merged_final({f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")
+                          if not f.stem[6:].startswith(silent)})
+    assert set(final) == set(ref)
+    for k in ref:
+        assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (an agent's worker), children first found by their parent ids."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        out.extend(kids)
+        frontier = kids
+    return out
