@@ -1,4 +1,4 @@
-"""The ``parcae`` command: ``simulate``, ``predict``, ``run`` and ``agent``.
+"""The ``parcae`` command: ``simulate``, ``predict``, ``run``, ``agent`` and ``store init``.
 
 Problem: a user's first questions come before any code is written -- "on a trace like mine, what would each
 policy train and cost?" (``parcae simulate``), "how predictable is my availability?" (``parcae predict``) -- and
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="parcae",
         description="Proactive, liveput-optimized training on preemptible instances (Parcae, NSDI '24).",
     )
-    sub = p.add_subparsers(dest="command", metavar="{simulate,predict,run,agent}")
+    sub = p.add_subparsers(dest="command", metavar="{simulate,predict,run,agent,store}")
     sub.required = True
     trace_help = "a trace file (events CSV, counts CSV, segment JSON lines, SkyPilot JSON) or a bundled name: p3, hh_55_65, hl_15_25, lh_80_90, ll_10_11"
 
@@ -99,11 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser(
         "agent",
         help="run this machine's worker of a multi-machine job (shared etcd/TCP store)",
-        description="One agent per machine: connect to the shared store, start the training script as an initial "
-        "member or a joining instance, forward preemption notices; see docs/cloud.md.",
+        description="One agent per machine: connect to the shared store, agree on ranks with the other agents "
+        "(--nodes MIN:MAX) or take a fixed one, start the training script, forward preemption notices, and relaunch "
+        "from the newest checkpoint when a stage is lost; see docs/cloud.md.",
         add_help=False,
     )
     a.add_argument("args", nargs=argparse.REMAINDER)
+
+    st = sub.add_parser(
+        "store",
+        help="`parcae store init`: create a job token and install its proof in a shared store (multi-machine jobs)",
+        description="parcae store init --store etcd://HOST:2379/parcae/JOB --token-file FILE; see docs/cloud.md.",
+        add_help=False,
+    )
+    st.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -204,6 +213,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args and args[0] == "run":
         ns = argparse.Namespace(args=args[1:])
         handler = _run
+    elif args[:2] == ["store", "init"]:
+        from lightning_parcae.launch.store_init import main as store_init_main
+
+        return store_init_main(args[2:])
+    elif args and args[0] == "store":
+        print("parcae store: the only sub-command is `parcae store init` (see `parcae store init --help`)",
+              file=sys.stderr)
+        return 2
     elif args and args[0] == "agent":
         from lightning_parcae.launch.agent import main as agent_main
 
