@@ -242,3 +242,94 @@ def _descendants(pid: int) -> list[int]:
         out.extend(kids)
         frontier = kids
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_agents_relaunch_from_object_storage_if_the_machine_that_wrote_the_checkpoints_goes_silent(
+        tmp_path: Path) -> None:
+    """Issue 20's failure on machines of their own: three namespaced machines run ``parcae agent --nodes 2:3
+    --checkpoint-dir s3://...``; the store and an S3 API server (moto) each sit in a namespace of their own. Two
+    machines form the job (D=1, P=2), the third waits as a standby. The machine of rank 0 -- the one that wrote
+    every checkpoint, and the only holder of stage 0 -- goes silent (link down). Nothing of the job lived on its
+    disk: the survivor and the standby agree on a relaunch from the newest complete checkpoint in the bucket and
+    finish with the undisturbed run's parameters, every step trained once."""
+    from lightning_parcae.testing.s3_server import S3Server, moto_server_binary
+
+    if moto_server_binary() is None:
+        pytest.skip("needs moto[server] (the test extra)")
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--max-steps", "30", "--pipeline-stages", "2", "--interval-steps", "0", "--delay", "0.25",
+            "--batch-size", "24", "--samples", "480", "--ckpt-every", "4", "--stall-s", "30"]
+    token = new_token()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PARCAE_JOB_TOKEN=token, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+
+    def log(name: str) -> str:
+        return (out / f"agent_{name}.txt").read_text(errors="replace")
+
+    def max_step() -> int:
+        return max((json.loads(line)["step"] for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()
+                    if line.strip()), default=0)
+
+    def until(what: str, cond: Any, timeout: float = 180.0) -> None:
+        t_end = time.time() + timeout
+        while not cond():
+            assert time.time() < t_end, f"{what}: {_logs(out)}"
+            time.sleep(0.1)
+
+    with netns.Cluster(["a0", "a1", "a2", "s3"]) as cluster:
+        url, store = cluster.host_store(token)
+        s3 = S3Server(host=cluster.addr["s3"], port=29412, netns=cluster.ns["s3"]).start()
+        env.update(s3.env())
+        make_bucket = ("import sys, time, boto3\nfor _ in range(100):\n    try:\n"
+                       "        boto3.client('s3', endpoint_url=sys.argv[1]).create_bucket(Bucket='ckpt'); break\n"
+                       "    except Exception:\n        time.sleep(0.2)\nelse:\n    sys.exit(1)\n")
+        assert subprocess.run(["ip", "netns", "exec", cluster.ns["s3"], sys.executable, "-c", make_bucket,
+                               s3.endpoint_url], env=env, timeout=60).returncode == 0
+
+        def start(name: str) -> None:
+            cmd = [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name,
+                   "--notices", "none", "--run-dir", str(out / name), "--nodes", "2:3", "--settle", "1",
+                   "--checkpoint-dir", "s3://ckpt/job", "--", sys.executable, JOB, "--out", str(out), *args]
+            (out / name).mkdir(exist_ok=True)
+            agents[name] = cluster.popen(name, cmd, env, out / f"agent_{name}.txt")
+
+        silent = None
+        try:
+            start("a0")
+            start("a1")
+            until("the job never started", lambda: max_step() >= 2)
+            start("a2")  # after the roster: a standby of round 0
+            until("a2 never became a standby", lambda: "round 0: a standby" in log("a2"))
+            until("no checkpoint step yet", lambda: max_step() >= 10)
+            silent = next(n for n in ("a0", "a1") if "round 0: rank 0 of 2" in log(n))
+            cluster.silence(silent)
+            codes = {n: p.wait(timeout=300) for n, p in agents.items() if n != silent}
+        finally:
+            for p in agents.values():
+                for pid in [*_descendants(p.pid), p.pid]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                p.wait()
+            store.kill()
+            store.wait()
+            s3.stop()
+    survivor = "a1" if silent == "a0" else "a0"
+    assert codes == {survivor: 0, "a2": 0}, _logs(out)
+    assert all("round 1: rank" in log(n) and "resuming from s3://ckpt/job/step-" in log(n) for n in (survivor, "a2")), \
+        _logs(out)
+    assert not any((out / n / "ckpt").exists() for n in ("a0", "a1", "a2")), "nothing on the instances' disks"
+    steps = [json.loads(line) for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()]
+    assert max(r["step"] for r in steps) == 30 and max(r["gen"] for r in steps) >= 1000
+    check_samples_once(steps, 30, 24)
+    ref = reference(tmp_path / "ref", args)
+    final = merged_final({f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")
+                          if not f.stem[6:].startswith(silent)})
+    assert set(final) == set(ref)
+    for k in ref:
+        assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
