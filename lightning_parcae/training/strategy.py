@@ -15,9 +15,10 @@ How a training step runs (see ``docs/strategy.md`` for the user-facing version):
    code runs on the real output. GPipe or 1F1B orders these forwards and the matching backwards.
 3. Each micro-batch loss is scaled by ``1 / (M * accumulate_grad_batches)`` before its backward, so the summed
    gradients equal the single-process gradient of the pipeline's batch.
-4. The other stages then re-run the user's step on the last stage's outputs (broadcast in the pipeline group,
-   no grad) so that ``self.log``, torchmetrics and the returned loss are identical on every rank; log calls of the
-   M micro-steps are merged into one per name (mean / sum / max / min as ``reduce_fx`` says).
+4. The last stage sends the other stages only what is small -- its ``self.log`` calls (those of the M micro-steps
+   merged into one per name, mean / sum / max / min as ``reduce_fx`` says; a logged torchmetrics object as its
+   state), the returned loss and the rest of the returned dict -- never its outputs; every stage replays the same
+   calls, so ``self.log``, torchmetrics and the returned loss are identical on every rank.
 5. Lightning's ``zero_grad`` runs between ``training_step`` and ``backward``, so the step's gradients are kept
    aside and put back in :meth:`ParcaeStrategy.backward`, which then averages every stage's gradients over the D
    replicas of that stage (skipped while Lightning accumulates). Clipping uses the norm over *all* stages. Only
