@@ -9,6 +9,7 @@ passed, so ``max_instances`` never arrived. These checks keep that from growing 
 
 - reads of another object's private attributes are allowed only in the adapter modules that wrap torch's and
   Lightning's own internals (one each), and stay few;
+- no module imports another module's private name;
 - no constructor takes its owner as an untyped ``Any``;
 - nothing under ``runtime/`` or ``planning/`` reads the environment (configuration arrives as one typed object);
 - every module has a test file of its own, or :data:`tests.test_layering.COVERED_ELSEWHERE` names where it is tested
@@ -105,3 +106,21 @@ def test_runtime_and_planning_never_read_the_environment() -> None:
 
 def test_the_environment_check_sees_one() -> None:
     assert sorted(_environment_reads(ast.parse("import os\nx = os.environ.get('A')\nfrom os import getenv\n"))) == [2, 3]
+
+
+def _private_imports(tree: ast.AST) -> list[str]:
+    return [f"{n.lineno}: from {n.module} import {a.name}" for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("lightning_parcae")
+            for a in n.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    """Regression: the coordinator and the agents' rendezvous signed records with the store's ``_encode_record``,
+    the checkpoints copied tensors with ``runtime.checkpoint._to_cpu`` -- private reads the attribute check misses."""
+    bad = [f"{rel}:{b}" for rel, tree in _sources().items() for b in _private_imports(tree)]
+    assert bad == [], "private names imported from another module (make them public there):\n" + "\n".join(bad)
+
+
+def test_the_private_import_check_sees_one() -> None:
+    assert _private_imports(ast.parse("from lightning_parcae.runtime.store import _x, y\n")) == [
+        "1: from lightning_parcae.runtime.store import _x"]

@@ -349,3 +349,15 @@ def test_etcd_store_rendezvous_three_agents_if_token_shared(etcd_server: EtcdSer
     results = sorted((json.loads(out.strip().splitlines()[-1]) for out, _ in outs), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert all(r["sum"] == 6.0 and r["members"] == [0, 1, 2] for r in results)
+
+
+def test_a_record_encoded_for_one_key_decodes_only_there_and_only_with_the_token() -> None:
+    """The signed envelope ``compare_set`` writers (coordinator, agent rendezvous) build with the public helpers."""
+    from lightning_parcae.runtime.store import TamperedRecordError, decode_record, encode_record
+
+    raw = encode_record("parcae/x", {"round": 1}, "tok")
+    assert decode_record("parcae/x", raw, "tok") == {"round": 1}
+    with pytest.raises(TamperedRecordError, match="copied from another key"):
+        decode_record("parcae/y", raw, "tok")
+    with pytest.raises(TamperedRecordError, match="without this job's token"):
+        decode_record("parcae/x", raw, "other")

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Union
 
 from lightning_parcae.errors import CoordinationError
-from lightning_parcae.runtime.store import _decode_record, _encode_record
+from lightning_parcae.runtime.store import decode_record, encode_record
 from lightning_parcae.launch.processes import initial_members
 
 __all__ = ["Rendezvous", "Roster", "Relaunch", "Seat", "RendezvousTimeout", "RendezvousCancelled", "parse_nodes", "DEAD_AFTER_S"]
@@ -209,12 +209,12 @@ class Rendezvous:
     # ------------------------------------------------------------------------------------------------ records
     def _enc(self, key: str, value: dict[str, Any]) -> bytes:
         if self.token:
-            return _encode_record(key, value, self.token)
+            return encode_record(key, value, self.token)
         return json.dumps(value, sort_keys=True).encode()
 
     def _dec(self, key: str, raw: bytes) -> dict[str, Any]:
         if self.token:
-            return _decode_record(key, raw, self.token)
+            return decode_record(key, raw, self.token)
         return json.loads(raw.decode())
 
     def _get(self, key: str) -> Optional[dict[str, Any]]:

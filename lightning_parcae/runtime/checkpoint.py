@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from lightning_parcae.errors import ConfigurationError
 
 __all__ = [
+    "to_cpu",
     "named_optimizer_state",
     "merge_named_optimizer_states",
     "load_named_optimizer_state",
@@ -36,13 +37,15 @@ __all__ = [
 ]
 
 
-def _to_cpu(x: Any) -> Any:
+def to_cpu(x: Any) -> Any:
+    """A detached CPU copy of every tensor in ``x`` (mappings, lists and tuples rebuilt): a snapshot that later
+    updates of the live tensors do not change."""
     if isinstance(x, Tensor):
         return x.detach().cpu().clone()
     if isinstance(x, Mapping):
-        return {k: _to_cpu(v) for k, v in x.items()}
+        return {k: to_cpu(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_cpu(v) for v in x)
+        return type(x)(to_cpu(v) for v in x)
     return x
 
 
@@ -63,14 +66,14 @@ def named_optimizer_state(optimizer: Optimizer, module: nn.Module) -> dict[str, 
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     for group in optimizer.param_groups:
-        g = {k: _to_cpu(v) for k, v in group.items() if k != "params"}
+        g = {k: to_cpu(v) for k, v in group.items() if k != "params"}
         g["params"] = []
         for p in group["params"]:
             if id(p) not in names:
                 raise ConfigurationError("the optimizer holds a parameter that is not part of the LightningModule")
             g["params"].append(names[id(p)])
             if p in optimizer.state and optimizer.state[p]:
-                state[names[id(p)]] = _to_cpu(dict(optimizer.state[p]))
+                state[names[id(p)]] = to_cpu(dict(optimizer.state[p]))
         groups.append(g)
     return {"state": state, "param_groups": groups}
 

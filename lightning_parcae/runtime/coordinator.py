@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_parcae.runtime.store import _decode_record, _encode_record
+from lightning_parcae.runtime.store import decode_record, encode_record
 
 __all__ = ["Coordinator", "genrec_key"]
 
@@ -59,12 +59,12 @@ class Coordinator:
     # ------------------------------------------------------------------------------------------------ records
     def _enc(self, key: str, value: dict[str, Any]) -> bytes:
         if self.token:
-            return _encode_record(key, value, self.token)
+            return encode_record(key, value, self.token)
         return json.dumps(value, sort_keys=True).encode()
 
     def _dec(self, key: str, raw: bytes) -> dict[str, Any]:
         if self.token:
-            return _decode_record(key, raw, self.token)
+            return decode_record(key, raw, self.token)
         return json.loads(raw.decode())
 
     def put(self, key: str, value: dict[str, Any]) -> None:

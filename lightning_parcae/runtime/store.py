@@ -61,6 +61,8 @@ __all__ = [
     "check_token",
     "publish",
     "read",
+    "encode_record",
+    "decode_record",
     "TokenStore",
     "WrongTokenError",
     "TamperedRecordError",
@@ -538,7 +540,13 @@ def _sign(token: str, key: str, payload: bytes) -> str:
     return hmac.new(_key_bytes(token), _RECORD_CONTEXT + key.encode() + b"\0" + payload, hashlib.sha256).hexdigest()
 
 
-def _encode_record(key: str, value: Mapping[str, Any], token: str) -> bytes:
+def encode_record(key: str, value: Mapping[str, Any], token: str) -> bytes:
+    """The signed JSON envelope of ``value`` for ``key`` (what :func:`publish` writes); for a caller that writes it
+    itself, e.g. with ``compare_set`` so that the first writer wins.
+
+    Raises:
+        TypeError: ``value`` is not a JSON-safe dict.
+    """
     if not isinstance(value, Mapping):
         raise TypeError(f"publish() takes a JSON object (dict), got {type(value).__name__}")
     try:
@@ -554,7 +562,12 @@ def _encode_record(key: str, value: Mapping[str, Any], token: str) -> bytes:
     return json.dumps(envelope, separators=(",", ":")).encode()
 
 
-def _decode_record(key: str, raw: bytes, token: str) -> dict[str, Any]:
+def decode_record(key: str, raw: bytes, token: str) -> dict[str, Any]:
+    """The value of a signed record read from ``key`` (what :func:`read` returns), checked against the job token.
+
+    Raises:
+        TamperedRecordError: written without this job's token, altered, copied from another key, or malformed.
+    """
     if len(raw) > MAX_RECORD_BYTES:
         raise TamperedRecordError(f"record {key!r} is {len(raw)} bytes, over the {MAX_RECORD_BYTES}-byte limit")
     try:
@@ -590,7 +603,7 @@ def publish(store: dist.Store, key: str, value: Mapping[str, Any], token: str) -
         TypeError: ``value`` is not a JSON-safe dict (NaN and infinities are rejected too).
     """
     check_token(store, token)
-    store.set(key, _encode_record(key, value, token))
+    store.set(key, encode_record(key, value, token))
 
 
 def read(store: dist.Store, key: str, token: str, *, timeout_s: float | None = None) -> dict[str, Any]:
@@ -625,7 +638,7 @@ def read(store: dist.Store, key: str, token: str, *, timeout_s: float | None = N
         raw = store.get(key)
     except (LookupError, RuntimeError):
         raise KeyError(key) from None
-    return _decode_record(key, bytes(raw), token)
+    return decode_record(key, bytes(raw), token)
 
 
 class TokenStore:
@@ -646,7 +659,7 @@ class TokenStore:
 
     def publish(self, key: str, value: Mapping[str, Any]) -> None:
         """Write a signed record (the token was checked at construction)."""
-        self.store.set(key, _encode_record(key, value, self._token))
+        self.store.set(key, encode_record(key, value, self._token))
 
     def read(self, key: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         """Read and verify a signed record; see :func:`read`."""

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.runtime.checkpoint_store import CheckpointStore, SaveFailed, read_url
 from lightning_parcae.runtime.checkpoint import (
-    _to_cpu,
+    to_cpu,
     atomic_save,
     gather_objects,
     layer_state,
@@ -185,7 +185,7 @@ class StrategyCheckpoints:
             if self.targets_store(filepath):
                 step = int(checkpoint.get("global_step", 0))
                 if s.elastic_runtime is not None:
-                    self._start_writer(self._save_to_store, _to_cpu(checkpoint), step)
+                    self._start_writer(self._save_to_store, to_cpu(checkpoint), step)
                 else:
                     self._save_to_store(checkpoint, step)
             elif storage_options is not None or "://" in str(filepath):
@@ -201,7 +201,7 @@ class StrategyCheckpoints:
         One write at a time: a new save first waits for the previous one, so ``last.ckpt`` is never older than the
         newest finished write and never torn (the write itself is atomic).
         """
-        self._start_writer(atomic_save, _to_cpu(checkpoint), path)  # copies: the optimizer keeps updating the tensors
+        self._start_writer(atomic_save, to_cpu(checkpoint), path)  # copies: the optimizer keeps updating the tensors
 
     def _start_writer(self, target: Any, *args: Any) -> None:
         if self.writer is not None:
