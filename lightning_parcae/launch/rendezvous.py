@@ -34,14 +34,13 @@ round's.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Union
 
 from lightning_parcae.errors import CoordinationError
-from lightning_parcae.runtime.store import decode_record, encode_record
+from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.launch.processes import initial_members
 
 __all__ = ["Rendezvous", "Roster", "Relaunch", "Seat", "RendezvousTimeout", "RendezvousCancelled", "parse_nodes", "DEAD_AFTER_S"]
@@ -200,6 +199,8 @@ class Rendezvous:
                  say: Optional[Callable[[str], None]] = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.token = token or None
+        self.records = Coordinator(store, self.token)  # type: ignore[arg-type]
+        """Signed (or, without a token, plain JSON) records of the rounds, first writer wins."""
         self.agent = agent
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.settle_s, self.timeout_s, self.poll_s, self.report_every_s = settle_s, timeout_s, poll_s, report_every_s
@@ -207,25 +208,6 @@ class Rendezvous:
         self.clock = clock
 
     # ------------------------------------------------------------------------------------------------ records
-    def _enc(self, key: str, value: dict[str, Any]) -> bytes:
-        if self.token:
-            return encode_record(key, value, self.token)
-        return json.dumps(value, sort_keys=True).encode()
-
-    def _dec(self, key: str, raw: bytes) -> dict[str, Any]:
-        if self.token:
-            return decode_record(key, raw, self.token)
-        return json.loads(raw.decode())
-
-    def _get(self, key: str) -> Optional[dict[str, Any]]:
-        if not self.store.check([key]):
-            return None
-        return self._dec(key, bytes(self.store.get(key)))
-
-    def _claim(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
-        """Write ``value`` under ``key`` unless a record is there; returns the record that is there now."""
-        return self._dec(key, bytes(self.store.compare_set(key, "", self._enc(key, value))))
-
     @staticmethod
     def key(round_: int, *parts: object) -> str:
         """Store key of round ``round_`` (``parcae/agents/round/<k>/<parts...>``)."""
@@ -234,12 +216,12 @@ class Rendezvous:
     # ------------------------------------------------------------------------------------------------ rounds
     def relaunch(self, round_: int) -> Optional[Relaunch]:
         """Round ``round_``'s declaration (None if it was not declared; round 0 never is)."""
-        rec = self._get(self.key(round_, "open")) if round_ >= 1 else None
+        rec = self.records.get(self.key(round_, "open")) if round_ >= 1 else None
         return Relaunch.from_record(rec) if rec is not None else None
 
     def declare(self, proposal: Relaunch) -> Relaunch:
         """Propose ``proposal`` as its round's relaunch; the first declaration wins and is returned to everyone."""
-        return Relaunch.from_record(self._claim(self.key(proposal.round, "open"), proposal.record()))
+        return Relaunch.from_record(self.records.claim(self.key(proposal.round, "open"), proposal.record()))
 
     def newest_round(self) -> int:
         """The newest declared round (0 when no relaunch was ever declared)."""
@@ -250,12 +232,12 @@ class Rendezvous:
 
     def roster(self, round_: int) -> Optional[Roster]:
         """Round ``round_``'s roster (None while it is forming)."""
-        rec = self._get(self.key(round_, "roster"))
+        rec = self.records.get(self.key(round_, "roster"))
         return Roster.from_record(rec) if rec is not None else None
 
     def publish_bounds(self) -> tuple[int, int]:
         """Record this agent's MIN:MAX as the job's unless another agent's is there; the job's MIN:MAX."""
-        rec = self._claim(_JOB_KEY, {"min": self.min_nodes, "max": self.max_nodes})
+        rec = self.records.claim(_JOB_KEY, {"min": self.min_nodes, "max": self.max_nodes})
         return int(rec["min"]), int(rec["max"])
 
     def bounds(self, round_: int) -> tuple[int, int, Optional[str]]:
@@ -264,7 +246,7 @@ class Rendezvous:
         rel = self.relaunch(round_)
         if rel is not None:
             return rel.min_nodes, rel.max_nodes, rel.checkpoint
-        job = self._get(_JOB_KEY)
+        job = self.records.get(_JOB_KEY)
         if job is None:
             return self.min_nodes, self.max_nodes, None
         return int(job["min"]), int(job["max"]), None
@@ -287,8 +269,7 @@ class Rendezvous:
         if existing is not None:  # too late for this round: a standby of it
             return Seat(round_, existing, existing.rank_of(self.agent))
         slot = int(self.store.add(self.key(round_, "count"), 1)) - 1
-        self.store.set(self.key(round_, "arrival", slot), self._enc(self.key(round_, "arrival", slot),
-                                                                    {"agent": self.agent, "slot": slot}))
+        self.records.put(self.key(round_, "arrival", slot), {"agent": self.agent, "slot": slot})
         watch = _BeatWatch(self.clock)
         start = last_report = self.clock()
         enough_since: Optional[float] = None
@@ -313,7 +294,7 @@ class Rendezvous:
                     members = members[:max(initial_members(len(members), "auto")[0], min(lo, len(members)))]
                     if len(members) >= lo:
                         proposal = Roster(round_, tuple(members), checkpoint, written_by=self.agent)
-                        won = Roster.from_record(self._claim(self.key(round_, "roster"), proposal.record()))
+                        won = Roster.from_record(self.records.claim(self.key(round_, "roster"), proposal.record()))
                         return Seat(round_, won, won.rank_of(self.agent))
             else:
                 enough_since = None
@@ -340,7 +321,7 @@ class Rendezvous:
             deadline = self.clock() + _ARRIVAL_WAIT_S
             while not self.store.check([key]) and self.clock() < deadline:
                 time.sleep(0.05)
-            rec = self._get(key)
+            rec = self.records.get(key)
             if rec is not None and rec.get("agent") not in members:
                 members.append(str(rec["agent"]))
         return members[:hi]

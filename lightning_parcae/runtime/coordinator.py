@@ -84,16 +84,18 @@ class Coordinator:
             return None
         return self._dec(key, bytes(self.store.get(key)))
 
+    def claim(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
+        """Write ``value`` under ``key`` unless a record is there (``compare_set``: the first writer wins); returns
+        the record that is there now, to every caller alike."""
+        return self._dec(key, bytes(self.store.compare_set(key, "", self._enc(key, value))))
+
     # ------------------------------------------------------------------------------------------------ generations
     def propose(self, record: dict[str, Any]) -> dict[str, Any]:
         """Propose ``record`` as generation ``record["generation"]``; returns the record that won.
 
         The first proposal for a generation wins (``compare_set``); later ones get the winner back.
         """
-        key = genrec_key(int(record["generation"]))
-        raw = self._enc(key, record)
-        won = bytes(self.store.compare_set(key, "", raw))
-        return self._dec(key, won)
+        return self.claim(genrec_key(int(record["generation"])), record)
 
     def generation(self, g: int, timeout_s: Optional[float] = 0.0) -> Optional[dict[str, Any]]:
         """Generation ``g``'s record (None if absent)."""
