@@ -216,21 +216,11 @@ class Agent:
 
     def _resume_checkpoint(self) -> tuple[Optional[str], Optional[int]]:
         """What a relaunch declared now resumes from: (path or URL, step when known), or (None, None)."""
-        args = self.args
-        if args.checkpoint_dir:
-            from lightning_parcae.runtime.checkpoint_store import CheckpointStore  # noqa: PLC0415
+        from lightning_parcae.runtime.checkpoint_store import resume_point  # noqa: PLC0415
 
-            try:
-                ref = CheckpointStore(args.checkpoint_dir).latest()
-            except Exception as exc:  # noqa: BLE001 -- a storage outage must not stop the relaunch
-                self.say(f"could not list checkpoints in {args.checkpoint_dir} ({exc}); relaunching without one")
-                return None, None
-            return (ref.url, ref.step) if ref is not None else (None, None)
-        if args.run_dir:
-            path = os.path.join(os.path.abspath(args.run_dir), "ckpt", "last.ckpt")
-            if os.path.isfile(path):
-                return path, None
-        return None, None
+        args = self.args
+        legacy = os.path.join(os.path.abspath(args.run_dir), "ckpt", "last.ckpt") if args.run_dir else None
+        return resume_point(args.checkpoint_dir, legacy, self.say)
 
     def _relaunch_round(self, rdv: Rendezvous, k: int, why: str) -> int:
         """The relaunch round after round ``k``: the declared one, or one this agent declares now."""
@@ -277,10 +267,9 @@ class Agent:
         checkpoint when a stage is lost; returns the exit status."""
         args = self.args
         store = self._connect()  # fail fast: unreachable store, wrong token
-        if args.checkpoint_dir:
-            from lightning_parcae.runtime.checkpoint_store import CheckpointStore  # noqa: PLC0415
+        from lightning_parcae.runtime.checkpoint_store import checked_location  # noqa: PLC0415
 
-            CheckpointStore(args.checkpoint_dir).check()  # CheckpointStorageError: exit 2 with its message
+        args.checkpoint_dir = checked_location(args.checkpoint_dir)  # CheckpointStorageError: exit 2, its message
         signal.signal(signal.SIGTERM, lambda s, f: self._notice("SIGTERM to the agent"))
         watcher = self._watch_notices()
         rdv = self._rendezvous(store)

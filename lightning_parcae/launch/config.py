@@ -70,14 +70,6 @@ class RunConfig:
         """What a relaunch resumes from: (path or URL, its step -- None when only the event log knows it), or
         (None, None) for a fresh start. With ``--checkpoint-dir`` the newest complete checkpoint there, whoever
         wrote it; a store that cannot be listed now is reported and treated as empty."""
-        if self.checkpoint_dir is None:
-            return (self.checkpoint, None) if self.checkpoint.exists() else (None, None)
-        from lightning_parcae.runtime.checkpoint_store import CheckpointStore  # noqa: PLC0415
+        from lightning_parcae.runtime.checkpoint_store import resume_point  # noqa: PLC0415
 
-        try:
-            ref = CheckpointStore(self.checkpoint_dir).latest()
-        except Exception as exc:  # noqa: BLE001 -- a storage outage must not kill the launcher
-            print(f"[parcae run] could not list checkpoints in {self.checkpoint_dir} ({exc}); relaunching without "
-                  "one", flush=True)
-            return None, None
-        return (ref.url, ref.step) if ref is not None else (None, None)
+        return resume_point(self.checkpoint_dir, self.checkpoint, lambda m: print(f"[parcae run] {m}", flush=True))

@@ -71,6 +71,7 @@ from lightning_parcae.launch.relaunch import Relaunch
 from lightning_parcae.launch.state import Phase, RunState, WorkerReports
 from lightning_parcae.events import append_event
 from lightning_parcae.errors import ConfigurationError, CoordinationError, ParcaeError
+from lightning_parcae.runtime.checkpoint_store import checked_location
 from lightning_parcae.signals.traces import scale_counts
 
 __all__ = ["build_parser", "main", "RunConfig", "RunFailed", "Launcher", "host_capacity", "scale_counts",
@@ -211,29 +212,13 @@ def _config(argv: Sequence[str]) -> RunConfig:
         startup_timeout_s=ns.startup_timeout, progress_every_s=ns.progress_every, plot=not ns.no_plot,
         mode=ns.mode, max_restarts=ns.max_restarts, stall_timeout_s=ns.stall_timeout,
         emulated_devices=ns.emulated_devices, victims=ns.victims, seed=ns.seed,
-        checkpoint_dir=checked_checkpoint_dir(ns.checkpoint_dir),
+        checkpoint_dir=checked_location(ns.checkpoint_dir),
     )
     if ns.trace is not None:
         cfg.trace_counts, cfg.schedule = _load_schedule(ns.trace, ns.interval, max_inst)
         if not any(cfg.schedule):
             raise ConfigurationError(f"trace {ns.trace!r} never has any instance: nothing to run")
     return cfg
-
-
-def checked_checkpoint_dir(url: Optional[str]) -> Optional[str]:
-    """``--checkpoint-dir``, proven writable before any worker starts (None stays None: the legacy local file).
-
-    Raises:
-        CheckpointStorageError: the location cannot be used (no backend for the scheme, no credentials, no such
-            bucket, unwritable, no answer); the message says how to fix it.
-    """
-    if url is None:
-        return None
-    from lightning_parcae.runtime.checkpoint_store import CheckpointStore  # noqa: PLC0415
-
-    store = CheckpointStore(url)
-    store.check()
-    return store.url
 
 
 def _load_schedule(name: str, interval_s: float, cap: int) -> tuple[list[int], list[int]]:

@@ -38,11 +38,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, Optional, TypeVar
+from typing import IO, Any, Callable, Mapping, Optional, TypeVar, Union
 
 from lightning_parcae.errors import CheckpointStorageError
 
-__all__ = ["CheckpointRef", "CheckpointStore", "EXTRAS", "SaveFailed", "read_url"]
+__all__ = ["CheckpointRef", "CheckpointStore", "EXTRAS", "SaveFailed", "read_url", "checked_location", "resume_point"]
 
 EXTRAS: dict[str, tuple[str, str]] = {
     "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
@@ -124,6 +124,37 @@ def _bounded(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def checked_location(url: Optional[str]) -> Optional[str]:
+    """``--checkpoint-dir`` proven writable before any worker starts, as its store names it (None stays None: the
+    legacy local file).
+
+    Raises:
+        CheckpointStorageError: the location cannot be used (no backend for the scheme, no credentials, no such
+            bucket, unwritable, no answer); the message says how to fix it.
+    """
+    if url is None:
+        return None
+    store = CheckpointStore(url)
+    store.check()
+    return store.url
+
+
+def resume_point(checkpoint_dir: Optional[str], legacy: Union[str, os.PathLike[str], None],
+                 say: Callable[[str], None]) -> tuple[Any, Optional[int]]:
+    """What a relaunch resumes from: (path or URL, its step -- None when only the event log knows it), or
+    (None, None) for a fresh start. With ``checkpoint_dir`` the newest complete checkpoint there, whoever wrote it
+    (a store that cannot be listed now is reported through ``say`` and treated as empty); without one ``legacy``
+    (``run_dir/ckpt/last.ckpt``) when that file exists."""
+    if checkpoint_dir is None:
+        return (legacy, None) if legacy is not None and os.path.isfile(legacy) else (None, None)
+    try:
+        ref = CheckpointStore(checkpoint_dir).latest()
+    except Exception as exc:  # noqa: BLE001 -- a storage outage must not stop the relaunch
+        say(f"could not list checkpoints in {checkpoint_dir} ({exc}); relaunching without one")
+        return None, None
+    return (ref.url, ref.step) if ref is not None else (None, None)
 
 
 def read_url(url: str, *, storage_options: Optional[Mapping[str, Any]] = None) -> bytes:
