@@ -10,9 +10,11 @@ each exit status.
 :func:`worker_contract` builds a worker's ``PARCAE_*`` variables from these names -- the one builder used by ``parcae
 run``'s two modes and by ``parcae agent`` (it was assembled three times, in three modules).
 
-Store keys and notice records stay with their owners (:mod:`lightning_parcae.runtime.store`,
-:mod:`lightning_parcae.runtime.coordinator`, :mod:`lightning_parcae.signals.notices`): only one module writes and
-reads each of them.
+Store keys and records stay with their owners (:mod:`lightning_parcae.runtime.store`,
+:mod:`lightning_parcae.runtime.coordinator`, :mod:`lightning_parcae.runtime.liveness`): only one module encodes and
+decodes each of them. A preemption notice in the store is built by
+:func:`~lightning_parcae.runtime.liveness.notice_record` and signed with the job token like every other record,
+whether the launcher (``parcae run``) or an agent (``parcae agent``) writes it; the worker refuses one that is not.
 """
 
 from __future__ import annotations

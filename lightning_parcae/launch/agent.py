@@ -28,7 +28,6 @@ saying so, up to ``--rendezvous-timeout`` (then exit 2).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -158,17 +157,11 @@ class Agent:
             return
         self.noticed = True
         self.say(f"preemption notice ({why}); handing over")
-        try:
-            from lightning_parcae.runtime.liveness import notice_key  # noqa: PLC0415
-            from lightning_parcae.runtime.store import publish  # noqa: PLC0415
+        try:  # the one notice format (runtime.liveness): signed with the job token, as the launcher's
+            from lightning_parcae.runtime.liveness import notice_record, write_notice  # noqa: PLC0415
 
-            key, rec = notice_key(self.worker_member), {"member": self.worker_member, "kind": "preempt",
-                                                        "source": "agent", "why": why, "time": time.time()}
-            store = self._connect()
-            if self.token:  # signed, in the launcher's format (launch/fleet.py)
-                publish(store, key, rec, self.token)
-            else:
-                store.set(key, json.dumps(rec))
+            rec = notice_record(self.worker_member, source="agent", why=why)
+            write_notice(self._connect(), self.worker_member, rec, self.token)
         except Exception as exc:  # noqa: BLE001 -- the SIGTERM below still reaches the worker
             self.say(f"could not write the notice to the store: {exc}")
         if self.proc is not None and self.proc.poll() is None:

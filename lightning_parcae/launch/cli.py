@@ -1,4 +1,4 @@
-"""The ``parcae`` command: ``simulate``, ``predict``, ``run``, ``agent`` and ``store init``.
+"""The ``parcae`` command: ``simulate``, ``predict``, ``run``, ``agent`` and ``store start|init|status``.
 
 Problem: a user's first questions come before any code is written -- "on a trace like mine, what would each
 policy train and cost?" (``parcae simulate``), "how predictable is my availability?" (``parcae predict``) -- and
@@ -108,8 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser(
         "store",
-        help="`parcae store init`: create a job token and install its proof in a shared store (multi-machine jobs)",
-        description="parcae store init --store etcd://HOST:2379/parcae/JOB --token-file FILE; see docs/cloud.md.",
+        help="the shared store of a multi-machine job: `parcae store start` (etcd + job token + proof), "
+        "`parcae store init` (token and proof for an existing store), `parcae store status`",
+        description="parcae store start [--listen HOST:PORT] [--data-dir D] [--token-file F] | parcae store init "
+        "--store etcd://HOST:2379/parcae/JOB --token-file F | parcae store status --store URL [--token-file F]; "
+        "see docs/cloud.md.",
         add_help=False,
     )
     st.add_argument("args", nargs=argparse.REMAINDER)
@@ -217,10 +220,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from lightning_parcae.launch.store_init import main as store_init_main
 
         return store_init_main(args[2:])
+    elif args[:2] == ["store", "start"]:
+        from lightning_parcae.launch.store_start import start_main
+
+        return start_main(args[2:])
+    elif args[:2] == ["store", "status"]:
+        from lightning_parcae.launch.store_start import status_main
+
+        return status_main(args[2:])
     elif args and args[0] == "store":
-        print("parcae store: the only sub-command is `parcae store init` (see `parcae store init --help`)",
-              file=sys.stderr)
-        return 2
+        asked = args[1:2] in (["-h"], ["--help"])
+        print("parcae store: choose a sub-command: `parcae store start` (run etcd with the token and its proof), "
+              "`parcae store init` (a token for an existing store) or `parcae store status` (what the store holds); "
+              "each has --help", file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     elif args and args[0] == "agent":
         from lightning_parcae.launch.agent import main as agent_main
 

@@ -182,7 +182,7 @@ class Fleet:
 
     def notice(self, w: Worker) -> str:
         """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it is a waiting standby."""
-        from lightning_parcae.runtime.liveness import notice_key  # noqa: PLC0415
+        from lightning_parcae.runtime.liveness import notice_key, notice_record  # noqa: PLC0415
 
         now = time.time()
         if self.reports.waiting(w) or self.state.fallback is not None and w.joiner:
@@ -191,8 +191,8 @@ class Fleet:
             return "standby stopped"
         w.noticed_at, w.deadline = now, now + self.cfg.wall_grace_s
         try:
-            self.store.publish(notice_key(w.member), {"member": w.member, "kind": "preempt", "source": "replay",
-                                                      "deadline": w.deadline})
+            # the one notice format (runtime.liveness), signed with the job token by the store's encode_record
+            self.store.publish(notice_key(w.member), notice_record(w.member, source="replay", deadline=w.deadline))
         except Exception as exc:  # noqa: BLE001 -- a store hiccup must not stop the notice itself
             self.events("store_error", error=str(exc))
         if w.member in self.reports.phases:  # its handler is installed: SIGTERM is a notice, not a kill

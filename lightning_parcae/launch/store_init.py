@@ -16,12 +16,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning_parcae.contract import JOB_TOKEN_ENV
 from lightning_parcae.errors import ConfigurationError, ParcaeError
 
-__all__ = ["build_parser", "main", "init_store"]
+__all__ = ["build_parser", "main", "init_store", "install_proof", "read_token_file", "write_token_file",
+           "multi_machine_spec"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,82 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def multi_machine_spec(store_url: str) -> Any:
+    """The parsed ``store_url`` (a :class:`~lightning_parcae.runtime.store.StoreSpec`), if other machines can share it.
+
+    Raises:
+        ConfigurationError: Not ``etcd://HOST:PORT/PREFIX`` or ``tcp://HOST:PORT`` with a real port.
+    """
+    from lightning_parcae.runtime.store import parse_store_url  # noqa: PLC0415
+
+    spec = parse_store_url(store_url)
+    if spec.scheme not in ("etcd", "tcp") or (spec.scheme == "tcp" and not spec.port):
+        raise ConfigurationError(f"--store {store_url!r}: a multi-machine job needs etcd://HOST:PORT/PREFIX or an "
+                                 "existing tcp://HOST:PORT that outlives this command")
+    return spec
+
+
+def read_token_file(token_file: str) -> str:
+    """The token kept in ``token_file`` (surrounding white space removed).
+
+    Raises:
+        ConfigurationError: It cannot be read, or is empty.
+    """
+    try:
+        token = Path(token_file).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigurationError(f"--token-file {token_file!r} cannot be read: {exc}") from None
+    if not token:
+        raise ConfigurationError(f"--token-file {token_file!r} is empty: remove it to have a new token created")
+    return token
+
+
+def write_token_file(token_file: str, token: str) -> None:
+    """Create ``token_file`` (mode 0600, only its owner can read it) holding ``token``; never replaces a file.
+
+    Raises:
+        ConfigurationError: It exists already or cannot be created.
+    """
+    try:
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ConfigurationError(f"--token-file {token_file!r} exists: remove it, or pass --reuse-token-file to "
+                                 "install the token it holds") from None
+    except OSError as exc:
+        raise ConfigurationError(f"--token-file {token_file!r} cannot be created: {exc}") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(token + "\n")
+
+
+def install_proof(store_url: str, token: str, *, timeout_s: float = 10.0) -> str:
+    """Install the proof of ``token`` in the store at ``store_url``; a proof of the same token already there is
+    kept (installing twice -- e.g. a restarted ``parcae store start`` -- is no error).
+
+    Returns:
+        The store's URL in normal form (what the agents are given).
+
+    Raises:
+        ConfigurationError: Not a store other machines can share (:func:`multi_machine_spec`).
+        CoordinationError: The store cannot be reached within ``timeout_s``.
+        WrongTokenError: The store holds the proof of another token.
+    """
+    from lightning_parcae.runtime.store import WrongTokenError, connect_store, install_token  # noqa: PLC0415
+
+    spec = multi_machine_spec(store_url)
+    try:
+        store = connect_store(spec, token=None, timeout_s=timeout_s, op_timeout_s=30.0)
+    except WrongTokenError:  # a proof is there: this token's (installed before) or another job's
+        try:
+            connect_store(spec, token=token, timeout_s=timeout_s, op_timeout_s=30.0)
+        except WrongTokenError as exc:
+            raise WrongTokenError(
+                f"{spec.url} already holds the proof of another job's token ({exc}); use that job's token file, "
+                "or a fresh etcd prefix (or data directory) for a new job") from None
+        return spec.url
+    install_token(store, token)
+    return spec.url
+
+
 def init_store(store_url: str, token_file: str, *, reuse: bool = False, timeout_s: float = 10.0) -> str:
     """Install a token's proof in the store at ``store_url`` and keep the token in ``token_file``.
 
@@ -55,35 +132,20 @@ def init_store(store_url: str, token_file: str, *, reuse: bool = False, timeout_
             the URL is not a store another machine can reach (``file://``).
         CoordinationError: the store cannot be reached, or it holds another job's proof.
     """
-    from lightning_parcae.runtime.store import connect_store, install_token, new_token, parse_store_url  # noqa: PLC0415
+    from lightning_parcae.runtime.store import new_token  # noqa: PLC0415
 
-    spec = parse_store_url(store_url)
-    if spec.scheme not in ("etcd", "tcp") or (spec.scheme == "tcp" and not spec.port):
-        raise ConfigurationError(f"--store {store_url!r}: a multi-machine job needs etcd://HOST:PORT/PREFIX or an "
-                                 "existing tcp://HOST:PORT that outlives this command")
-    path = Path(token_file)
+    multi_machine_spec(store_url)
     if reuse:
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigurationError(f"--token-file {token_file!r} cannot be read: {exc}") from None
-        if not token:
-            raise ConfigurationError(f"--token-file {token_file!r} is empty")
+        token = read_token_file(token_file)
     else:
-        if path.exists():
+        if Path(token_file).exists():
             raise ConfigurationError(f"--token-file {token_file!r} exists: remove it, or pass --reuse-token-file to "
                                      "install the token it holds")
         token = os.environ.get(JOB_TOKEN_ENV) or new_token()
-    store = connect_store(spec, token=None, timeout_s=timeout_s, op_timeout_s=30.0)
-    install_token(store, token)
+    url = install_proof(store_url, token, timeout_s=timeout_s)
     if not reuse:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise ConfigurationError(f"--token-file {token_file!r} cannot be created: {exc}") from None
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(token + "\n")
-    return spec.url
+        write_token_file(token_file, token)
+    return url
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -201,7 +201,7 @@ class ElasticRuntime:
         url, token = self.config.store_url, self.config.token
         store = connect_store(url, token=token, timeout_s=30.0)
         live = Liveness(lambda: connect_store(url, token=token, timeout_s=30.0), self.member,
-                        interval_s=self.config.heartbeat_s, dead_after_s=self.config.dead_after_s)
+                        interval_s=self.config.heartbeat_s, dead_after_s=self.config.dead_after_s, token=token)
         self.attach(store, Coordinator(store, token), live)
         self.install_signal_handler()
         return store

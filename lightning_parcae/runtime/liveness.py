@@ -21,7 +21,12 @@ Solution:
   the caller must not reuse them, and the work object is parked (:meth:`Liveness.park`) so that dropping it never
   blocks.
 * The same thread reads ``parcae/notice/<member>`` (a preemption notice written by a launcher or agent) and sets
-  :attr:`Liveness.noticed`; SIGTERM does the same through the strategy's signal handler.
+  :attr:`Liveness.noticed`; SIGTERM does the same through the strategy's signal handler. A notice is a record of
+  this module's one format (:func:`notice_record`, :func:`write_notice`), signed with the job token like every
+  other record of the job; one that fails verification (written without the token -- e.g. the raw JSON that
+  ``parcae agent`` once wrote -- altered, or copied from another member's key) is refused: logged once as a
+  warning that names the key, and ignored. Without a job token (an open store) notices are plain JSON, as every
+  record of such a job is.
 
 Without an active :class:`Liveness` (static jobs), :func:`guarded_wait` is a plain ``work.wait()``.
 """
@@ -41,8 +46,10 @@ import torch.distributed as dist
 
 from lightning_parcae.errors import PeerLostError
 from lightning_parcae.runtime import steptime
+from lightning_parcae.runtime.store import TamperedRecordError, decode_record, encode_record
 
-__all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key"]
+__all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key",
+           "notice_record", "encode_notice", "decode_notice", "write_notice", "read_notice"]
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +65,82 @@ def abort_key(generation: int) -> str:
 
 
 def notice_key(member: str) -> str:
-    """Store key of a preemption notice for ``member`` (written by a launcher/agent; value: JSON)."""
+    """Store key of a preemption notice for ``member`` (written by a launcher/agent: :func:`write_notice`)."""
     return f"parcae/notice/{member}"
+
+
+NOTICE_KINDS = ("preempt", "rebalance", "terminate")
+"""The kinds a notice record may have (those of :class:`lightning_parcae.signals.notices.Notice`)."""
+
+
+def notice_record(member: str, *, source: str, kind: str = "preempt", deadline: Optional[float] = None,
+                  why: str = "") -> dict[str, Any]:
+    """The one notice record every writer (``parcae run``'s fleet, ``parcae agent``) builds.
+
+    Args:
+        member: The member the notice is about (the worker's member id).
+        source: Who noticed: ``replay`` (the launcher's trace), ``agent``, ...
+        kind: One of :data:`NOTICE_KINDS`.
+        deadline: When the instance is expected gone (``time.time()`` base), if known.
+        why: Free text for logs.
+
+    Raises:
+        ValueError: An unknown ``kind``.
+    """
+    if kind not in NOTICE_KINDS:
+        raise ValueError(f"notice kind {kind!r}: expected one of {', '.join(NOTICE_KINDS)}")
+    rec: dict[str, Any] = {"member": member, "kind": kind, "source": source, "time": time.time()}
+    if deadline is not None:
+        rec["deadline"] = float(deadline)
+    if why:
+        rec["why"] = why
+    return rec
+
+
+def encode_notice(member: str, record: dict[str, Any], token: Optional[str]) -> bytes:
+    """The bytes of ``member``'s notice: signed with the job token for :func:`notice_key` (the store's
+    :func:`~lightning_parcae.runtime.store.encode_record`), or plain JSON in an open store (no token)."""
+    if token:
+        return encode_record(notice_key(member), record, token)
+    return json.dumps(record, sort_keys=True).encode()
+
+
+def decode_notice(member: str, raw: bytes, token: Optional[str]) -> dict[str, Any]:
+    """The record of ``member``'s notice read as ``raw``, verified with the job token.
+
+    Raises:
+        TamperedRecordError: With a token: not signed with it for ``member``'s key (unsigned, forged, altered, or
+            copied from another member's key). Always: not a notice record (no JSON object, unknown kind, another
+            member's id).
+    """
+    key = notice_key(member)
+    if token:
+        rec = decode_record(key, raw, token)
+    else:
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise TamperedRecordError(f"notice {key!r} is not a JSON record") from None
+    if not isinstance(rec, dict) or rec.get("kind") not in NOTICE_KINDS or rec.get("member", member) != member:
+        raise TamperedRecordError(f"notice {key!r} is not a notice record for {member!r}: {str(rec)[:200]}")
+    return rec
+
+
+def write_notice(store: dist.Store, member: str, record: dict[str, Any], token: Optional[str]) -> None:
+    """Write ``member``'s notice (:func:`encode_notice`); the member's heartbeat thread picks it up."""
+    store.set(notice_key(member), encode_notice(member, record, token))
+
+
+def read_notice(store: dist.Store, member: str, token: Optional[str]) -> Optional[dict[str, Any]]:
+    """``member``'s notice, or None when there is none.
+
+    Raises:
+        TamperedRecordError: A notice is there but fails :func:`decode_notice`.
+    """
+    key = notice_key(member)
+    if not store.check([key]):
+        return None
+    return decode_notice(member, bytes(store.get(key)), token)
 
 
 class Liveness:
@@ -72,6 +153,7 @@ class Liveness:
         interval_s: Heartbeat period.
         dead_after_s: A watched member whose heartbeat has not changed for this long is declared dead.
         poll_s: Slice length of :meth:`wait`.
+        token: The job token: a notice is accepted only when signed with it (None: an open store, plain JSON).
     """
 
     def __init__(
@@ -82,9 +164,13 @@ class Liveness:
         interval_s: float = 0.2,
         dead_after_s: float = 3.0,
         poll_s: float = 0.02,
+        token: Optional[str] = None,
     ) -> None:
         self.store_factory = store_factory
         self.member = member
+        self._token = token or None
+        self._refused_notice: Optional[bytes] = None
+        """The notice bytes last refused (warned about once, not at every beat)."""
         self.interval_s = interval_s
         self.dead_after_s = dead_after_s
         self.poll_s = poll_s
@@ -289,7 +375,8 @@ class Liveness:
                             self.reason = reason
                             self.aborted.set()
                 if not self.noticed.is_set() and store.check([notice_key(self.member)]):
-                    self.noticed.set()
+                    if self._notice_valid(bytes(store.get(notice_key(self.member)))):
+                        self.noticed.set()
                 raws = {m: bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else b"" for m in watch}
                 now = time.monotonic()  # after the reads: a store that stalled them is blind time, not silence
                 dead: list[tuple[str, float]] = []
@@ -306,6 +393,19 @@ class Liveness:
                         self.abort(f"{m} missed heartbeats for {silent:.1f} s (declared dead by {self.member})", g)
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
                 log.warning("heartbeat of %s: %s", self.member, exc)
+
+
+    def _notice_valid(self, raw: bytes) -> bool:
+        """Whether ``raw`` (this member's notice key) is a valid notice; a refused one is logged once."""
+        if raw == self._refused_notice:
+            return False
+        try:
+            decode_notice(self.member, raw, self._token)
+            return True
+        except TamperedRecordError as exc:
+            self._refused_notice = raw
+            log.warning("ignoring the notice under %s for %s: %s", notice_key(self.member), self.member, exc)
+            return False
 
 
 class SilenceClock:

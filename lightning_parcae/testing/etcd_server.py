@@ -3,8 +3,9 @@
 Problem: the etcd coordination store needs a running etcd, and starting one by hand is fiddly: it must listen on
 loopback only, serve the v2 API that ``torch.distributed.elastic``'s ``EtcdStore`` speaks (``--enable-v2=true`` on
 etcd 3.4), pick ports that are free, be *healthy* before anyone connects, and be stopped and cleaned up even when a
-test fails. :class:`EtcdServer` does exactly that with the Debian ``etcd`` binary (package ``etcd-server``); it is
-not meant to run a production etcd cluster across machines (see ``docs/cloud.md``).
+test fails. :class:`EtcdServer` does exactly that with the Debian ``etcd`` binary (package ``etcd-server``). It is
+also the single-member etcd that ``parcae store start`` runs for a job (``host``: the address clients reach it on,
+given explicitly); it is not a replicated etcd cluster (see ``docs/cloud.md``).
 
 Example::
 
@@ -45,6 +46,11 @@ def etcd_binary(binary: str = "etcd") -> str | None:
     return shutil.which(binary)
 
 
+def _bracket(host: str) -> str:
+    """``host`` as it goes into a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -52,7 +58,7 @@ def _free_port() -> int:
 
 
 class EtcdServer:
-    """A single-member etcd server on 127.0.0.1, with the v2 API enabled, as a context manager.
+    """A single-member etcd server (on 127.0.0.1 unless told otherwise), with the v2 API enabled, as a context manager.
 
     Args:
         data_dir: Where etcd keeps its data. ``None`` creates a temporary folder that is removed on :meth:`stop`;
@@ -62,6 +68,10 @@ class EtcdServer:
         binary: Name or path of the etcd executable.
         startup_timeout_s: How long to wait for ``/health`` to report healthy.
         name: Member name.
+        host: The address the client port listens on (loopback by default; any other must be asked for). The peer
+            port always listens on loopback: a single member has no peers.
+        advertise_host: The address clients are told to use (:attr:`url`, :meth:`store_url`); default ``host``.
+            Needed when ``host`` is a wildcard such as ``0.0.0.0``.
 
     Raises:
         EtcdBinaryMissingError: On :meth:`start`, when the binary is not installed.
@@ -78,6 +88,8 @@ class EtcdServer:
         binary: str = "etcd",
         startup_timeout_s: float = 20.0,
         name: str = "parcae-etcd",
+        host: str = "127.0.0.1",
+        advertise_host: str | None = None,
     ) -> None:
         self._requested_data_dir = Path(data_dir) if data_dir is not None else None
         self._requested_client_port = client_port
@@ -88,7 +100,8 @@ class EtcdServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp_dir: Path | None = None
         self._log_path: Path | None = None
-        self.host = "127.0.0.1"
+        self._listen_host = host
+        self.host = advertise_host or host
         self.client_port = 0
         self.peer_port = 0
 
@@ -96,11 +109,20 @@ class EtcdServer:
     @property
     def url(self) -> str:
         """The client URL, e.g. ``http://127.0.0.1:40123``."""
-        return f"http://{self.host}:{self.client_port}"
+        return f"http://{_bracket(self.host)}:{self.client_port}"
 
     def store_url(self, prefix: str = "/parcae") -> str:
         """The ``etcd://`` store URL for :func:`lightning_parcae.runtime.store.parse_store_url` under ``prefix``."""
-        return f"etcd://{self.host}:{self.client_port}/{prefix.strip('/')}"
+        return f"etcd://{_bracket(self.host)}:{self.client_port}/{prefix.strip('/')}"
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """Wait up to ``timeout_s`` (None: forever) for etcd to exit; its exit status, or None while it runs."""
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     @property
     def running(self) -> bool:
@@ -125,13 +147,12 @@ class EtcdServer:
         self.client_port = self._requested_client_port or _free_port()
         self.peer_port = self._requested_peer_port or _free_port()
         peer = f"http://127.0.0.1:{self.peer_port}"
-        client = f"http://127.0.0.1:{self.client_port}"
         cmd = [
             path,
             "--name", self._name,
             "--data-dir", str(root / "data"),
-            "--listen-client-urls", client,
-            "--advertise-client-urls", client,
+            "--listen-client-urls", f"http://{_bracket(self._listen_host)}:{self.client_port}",
+            "--advertise-client-urls", self.url,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"{self._name}={peer}",
@@ -154,6 +175,8 @@ class EtcdServer:
         deadline = time.monotonic() + self._startup_timeout_s
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         last = "no answer yet"
+        local = self._listen_host if self._listen_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        health = f"http://{_bracket(local)}:{self.client_port}/health"
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
@@ -161,7 +184,7 @@ class EtcdServer:
                     f"etcd exited with status {self._proc.returncode} while starting on {self.url}:\n{self._log_tail()}"
                 )
             try:
-                with opener.open(f"{self.url}/health", timeout=1.0) as resp:
+                with opener.open(health, timeout=1.0) as resp:
                     body = json.loads(resp.read(4096).decode("utf-8", "replace"))
                 if str(body.get("health")) == "true":
                     return
