@@ -16,7 +16,18 @@ the ratio parcae / lightning samples/s (goal >= 0.95)::
 
     python benchmarks/gpu_check.py --out gpu_check.json     # ~1 minute on one H200
 
-Without a GPU it says so and exits 2. Multi-GPU (NCCL between devices) is not covered: one GPU only.
+``--precision 16-mixed`` runs the same three under fp16 mixed precision with Lightning's loss scaler
+(``MixedPrecision`` + ``torch.amp.GradScaler("cuda")``; ParcaeStrategy makes the scaler's inf/nan verdict the
+job's, see ``lightning_parcae/training/loss_scaling.py``), and ``--overflow-at K`` writes an inf into one gradient
+at optimizer step K (a callback's ``on_after_backward``, in every run), so that step must be skipped and the scale
+halved. It then also reports each run's loss scale after every step (``scales_match``: parcae's and the resumed
+run's equal Lightning's; ``skipped``: the steps where the scale backed off) and the scaler state in the
+checkpoint, which the resumed run must start from (``resume_started_from_saved_scaler``)::
+
+    python benchmarks/gpu_check.py --precision 16-mixed --overflow-at 15 --steps 40 --out gpu_check_fp16.json
+
+Without a GPU it says so and exits 2 (``--accelerator cpu`` tries the script itself; 16-mixed then uses a CPU
+scaler, as ``tests/test_loss_scaling.py`` does). Multi-GPU (NCCL between devices) is not covered: one GPU only.
 """
 
 from __future__ import annotations
@@ -55,6 +66,34 @@ def _SaveAt(step: int, path: str) -> Any:  # noqa: N802 -- a class built on firs
     return _save_at_class()(step, path)
 
 
+def _fp16_callbacks(overflow_at: int) -> tuple[Any, Any]:
+    """``(overflow, scales)``: a callback writing an inf into the first gradient at step ``overflow_at`` (after the
+    backward, before the optimizer step; -1: never), and one recording the loss scale after every step and the
+    scaler state the run started from."""
+    import pytorch_lightning as pl
+
+    class Overflow(pl.Callback):
+        def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            if trainer.global_step == overflow_at:
+                p = next(p for p in module.parameters() if p.grad is not None)
+                p.grad.view(-1)[0] = float("inf")
+
+    class Scales(pl.Callback):
+        def __init__(self) -> None:
+            self.scales: list[float] = []
+            self.start: dict[str, Any] = {}
+
+        def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.start = dict(trainer.precision_plugin.state_dict())
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            if scaler is not None:
+                self.scales.append(float(scaler.get_scale()))
+
+    return Overflow(), Scales()
+
+
 def _worker(cfg: dict[str, Any]) -> None:
     sys.path.insert(0, HERE)
     import pytorch_lightning as pl
@@ -78,9 +117,16 @@ def _worker(cfg: dict[str, Any]) -> None:
     callbacks: list[Any] = [timer]
     if cfg.get("save"):
         callbacks.append(_SaveAt(cfg["save_at"], cfg["save"]))
+    overflow, scales = _fp16_callbacks(cfg.get("overflow_at", -1))
+    callbacks += [overflow, scales]
+    precision: dict[str, Any] = {"precision": cfg.get("precision", "32-true")}
+    if precision["precision"] == "16-mixed" and cfg["accelerator"] == "cpu":  # Lightning would fall back to bf16
+        from pytorch_lightning.plugins.precision import MixedPrecision
+
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
     trainer = pl.Trainer(accelerator=cfg["accelerator"], devices=1, strategy=strategy, max_steps=cfg["stop"], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=callbacks, deterministic=True)
+                         num_sanity_val_steps=0, callbacks=callbacks, deterministic=True, **precision)
     model = TinyLM(dim=cfg["dim"], blocks=cfg["blocks"], heads=8)
     trainer.fit(model, DataLoader(data, batch_size=cfg["batch"]), ckpt_path=cfg.get("resume"))
     params = {k: v.detach().float().cpu() for k, v in trainer.lightning_module.state_dict().items()}
@@ -88,7 +134,9 @@ def _worker(cfg: dict[str, Any]) -> None:
     rate = cfg["batch"] * (cfg["stop"] - cfg["warmup"]) / max(timer.t1 - timer.t0, 1e-9) if timer.t0 else None
     with open(cfg["out"], "w") as f:
         json.dump({"samples_per_s": rate, "device": str(trainer.strategy.root_device),
-                   "strategy": type(trainer.strategy).__name__}, f)
+                   "strategy": type(trainer.strategy).__name__, "precision": type(trainer.precision_plugin).__name__,
+                   "scales": scales.scales, "start_scaler": scales.start,
+                   "final_scaler": dict(trainer.precision_plugin.state_dict())}, f)
 
 
 def _run(cfg: dict[str, Any], tmp: str, name: str) -> dict[str, Any]:
@@ -102,6 +150,12 @@ def _run(cfg: dict[str, Any], tmp: str, name: str) -> dict[str, Any]:
         res = json.load(f)
     res["params"] = cfg["params"]
     return res
+
+
+def _backoffs(start: float, scales: list[float]) -> list[int]:
+    """The optimizer steps after which the loss scale went down (skipped: an inf or nan gradient)."""
+    before = [start, *scales[:-1]]
+    return [i for i, (b, after) in enumerate(zip(before, scales)) if after < b]
 
 
 def _max_rel_diff(a_path: str, b_path: str) -> float:
@@ -121,6 +175,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     ap.add_argument("--accelerator", default="gpu", help="'cpu' only to try the script itself without a GPU")
+    ap.add_argument("--precision", default="32-true", help="Lightning precision of every run, e.g. 16-mixed")
+    ap.add_argument("--overflow-at", type=int, default=-1,
+                    help="write an inf into one gradient at this optimizer step (its step must be skipped)")
     a = ap.parse_args()
     if a.worker:
         _worker(json.loads(a.worker))
@@ -130,7 +187,7 @@ def main() -> None:
         sys.exit(2)
     total = a.steps + a.warmup
     base = {"steps": a.steps, "warmup": a.warmup, "batch": a.batch, "seq": a.seq, "dim": a.dim, "blocks": a.blocks,
-            "stop": total, "accelerator": a.accelerator}
+            "stop": total, "accelerator": a.accelerator, "precision": a.precision, "overflow_at": a.overflow_at}
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if a.accelerator == "gpu" else "cpu",
                                "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,6 +205,18 @@ def main() -> None:
             "parcae_over_lightning_samples_per_s": parcae["samples_per_s"] / light["samples_per_s"],
             "wall_s": time.time() - t,
         })
+        if a.precision == "16-mixed":
+            half = total // 2
+            saved = torch.load(ckpt, weights_only=True).get("MixedPrecision")
+            results["fp16"] = {
+                "precision_plugin": parcae["precision"],
+                "final_scale": light["scales"][-1] if light["scales"] else None,
+                "scales_match": parcae["scales"] == light["scales"] and resumed["scales"] == light["scales"][half:],
+                "skipped": _backoffs(light["start_scaler"].get("scale", 0.0), light["scales"]),
+                "checkpoint_scaler": saved,
+                "resume_started_from_saved_scaler": resumed["start_scaler"] == saved,
+                "final_scaler_match": parcae["final_scaler"] == light["final_scaler"] == resumed["final_scaler"],
+            }
     print(json.dumps(results, indent=2))
     if a.out:
         with open(a.out, "w") as f:

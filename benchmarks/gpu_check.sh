@@ -5,6 +5,11 @@
 #    and a mid-training checkpoint resumed in a fresh process.
 # 2. `parcae run --instances 1` of an unmodified Lightning script (strategy="parcae") with accelerator="gpu".
 # 3. `parcae run --instances 2` on one GPU: must stop at once with the error that names the fix.
+# 4. benchmarks/gpu_check.py --precision 16-mixed: the same comparison under fp16 with Lightning's GradScaler
+#    (an inf forced into a gradient at step 15: skipped, the scale halved, in every run alike), the scaler state
+#    saved in the mid-training checkpoint and resumed. Goals: fp16.scales_match, fp16.resume_started_from_saved_scaler
+#    and fp16.final_scaler_match true, 15 in fp16.skipped (early steps may overflow by themselves too, alike in
+#    every run); parameter differences ~0 (<= 1e-5).
 set -u
 out=${1:-/tmp/gpu_check}
 mkdir -p "$out"
@@ -24,3 +29,6 @@ for n in 1 2; do
   cp $d/launcher.log "$out/launcher_$n.log"
   cd "$repo"
 done
+echo "== 4. gpu_check.py --precision 16-mixed (fp16 with a loss scaler, an overflow forced at step 15)"
+timeout 300 python3 benchmarks/gpu_check.py --precision 16-mixed --overflow-at 15 --steps 40 \
+  --out "$out/gpu_check_fp16.json" 2>&1 | tail -40

@@ -5,7 +5,10 @@ generation's process groups *without* shutting them down (a gloo shutdown blocks
 peer) and shorten a live group's timeout to the progress watchdog's bound: both need ``distributed_c10d``'s private
 registry. (2) Cutting a layer stack into stages keeps the stack's own child names (so state-dict keys stay global),
 including the holes of an ``nn.ModuleList`` with blocks left out, and walks children in registration order without
-``named_children``'s de-duplication of a module held twice: both read ``nn.Module``'s child table. Every such read
+``named_children``'s de-duplication of a module held twice: both read ``nn.Module``'s child table. (3) fp16 loss
+scaling over a pipeline needs one inf/nan verdict for the whole job, but ``torch.amp.GradScaler`` keeps each
+optimizer's verdict (and whether it was unscaled) in a private per-optimizer table, and an optimizer that unscales
+inside its own ``step`` (fused Adam) says so only by a private flag. Every such read
 is here, so that a torch upgrade that renames them breaks one module, and ``tests/test_ownership.py`` can check
 that nothing else under ``runtime/`` reads another object's private attributes.
 """
@@ -17,7 +20,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-__all__ = ["set_group_timeout", "forget_process_groups", "child", "children", "put_child"]
+__all__ = ["set_group_timeout", "forget_process_groups", "child", "children", "put_child", "scaler_found_inf",
+           "set_scaler_found_inf", "scaler_unscaled", "optimizer_unscales_itself"]
 
 
 def set_group_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:
@@ -65,3 +69,34 @@ def children(module: nn.Module) -> list[nn.Module]:
 def put_child(container: nn.Module, name: str, sub: nn.Module) -> None:
     """Register ``sub`` in ``container`` under ``name`` as it is (also a non-contiguous index of a ``ModuleList``)."""
     container._modules[name] = sub
+
+
+def scaler_found_inf(scaler: Any, optimizer: Any) -> list[Any]:
+    """The inf/nan flags ``scaler.unscale_(optimizer)`` found, one float tensor per device (empty before it ran).
+
+    Reads ``GradScaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]`` (torch 2.13) without adding an
+    entry for an optimizer the scaler has not seen.
+    """
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return list(state["found_inf_per_device"].values()) if state is not None else []
+
+
+def set_scaler_found_inf(scaler: Any, optimizer: Any, found_inf: Any) -> None:
+    """Make ``found_inf`` (a 0-d float tensor, > 0: skip) the scaler's only verdict for ``optimizer``'s step, as if
+    ``unscale_`` had found it; ``scaler.step`` then skips or steps by it and ``scaler.update`` backs off or grows by
+    it. Writes ``GradScaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]`` (torch 2.13)."""
+    scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {found_inf.device: found_inf}
+
+
+def scaler_unscaled(scaler: Any) -> bool:
+    """Whether some optimizer of ``scaler`` was unscaled or stepped since the last ``update()`` (its table of
+    per-optimizer stages, ``GradScaler._per_optimizer_states``, torch 2.13, holds a stage other than READY)."""
+    from torch.amp.grad_scaler import OptState  # noqa: PLC0415
+
+    return any(st["stage"] is not OptState.READY for st in scaler._per_optimizer_states.values())
+
+
+def optimizer_unscales_itself(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` takes the scale and finds infs itself (fused Adam/AdamW/SGD: the private flag
+    ``Optimizer._step_supports_amp_scaling``, torch 2.13; Lightning's fabric reads the same flag)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))

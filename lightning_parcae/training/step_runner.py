@@ -45,7 +45,9 @@ from lightning_parcae.runtime.pipeline import (
     split_micro_batches,
 )
 from lightning_parcae.runtime.stage import swapped
+from lightning_parcae.training.lightning_internals import inner_optimizer
 from lightning_parcae.training.log_replay import LogCall, LogRecorder, local_calls, portable_calls, replay_calls
+from lightning_parcae.training.loss_scaling import LossScaling
 from lightning_parcae.training.stage_state import StageState
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ class StepRunner:
     Attributes:
         pending_grads: The last ``training_step``'s gradients, put back in :meth:`backward`.
         sync_grads: False while Lightning accumulates (no data-parallel all-reduce).
+        loss_scaling: Under 16-mixed precision the job-wide loss scaling (set by :meth:`check_supported`).
     """
 
     def __init__(self, state: StageState, micro_batches: int, schedule: str, host: StepHost,
@@ -106,24 +109,34 @@ class StepRunner:
         self.data = data
         self.pending_grads: Optional[list[Optional[Tensor]]] = None
         self.sync_grads = True
+        self.loss_scaling: Optional[LossScaling] = None
 
     def discard_pending(self) -> None:
-        """Forget the gradients kept aside by the last ``training_step`` (its step is being re-run)."""
+        """Forget the gradients kept aside by the last ``training_step`` (its step is being re-run), and under fp16
+        the scaler's unscaled state of that step (its scale unchanged)."""
         self.pending_grads = None
+        if self.loss_scaling is not None:
+            self.loss_scaling.forget_step()
+
+    def apply_committed_step(self, optimizer: Optimizer) -> None:
+        """Apply an interrupted step that every rank committed to: through the fp16 loss scaler when there is one
+        (skipped by the job's agreed inf/nan verdict, then the scale updated, as on the ranks whose commit
+        returned), else ``optimizer.step()``."""
+        if self.loss_scaling is not None:
+            self.loss_scaling.apply_committed(optimizer)
+        else:
+            optimizer.step()
 
     def check_supported(self, module: Any) -> None:
-        """Refuse what the pipeline step cannot run: manual optimization, 16-mixed precision with a GradScaler.
+        """Refuse what the pipeline step cannot run (manual optimization); under 16-mixed precision set up the
+        job-wide loss scaling of the plugin's GradScaler (:mod:`~lightning_parcae.training.loss_scaling`).
 
         Raises:
             ConfigurationError: naming what to use instead.
         """
         if not module.automatic_optimization:
             raise ConfigurationError("ParcaeStrategy supports automatic optimization only")
-        if getattr(self.host.precision_plugin, "scaler", None) is not None:
-            raise ConfigurationError(
-                "16-mixed precision with a GradScaler is not supported by ParcaeStrategy; use precision='bf16-mixed' "
-                "or '32-true'"
-            )
+        self.loss_scaling = LossScaling.for_plugin(self.host.precision_plugin, self.state, self.host.root_device)
 
     def call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
                    given: Optional[Tensor] = None) -> Any:
@@ -191,6 +204,8 @@ class StepRunner:
 
         ops = schedule_ops(self.schedule, g.coords.stage, g.pipeline_stages, m_total)
         scale = 1.0 / (m_total * trainer.accumulate_grad_batches)
+        if self.loss_scaling is not None:  # fp16: the scaler's S, the same on every rank
+            scale *= self.loss_scaling.scale(_inner_optimizers(trainer))
         with recorder.active():
             run_train_schedule(
                 ops, micro, s.stage, s.p2p, g.prev_rank(), g.next_rank(),
@@ -350,6 +365,11 @@ class StepRunner:
         for p in params:
             p.grad.detach().mul_(coef.to(p.grad.dtype))
 
+
+
+def _inner_optimizers(trainer: Any) -> list[Optimizer]:
+    """The trainer's torch optimizers (inside Lightning's wrappers)."""
+    return [inner_optimizer(o) for o in getattr(trainer, "optimizers", [])]
 
 
 def _loss_of(result: Any) -> Tensor:
