@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_parcae.errors import InfeasibleShapeError, ModelLayoutError, StageMemoryError
 from lightning_parcae.planning.costmodel import min_max_partition
+from lightning_parcae.runtime.pipeline import without_caches
 
 __all__ = [
     "profile_layer_times",
@@ -46,12 +47,15 @@ def profile_layer_times(layers: nn.Module, sample: torch.Tensor, repeats: int = 
         sample: the input of the first layer (batch dimension first).
         repeats: timed repetitions per layer (after one warm-up).
         args: further positional arguments every block gets (masks, positions), after the hidden state.
-        kwargs: keyword arguments every block gets.
+        kwargs: keyword arguments every block gets. A key/value cache among the arguments (``transformers``
+            creates one per forward when ``use_cache`` is on) is dropped: every repetition would append to it and
+            reach into the autograd graph of the one before.
 
     Returns:
         One time per layer, in stack order.
     """
     times: list[float] = []
+    args, kwargs = without_caches(tuple(args), dict(kwargs or {}), empty_only=False)
     devices = [sample.device] if sample.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         x = sample.detach()
@@ -63,7 +67,7 @@ def profile_layer_times(layers: nn.Module, sample: torch.Tensor, repeats: int = 
                 if sample.device.type == "cuda":
                     torch.cuda.synchronize(sample.device)
                 t0 = time.perf_counter()
-                out = layer(inp, *args, **(kwargs or {}))
+                out = layer(inp, *args, **kwargs)
                 if isinstance(out, (tuple, list)):  # a block may return (hidden, extras...)
                     out = out[0]
                 if out.requires_grad:

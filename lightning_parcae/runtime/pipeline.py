@@ -36,6 +36,8 @@ __all__ = [
     "StageProxy",
     "BlockListProxy",
     "hidden_of",
+    "is_kv_cache",
+    "without_caches",
     "P2P",
     "run_train_schedule",
     "run_forward_only",
@@ -217,8 +219,64 @@ def hidden_of(out: Any) -> Any:
     return out[0] if isinstance(out, (tuple, list)) and out else out
 
 
-class _Block(nn.Module):
-    """One owned block as the user's loop sees it under a :class:`BlockListProxy` (not registered anywhere)."""
+def is_kv_cache(value: Any) -> bool:
+    """Whether ``value`` is a key/value cache object (a ``transformers`` ``Cache``: it has ``update`` and
+    ``get_seq_length``), recognised without importing ``transformers``."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
+def _is_empty_cache(value: Any) -> bool:
+    if not is_kv_cache(value):
+        return False
+    try:
+        return int(value.get_seq_length()) == 0
+    except Exception:  # noqa: BLE001 -- a cache we cannot read is left as it is
+        return False
+
+
+def without_caches(args: tuple, kwargs: dict[str, Any], empty_only: bool = True) -> tuple[tuple, dict[str, Any]]:
+    """A block's arguments with key/value caches replaced by ``None`` (and ``use_cache=False`` if one was dropped).
+
+    Under the pipeline a cache passed to the blocks would be filled on each stage with that stage's layers only, and
+    in training it only holds activations alive; an *empty* cache changes nothing in a block's result, so it is
+    dropped (``transformers`` creates one per forward when ``config.use_cache`` is on, training included). A
+    prefilled cache (a prefix the user passes) is kept: every stage reads its own layers' entries.
+
+    Args:
+        args: positional arguments after the hidden state (GPT-2 passes its cache positionally).
+        kwargs: keyword arguments (``cache=``, ``past_key_values=``, ``layer_past=``, ``use_cache=``, ...).
+        empty_only: drop only empty caches (the pipeline); False drops every cache (the layer profile).
+
+    Returns:
+        ``(args, kwargs)``, the originals when nothing was dropped.
+    """
+    drop = _is_empty_cache if empty_only else is_kv_cache
+    dropped = False
+    if any(drop(a) for a in args):
+        args, dropped = tuple(None if drop(a) else a for a in args), True
+    if any(drop(v) for v in kwargs.values()):
+        kwargs, dropped = {k: (None if drop(v) else v) for k, v in kwargs.items()}, True
+    if dropped and kwargs.get("use_cache"):
+        kwargs = {**kwargs, "use_cache": False}
+    return args, kwargs
+
+
+class _Entry(nn.Module):
+    """One position of the block list as the user's loop sees it (not registered anywhere). Attributes the loop
+    reads from a block (``decoder_layer.attention_type``) are the real block's."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            block = self.__dict__.get("_block")
+            if block is None:
+                raise
+            return getattr(block, name)
+
+
+class _Block(_Entry):
+    """One owned block as the user's loop sees it under a :class:`BlockListProxy`."""
 
     def __init__(self, proxy: "BlockListProxy", block: nn.Module, first: bool, last: bool) -> None:
         super().__init__()
@@ -230,14 +288,29 @@ class _Block(nn.Module):
         proxy = self._proxy  # type: ignore[attr-defined]
         if self.first and proxy.mode in ("tail", "middle"):
             x = proxy.given  # the activation received from the previous stage replaces the local one
+        args, kwargs = without_caches(args, kwargs)
         out = self._block(x, *args, **kwargs)  # type: ignore[operator]
-        if isinstance(out, (tuple, list)):
-            proxy.arity = len(out)
+        proxy.arity = len(out) if isinstance(out, (tuple, list)) else 0
         if self.last:
             proxy.captured = hidden_of(out)
             if proxy.mode in ("head", "middle"):
                 raise StageBoundary
         return out
+
+
+class _Elsewhere(_Entry):
+    """A position whose block another stage holds: returns its hidden-state input unchanged, shaped like a block
+    output. It only runs before this stage's first block (whose input is then replaced by the received
+    activation), so that ``enumerate`` and ``len`` over the list count global positions."""
+
+    def __init__(self, proxy: "BlockListProxy", block: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_proxy", proxy)
+        object.__setattr__(self, "_block", block)
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        arity = self._proxy.arity  # type: ignore[attr-defined]
+        return (x, *([None] * (arity - 1))) if arity else x
 
 
 class _Given(nn.Module):
@@ -258,34 +331,74 @@ class BlockListProxy(nn.Module):
     """Stands in for an ``nn.ModuleList`` of blocks that the user's ``forward`` loops over
     (``for block in self.blocks: x = block(x, mask)``), on one pipeline stage.
 
-    Iterating it yields only this stage's blocks. Each block's first argument is the hidden state; further
-    arguments (masks, positions) are whatever the user's code computes -- on every stage, since every stage runs
-    the user's step up to its blocks. A block may return a tuple whose first element is the hidden state.
+    Iterating it yields one entry per position of the whole list: this stage's blocks, and before them stand-ins
+    for the blocks of earlier stages that pass their input through (their output is replaced by the received
+    activation at this stage's first block), so ``enumerate(self.layers)`` counts global positions (Qwen2 picks a
+    layer's mask by that index) and ``len`` is the model's depth. A slice (``self.layers[: config.num_hidden_layers]``,
+    as ``transformers`` models loop) yields the same entries. Each block's first argument is the hidden state;
+    further arguments -- positional or keyword: masks, positions, rotary tables -- are whatever the user's code
+    computes, on every stage, since every stage runs the user's step up to its blocks. An empty key/value cache
+    among them is dropped (:func:`without_caches`). A block may return a tuple whose first element is the hidden
+    state. Attributes the loop reads from a block are the real block's.
 
     Modes (like :class:`StageProxy`): ``full`` (P = 1), ``head`` (stage 0: run the blocks, keep the output in
     :attr:`captured`, raise :class:`StageBoundary`), ``middle`` (the first block gets :attr:`given` instead of its
     input; stop after the last), ``tail`` (last stage: the first block gets :attr:`given`; go on to the loss),
     ``given`` (one stand-in block returns :attr:`given`: mirror of the last stage's output).
+
+    Args:
+        stage: this stage's blocks (an ``nn.ModuleList`` holding a contiguous run of the full list's names).
+        full: the full block list, for the positions other stages hold; ``None``: only this stage's blocks are
+            iterated.
+        arity: the length of a block's output tuple (0: a tensor), if known (from the probe); otherwise it is
+            learnt from this stage's first block call.
     """
 
-    def __init__(self, stage: nn.ModuleList) -> None:
+    def __init__(self, stage: nn.ModuleList, full: Optional[nn.ModuleList] = None, arity: Optional[int] = None) \
+            -> None:
         super().__init__()
         blocks = children(stage)
-        object.__setattr__(self, "_blocks", [
-            _Block(self, b, i == 0, i == len(blocks) - 1) for i, b in enumerate(blocks)])
+        held = {id(b) for b in blocks}
+        entries: list[nn.Module] = []
+        seen_first = False
+        for b in (children(full) if full is not None else blocks):
+            if id(b) in held:
+                entries.append(_Block(self, b, not seen_first, False))
+                seen_first = True
+            elif not seen_first:
+                entries.append(_Elsewhere(self, b))
+            # positions after this stage's last block are never reached (its last block stops the step)
+        owned = [e for e in entries if isinstance(e, _Block)]
+        if owned:
+            owned[-1].last = True
+        object.__setattr__(self, "_entries", entries)
         object.__setattr__(self, "_given", [_Given(self)])
+        self.depth = len(children(full)) if full is not None else len(blocks)
         self.mode = "full"
         self.given: Optional[Tensor] = None
         self.captured: Optional[Tensor] = None
-        self.arity = 0
+        self.arity = arity or 0
+
+    def _current(self) -> list[nn.Module]:
+        return self._given if self.mode == "given" else self._entries  # type: ignore[attr-defined,return-value]
 
     def __iter__(self) -> Any:
-        return iter(self._given if self.mode == "given" else self._blocks)  # type: ignore[attr-defined]
+        return iter(self._current())
 
     def __len__(self) -> int:
-        return len(self._given if self.mode == "given" else self._blocks)  # type: ignore[attr-defined]
+        return self.depth if self.mode != "given" else 1
 
     def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, slice):
+            positions = range(self.depth)[idx]
+            if self.mode == "given":
+                if list(positions) == list(range(self.depth)):
+                    return list(self._given)  # type: ignore[attr-defined]
+            else:
+                return [e for i, e in enumerate(self._entries) if i in positions]  # type: ignore[attr-defined]
+            raise ModelLayoutError(
+                f"forward looped over a part of the block list ({idx}) under pipeline parallelism; only a loop over "
+                "all its blocks can be cut. Loop over the whole list, or train with pipeline_stages=1")
         raise ModelLayoutError(
             "under pipeline parallelism (P > 1) forward must loop over the block list (`for block in self.blocks: "
             "x = block(x, ...)`); indexing it (self.blocks[i]) cannot be cut into stages. Loop over it, or train "

@@ -227,7 +227,10 @@ class StageLayout:
         stage = cut_stage(full, st.layer_names[a:b])
         st.stage = stage
         replace_submodule(module, st.stack_path, stage)
-        st.proxy = BlockListProxy(stage) if is_block_list(stage) else StageProxy(stage)
+        if is_block_list(stage):
+            st.proxy = BlockListProxy(stage, full, arity=self.profiler.block_arity)  # type: ignore[arg-type]
+        else:
+            st.proxy = StageProxy(stage)
         st.p2p = P2P(self.host.root_device, st.groups.pipeline_group)
 
     def sync_replicas(self) -> None:

@@ -43,6 +43,14 @@ BLOCK_VERDICTS = {
     3: "a block's first argument is not the previous block's output (or its first element): code between the "
        "blocks (e.g. `x = x + block(x)`) cannot be cut; move it into the block",
     4: "running the step with the block list under inspection failed",
+    5: "forward called a block more than once in one pass (e.g. `x = block(block(x))`, or a loop over the list "
+       "run twice): a block that runs at two depths cannot be cut; give each depth its own block in the list, or "
+       "train with pipeline_stages=1",
+    6: "forward ran only some of the blocks (a loop over a part of the list, `self.blocks[a:b]`, or a `break`): a "
+       "pipeline runs every block of the list; loop over all of them (put blocks that do not run in another "
+       "attribute), or train with pipeline_stages=1",
+    7: "the block list holds the same module at two positions (weights shared between depths): its parameters "
+       "cannot live on two stages; give each position its own block, or train with pipeline_stages=1",
 }
 
 
@@ -72,25 +80,33 @@ class LayerProfiler:
         self.profile_repeats = profile_repeats
         self.host = host
         self.block_sample: Optional[tuple[Tensor, tuple, dict]] = None  # first block's input, kept by the probe
+        self.block_arity: Optional[int] = None  # length of a block's output tuple (0: a tensor), from the probe
+        self._probed_arity = 0
 
     def check_block_list(self, trainer: Any, stack: nn.Module) -> Optional[str]:
         """Check on rank 0, with one sample, that ``forward`` loops the block list as a chain (block ``i + 1`` gets
         block ``i``'s hidden state first), and keep the first block's input for profiling; every rank gets the
-        verdict (None: the list can be cut)."""
-        code = 0
+        verdict (None: the list can be cut) and the shape of a block's output (:attr:`block_arity`)."""
+        code, arity = 0, 0
         if self.host.global_rank == 0:
             code, self.block_sample = self._probe_blocks(trainer, stack)
+            arity = self._probed_arity
         if self.state.groups is not None and self.state.groups.world > 1:
-            t = torch.tensor([code], dtype=torch.int64)
+            t = torch.tensor([code, arity], dtype=torch.int64)
             dist.broadcast(t, src=0)
-            code = int(t.item())
+            code, arity = (int(v) for v in t.tolist())
+        self.block_arity = arity if not code else None
         return BLOCK_VERDICTS.get(code) if code else None
 
     def _probe_blocks(self, trainer: Any, stack: nn.Module) -> tuple[int, Optional[tuple[Tensor, tuple, dict]]]:
         module = self.host.lightning_module
         assert module is not None and self.state.stack_path is not None
-        blocks = list(stack)  # a ModuleList: its blocks in order
+        blocks = list(stack)  # a ModuleList: its blocks in order (a module registered twice listed twice)
+        self._probed_arity = 0
+        if len({id(b) for b in blocks}) < len(blocks):
+            return 7, None
         calls: list[tuple[int, Any, Any, tuple, dict]] = []
+        arities: list[int] = []
 
         class _Trace(nn.Module):
             def __init__(self, i: int, block: nn.Module) -> None:
@@ -98,19 +114,32 @@ class LayerProfiler:
                 object.__setattr__(self, "_i", i)
                 object.__setattr__(self, "_b", block)
 
+            def __getattr__(self, name: str) -> Any:  # what the loop reads from a block (attention_type)
+                try:
+                    return super().__getattr__(name)
+                except AttributeError:
+                    return getattr(self.__dict__["_b"], name)
+
             def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
                 out = self._b(x, *args, **kwargs)  # type: ignore[operator]
                 calls.append((self._i, x, hidden_of(out), args, kwargs))  # type: ignore[attr-defined]
+                arities.append(len(out) if isinstance(out, (tuple, list)) else 0)
                 return out
 
         class _TraceList(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                object.__setattr__(self, "_traces", [_Trace(i, b) for i, b in enumerate(blocks)])
+
             def __iter__(self) -> Any:
-                return iter([_Trace(i, b) for i, b in enumerate(blocks)])
+                return iter(self._traces)  # type: ignore[attr-defined]
 
             def __len__(self) -> int:
                 return len(blocks)
 
             def __getitem__(self, idx: Any) -> Any:
+                if isinstance(idx, slice):  # transformers loops `self.layers[: config.num_hidden_layers]`
+                    return self._traces[idx]  # type: ignore[attr-defined]
                 raise IndexError("indexed")
 
         with torch.random.fork_rng(), torch.no_grad(), swapped(module, self.state.stack_path, _TraceList()), \
@@ -123,7 +152,12 @@ class LayerProfiler:
             except Exception as err:  # noqa: BLE001
                 log.warning("ParcaeStrategy could not run the step to inspect the block list: %s", err)
                 return (2 if calls else 4), None
-        if [c[0] for c in calls] != list(range(len(blocks))):
+        order = [c[0] for c in calls]
+        if order != list(range(len(blocks))):
+            if len(set(order)) < len(order):
+                return 5, None
+            if order == sorted(order):
+                return 6, None
             return 2, None
         for prev, cur in zip(calls, calls[1:]):
             if cur[1] is not prev[2]:
@@ -131,6 +165,7 @@ class LayerProfiler:
         first = calls[0]
         if not isinstance(first[1], Tensor):
             return 3, None
+        self._probed_arity = arities[0]
         return 0, (first[1].detach(), first[3], first[4])
 
     def profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
@@ -153,9 +188,15 @@ class LayerProfiler:
             else:
                 was_training = stack.training
                 stack.train()
-                times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats, args=extra[0],
-                                               kwargs=extra[1])
-                stack.train(was_training)
+                try:
+                    times[0] = profile_layer_times(stack, sample, repeats=self.profile_repeats, args=extra[0],
+                                                   kwargs=extra[1])
+                except Exception as err:  # noqa: BLE001 -- the profile is an optimization: never fail the run for it
+                    warnings.warn(f"ParcaeStrategy could not time the layers ({type(err).__name__}: {err}); "
+                                  "balancing by parameter count", stacklevel=2)
+                    times[0] = [float(sum(p.numel() for p in m.parameters()) + 1) for m in stack]
+                finally:
+                    stack.train(was_training)
         if self.state.groups.world > 1:
             # floats only: a tensor broadcast (nothing from the network is unpickled)
             n = len(self.state.layer_names)
