@@ -81,6 +81,12 @@ class Trial:
     after_fit: bool
     max_steps: int
     faults: list[dict[str, Any]] = field(default_factory=list)
+    accumulate: int = 1
+
+    @property
+    def step_samples(self) -> int:
+        """Samples of one optimizer step: ``accumulate`` global batches."""
+        return self.batch * self.accumulate
 
     def job_args(self) -> list[str]:
         args = ["--max-steps", str(self.max_steps), "--batch-size", str(self.batch), "--samples", str(self.samples),
@@ -89,6 +95,8 @@ class Trial:
                 "--delay", "0.15", "--ckpt-every", str(CKPT_EVERY), "--stall-s", str(WATCHDOG_S), "--blocks"]
         if self.val_every:
             args += ["--val-every", str(self.val_every)]
+        if self.accumulate > 1:
+            args += ["--accumulate", str(self.accumulate)]
         return args
 
     def replay(self) -> str:
@@ -122,9 +130,14 @@ def draw(seed: int) -> Trial:
             fault["pause_s"] = round(extra.uniform(3.0, 6.0), 1)
         faults.append(fault)
     faults.sort(key=lambda f: f["step"])
+    # gradient accumulation (issue 23), from a third stream so that the draws above stay what they were: a window
+    # never straddles an epoch end (an epoch's batches are a multiple of it), so every step holds k global batches
+    batches = samples // batch
+    accumulate = random.Random(seed + 55_555_555).choice([k for k in (1, 1, 2, 3) if batches % k == 0])
     return Trial(seed=seed, instances=instances, batch=batch, samples=samples, pipeline_stages=p, micro_batches=m,
                  schedule=rng.choice(["1f1b", "gpipe"]), optimizer=rng.choice(["adam", "sgd"]),
-                 val_every=rng.choice([0, 0, 7]), after_fit=rng.random() < 0.3, max_steps=max_steps, faults=faults)
+                 val_every=rng.choice([0, 0, 7]), after_fit=rng.random() < 0.3, max_steps=max_steps, faults=faults,
+                 accumulate=accumulate)
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -363,13 +376,13 @@ def run_trial(trial: Trial, work: Path, ref_cache: Optional[Path] = None, timeou
     unrecorded = _killed_before_recording(steps, trial, report)
     result["unrecorded"] = unrecorded
     try:
-        ids = check_samples_once(steps, trial.max_steps, trial.batch, unrecorded)
+        ids = check_samples_once(steps, trial.max_steps, trial.step_samples, unrecorded)
         # split the flat list into epochs by steps (a step with an unrecorded shard holds fewer ids; regression:
         # chunking by a fixed number of ids misaligned every later epoch and reported a false repeat, seed 23)
-        per_epoch = trial.samples // trial.batch
+        per_epoch = trial.samples // trial.batch // trial.accumulate
         pos, chunk = 0, []
         for step in range(1, trial.max_steps + 1):
-            n = trial.batch - unrecorded.get(step, 0)
+            n = trial.step_samples - unrecorded.get(step, 0)
             chunk += ids[pos : pos + n]
             pos += n
             if step % per_epoch == 0 or step == trial.max_steps:
@@ -431,12 +444,12 @@ def _killed_before_recording(steps: list[dict[str, Any]], trial: Trial, report: 
     for step in range(1, trial.max_steps + 1):
         shards = [len(r["ids"]) for r in steps if "ids" in r and r["step"] == step and r["gen"] == newest.get(step)]
         got = sum(shards)
-        if not shards or got >= trial.batch or len(set(shards)) != 1:
+        if not shards or got >= trial.step_samples or len(set(shards)) != 1:
             continue
-        missing_shards, rem = divmod(trial.batch - got, shards[0])
+        missing_shards, rem = divmod(trial.step_samples - got, shards[0])
         died_here = [m for m in killed if last.get(m) == step - 1]
         if rem == 0 and 1 <= missing_shards <= len(died_here):
-            out[step] = trial.batch - got
+            out[step] = trial.step_samples - got
     return out
 
 
@@ -508,7 +521,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         status = "ok" if not r["failures"] else "FAILED"
         faults = ", ".join(f"{f['kind']}@{f['step']}" + (f"->{f.get('victims')}" if "victims" in f else " (skipped)")
                            for f in r["faults"])
-        print(f"[chaos] seed {seed}: {status} in {r['wall_s']:.0f} s; N={trial.instances} B={trial.batch} "
+        print(f"[chaos] seed {seed}: {status} in {r['wall_s']:.0f} s; N={trial.instances} B={trial.batch}x{trial.accumulate} "
               f"P={trial.pipeline_stages} M={trial.micro_batches} {trial.schedule} {trial.optimizer} "
               f"val={trial.val_every} after_fit={trial.after_fit}; faults {faults}; max stall "
               f"{r['max_stall_s']:.1f} s; restarts {r.get('restarts', 0)}", flush=True)

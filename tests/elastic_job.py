@@ -88,8 +88,19 @@ class Recorder(pl.Callback):
     def __init__(self, out: str, delay: float) -> None:
         self.out = out
         self.delay = delay
+        self.last_step = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.last_step = int(trainer.global_step)  # a resumed or joining process: that step is someone else's record
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        if int(trainer.global_step) != self.last_step:  # inside an accumulation window: written at its end
+            self.last_step = int(trainer.global_step)
+            self.record(trainer, pl_module)
+        if self.delay:
+            time.sleep(self.delay)
+
+    def record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         s = trainer.strategy
         er = getattr(s, "elastic_runtime", None)
         member = er.member if er else "single"
@@ -104,8 +115,6 @@ class Recorder(pl.Callback):
             rec["ids"] = list(map(int, s.last_step_indices)) if hasattr(s, "last_step_indices") else []
         with open(os.path.join(self.out, f"steps_{member}.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self.delay:
-            time.sleep(self.delay)
 
 
 def main() -> None:
@@ -127,6 +136,7 @@ def main() -> None:
     ap.add_argument("--after-fit", action="store_true", help="save_checkpoint/validate/test/predict after fit")
     ap.add_argument("--stall-s", type=float, default=120.0, help="progress watchdog bound (seconds)")
     ap.add_argument("--blocks", action="store_true", help="Linear+Tanh blocks as layers (no parameter-free stage)")
+    ap.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     ap.add_argument("--reference", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -135,7 +145,8 @@ def main() -> None:
     val = DataLoader(Indexed(48), batch_size=12) if args.val_every else None
     model = Net(args.hidden, args.optimizer, args.blocks)
     common = dict(accelerator="cpu", max_steps=args.max_steps, max_epochs=-1, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  accumulate_grad_batches=args.accumulate)
     if args.val_every:
         common.update(val_check_interval=args.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0)
     if args.reference:

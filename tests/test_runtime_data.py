@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_parcae.errors import BatchSplitError
-from lightning_parcae.runtime.data import reshard_dataloader
+from lightning_parcae.errors import BatchSplitError, ConfigurationError
+from lightning_parcae.runtime.data import reshard_dataloader, rows_of
 
 
 def _loader(n: int, batch: int) -> DataLoader:
@@ -36,3 +36,68 @@ def test_evaluation_batch_that_splits_is_cut_into_disjoint_slices(d: int) -> Non
 def test_training_batch_that_does_not_split_is_refused() -> None:
     with pytest.raises(BatchSplitError, match="12 cannot be split evenly over D=5"):
         reshard_dataloader(_loader(30, 12), 5, 0, micro_batches=1, train=True)
+
+
+# ------------------------------------------------------------------------------------------------ streams
+class _Stream(torch.utils.data.IterableDataset):
+    """A stream of the numbers 0..n-1 that counts how often it was iterated."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.exhausted = n, False
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self.exhausted = False
+        yield from (torch.tensor([float(i)]) for i in range(self.n))
+        self.exhausted = True
+
+
+class _SizedStream(_Stream):
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_a_stream_is_handed_out_whole_and_each_pipeline_keeps_its_rows() -> None:
+    """Regression (issue 23): an IterableDataset was refused ('needs a map-style dataset'). Every pipeline now
+    reads the whole stream; the records give the batch's positions, rows_of cuts this replica's part."""
+    stream, sampler = reshard_dataloader(DataLoader(_Stream(8), batch_size=4), 2, 1, micro_batches=1, train=True)
+    assert stream is sampler
+    batches = list(stream)
+    assert [b.squeeze(1).tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # whole global batches
+    assert [r[2] for r in sampler.records] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rows_of(batches[1], 2, 1).squeeze(1).tolist() == [6.0, 7.0]
+    assert sampler.slice_of([4, 5, 6, 7], 2, 1) == [6, 7]
+
+
+def test_a_resumed_stream_rereads_and_skips_what_was_consumed() -> None:
+    stream, sampler = reshard_dataloader(DataLoader(_Stream(12), batch_size=4), 1, 0, micro_batches=1, train=True)
+    sampler.set_epoch(3)
+    sampler.start_at(3, 4)
+    assert [b.squeeze(1).tolist() for b in stream] == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [r[2][0] for r in sampler.records] == [4, 8]  # positions in the epoch's stream, not in what was read
+    assert [len(list(stream))] == [3]  # the next epoch starts at the beginning
+
+
+def test_a_partial_last_batch_of_a_stream_is_dropped_under_live_reconfiguration() -> None:
+    stream, _ = reshard_dataloader(DataLoader(_Stream(10), batch_size=4), 2, 0, micro_batches=1, train=True,
+                                   fixed_epoch=True)
+    with pytest.warns(UserWarning, match="dropping a partial global batch of 2 samples"):
+        assert len(list(stream)) == 2
+
+
+def test_a_sized_stream_stops_after_its_length_without_being_exhausted() -> None:
+    """LitData's StreamingDataset draws the next epoch's shuffle when exhausted; Lightning stops a sized loader after
+    its last batch in one process, so the stream must not be exhausted here either (it was: 0.19 off one process)."""
+    data = _SizedStream(8)
+    stream, _ = reshard_dataloader(DataLoader(data, batch_size=4), 1, 0, micro_batches=1, train=True)
+    assert len(stream) == 2 and len(list(stream)) == 2
+    assert not data.exhausted
+
+
+def test_an_evaluation_stream_is_given_whole_to_every_pipeline() -> None:
+    loader = DataLoader(_Stream(8), batch_size=4)
+    assert reshard_dataloader(loader, 3, 2, micro_batches=1, train=False) == (loader, None)
+
+
+def test_a_stream_without_a_batch_size_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ConfigurationError, match=r"DataLoader\(dataset, batch_size=B\)"):
+        reshard_dataloader(DataLoader(_Stream(8), batch_size=None), 1, 0, micro_batches=1, train=True)

@@ -58,15 +58,35 @@ def test_the_cursor_counts_global_batches_and_restarts_with_an_epoch() -> None:
     assert (path.cursor_epoch, path.cursor) == (1, 8)
 
 
-def test_a_discarded_step_rewinds_the_cursor_and_reruns_the_same_batch() -> None:
-    path = _path(_groups())
-    path.global_batch = 4
+def test_a_discarded_window_rewinds_to_its_start_and_replays_its_batches_recut_for_the_new_shape() -> None:
+    """Two micro-steps of an accumulation window ran at D = 2 (replica 0's halves); the window is discarded and the
+    job recovers to D = 1: the cursor goes back to the window's start and each replayed micro-step gets the whole
+    global batch rebuilt from the dataset, the last one Lightning's own batch only if the shape is unchanged."""
+    state = StageState(groups=_groups(2, 0))
+    path = DataPath(state, 1, True, lambda batch: batch)
+    trainer = types.SimpleNamespace(_data_connector=_Connector())
+    path.install(trainer)  # type: ignore[arg-type]
+    loader = trainer._data_connector._prepare_dataloader(
+        DataLoader(TensorDataset(torch.arange(16.0)), batch_size=4), False, "train")
+    batches = iter(loader)
+    for _ in range(2):
+        batch = next(batches)
+        assert path.effective_batch(batch) is batch  # sliced for this shape: as Lightning gave it
+        path.count_samples(0)
+    assert [r[2] for r in path.window] == [[0, 1, 2, 3], [4, 5, 6, 7]] and path.last_step_indices == [0, 1, 4, 5]
+    records = path.restart_window()
+    assert (path.cursor_epoch, path.cursor) == (-1, 0) and path.window == []
+    state.groups = _groups(1, 0)
+    path.replay_next(records[0], given=False)
+    assert path.effective_batch(None)[0].tolist() == [0.0, 1.0, 2.0, 3.0]
     path.count_samples(0)
-    mark = path.cursor_mark()
+    stale = [torch.tensor([4.0, 5.0])]  # Lightning's batch for the last micro-step was cut for D = 2
+    path.replay_next(records[1], given=True)
+    assert path.effective_batch(stale)[0].tolist() == [4.0, 5.0, 6.0, 7.0]
     path.count_samples(0)
-    path.rewind(mark)
-    path.rerun_next_step()
-    assert (path.cursor_epoch, path.cursor) == (0, 4) and path.rerun_step
+    assert path.cursor == 8 and path.last_step_indices == list(range(8)) and len(path.window) == 2
+    path.close_window()
+    assert path.window == []
 
 
 def test_a_resumed_cursor_continues_mid_epoch() -> None:

@@ -73,3 +73,22 @@ def test_the_sigterm_broadcast_is_silenced() -> None:
     trainer = types.SimpleNamespace(fit_loop=types.SimpleNamespace(epoch_loop=types.SimpleNamespace()))
     li.silence_sigterm_broadcast(trainer)
     assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+
+
+def test_a_litdata_stream_built_in_a_world_of_n_is_made_to_yield_the_whole_stream(tmp_path: Any) -> None:
+    """LitData's StreamingDataset reads torch.distributed's world size when built (inside a DataModule's setup,
+    under ParcaeStrategy that is a world of N) and then yields 1/N of the stream; every pipeline must read it all."""
+    litdata = pytest.importorskip("litdata")
+    from litdata.utilities.env import _DistributedEnv
+
+    out = tmp_path / "ld"
+    litdata.optimize(fn=_sample, inputs=list(range(8)), output_dir=str(out), chunk_bytes="1KB", num_workers=1)
+    dataset = litdata.StreamingDataset(str(out))
+    dataset.distributed_env = _DistributedEnv(world_size=2, global_rank=1, num_nodes=1)  # as if built at N = 2
+    assert li.whole_stream_for_every_process(dataset)
+    assert sorted(int(x) for x in dataset) == list(range(8))
+    assert not li.whole_stream_for_every_process(torch.utils.data.TensorDataset(torch.ones(2)))
+
+
+def _sample(i: int) -> int:
+    return i

@@ -102,17 +102,38 @@ def test_no_sync_suspends_the_gradient_reduction_only_inside() -> None:
     assert runner.sync_grads is True
 
 
-def test_manual_optimization_and_a_grad_scaler_are_refused() -> None:
+def test_manual_optimization_is_refused_at_p_above_1_and_with_a_grad_scaler() -> None:
+    """Regression (issue 23): manual optimization was refused outright; at P = 1 it now runs (below). At P > 1 the
+    schedule must own forward and backward, and a GradScaler under manual optimization is not wired: both refused,
+    naming the fix."""
     module = Module()
     runner, _ = _runner(module)
     module.automatic_optimization = False
-    with pytest.raises(ConfigurationError, match="automatic optimization"):
+    runner.check_supported(module)  # P = 1: supported
+    runner.state.groups.pipeline_stages = 2  # type: ignore[union-attr]
+    with pytest.raises(ConfigurationError, match="pipeline_stages=1"):
+        runner.check_supported(module)
+    runner.state.groups.pipeline_stages = 1  # type: ignore[union-attr]
+    runner.host.precision_plugin.scaler = object()  # type: ignore[attr-defined]
+    with pytest.raises(ConfigurationError, match="manual optimization with 16-mixed"):
         runner.check_supported(module)
     module.automatic_optimization = True
-    runner.host.precision_plugin.scaler = object()  # type: ignore[attr-defined]
     with pytest.raises(ConfigurationError, match="GradScaler"):
         runner.check_supported(module)
 
+
+def test_manual_optimization_runs_the_users_step_once_and_its_backward_reduces() -> None:
+    module = Module()
+    module.automatic_optimization = False
+    runner, data = _runner(module, micro=2)
+    calls: list[str] = []
+    runner.host.precision_plugin.backward = lambda loss, m, opt: (calls.append("backward"), loss.backward())
+    runner.reduce_gradients = lambda: calls.append("reduce")  # type: ignore[method-assign]
+    loss = runner.training_step(torch.ones(4, 2), 0)
+    assert [b.shape[0] for b in module.steps] == [4] and data.counted == [3]  # no micro-batch schedule
+    runner.backward(loss, None)
+    assert calls == ["backward", "reduce"]
+    assert torch.allclose(module.net[0].weight.grad, torch.full((1, 2), 4.0))
 
 def test_clipping_scales_by_the_norm_over_all_parameters() -> None:
     module = Module()

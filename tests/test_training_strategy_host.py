@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from lightning_parcae.runtime.host import TrainingHost
-from lightning_parcae.training.strategy import ParcaeStrategy, training_ends
+from lightning_parcae.training.strategy import ParcaeStrategy, epoch_ends, training_ends
 
 
 def _trainer(step: int, max_steps: int, epoch: int = 0, max_epochs: int = 1000, last_batch: bool = False) -> Any:
@@ -57,6 +57,16 @@ def test_the_validation_loader_is_rebuilt_after_a_change_of_d() -> None:
     assert val_loop._combined_loader is None
 
 
+def test_nobody_is_admitted_at_the_last_step_of_an_epoch() -> None:
+    """Regression (issue 23): a standby admitted at an epoch's last step ran the epoch-end hooks from a state that had
+    never loaded the validation loader (ModelCheckpoint saved at the training epoch's end: a barrier the members did
+    not make), and the members stalled 60 s. Such a step admits no one."""
+    assert epoch_ends(_trainer(40, -1, last_batch=True))
+    assert not epoch_ends(_trainer(39, -1, last_batch=False))
+    assert not epoch_ends(SimpleNamespace(fit_loop=SimpleNamespace()))  # unsure: do not hold admissions back
+    assert ParcaeStrategy(pipeline_stages=1).epoch_ends(_trainer(40, -1, last_batch=True))
+
+
 def test_the_save_before_a_stop_waits_for_the_write(monkeypatch: Any) -> None:
     s = ParcaeStrategy(pipeline_stages=1)
     order: list[str] = []
@@ -69,7 +79,8 @@ def test_the_save_before_a_stop_waits_for_the_write(monkeypatch: Any) -> None:
 def test_the_strategy_is_every_part_of_the_runtimes_host() -> None:
     s = ParcaeStrategy(pipeline_stages=1)
     assert isinstance(s, TrainingHost)
-    for name in ("torch_optimizers", "validation_follows", "training_ends", "loop_checkpoint", "reset_eval_loaders", "save_before_leaving"):
+    for name in ("torch_optimizers", "validation_follows", "training_ends", "epoch_ends", "loop_checkpoint",
+                 "reset_eval_loaders", "save_before_leaving"):
         assert callable(getattr(s, name))
 
 

@@ -13,6 +13,15 @@ Randomness: the user's sampler is iterated once per epoch on every rank, exactly
 would; orders agree across ranks when the sampler is deterministic (``shuffle=False``) or draws from a seeded
 ``generator``. A checkpoint keeps the generator's state from just before the current epoch's order was drawn, so
 a resumed run draws the same order; without it the sampler is advanced through the ``e`` earlier epochs.
+
+Streams (an ``IterableDataset``: a generator, LitData's ``StreamingDataset``, webdataset, Hugging Face streaming):
+there is no index to slice by, so *every pipeline reads the whole global stream* and keeps its rows of each global
+batch (:class:`GlobalStream`). The contract, documented in docs/strategy.md: the stream yields the same samples in
+the same order on every process (as it would in one process), and the DataLoader's ``batch_size`` is the global
+batch. Each global batch is handed out whole and cut per pipeline when a step uses it (:func:`rows_of`), so a
+change of D between loading and use needs no re-read; the position (samples of the epoch's stream consumed) is the
+cursor, and a resumed run, a joiner or a relaunch re-reads the epoch's stream and skips what was consumed -- exact
+for any deterministic stream, at the cost of reading the skipped part again.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import itertools
 import warnings
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
@@ -29,7 +38,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from lightning_parcae.errors import BatchSplitError, ConfigurationError
 from lightning_parcae.planning.costmodel import batch_splits
 
-__all__ = ["GlobalBatchSampler", "global_batch_size", "reshard_dataloader"]
+__all__ = ["GlobalBatchSampler", "GlobalStream", "global_batch_size", "reshard_dataloader", "rows_of"]
 
 
 
@@ -207,15 +216,139 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return full
 
 
+class GlobalStream:
+    """The training loader over a stream: yields every global batch whole, records it for the strategy.
+
+    Every pipeline iterates the user's DataLoader (an ``IterableDataset``) completely; :attr:`records` holds, for
+    each batch handed out, ``(D, replica, positions)`` -- the positions being the batch's sample numbers in the
+    epoch's stream -- which the strategy consumes in order and cuts this pipeline's rows from (:func:`rows_of`).
+    It offers :class:`GlobalBatchSampler`'s interface (``records``, :meth:`slice_of`, :meth:`reshard`,
+    :meth:`set_epoch`, :meth:`start_at`, ``rng_state``/``rng_now``), so the data path treats both alike.
+
+    Args:
+        loader: the user's DataLoader over an IterableDataset; its ``batch_size`` is B.
+        global_batch: B.
+        replicas: D.
+        replica: this pipeline's index.
+        unit: a trailing partial batch must split into multiples of this (``D * M``), else it is dropped.
+        fixed_epoch: live reconfiguration: a trailing partial batch is always dropped (see
+            :class:`GlobalBatchSampler`).
+    """
+
+    rng_state: Optional[torch.Tensor] = None
+    rng_now: Optional[torch.Tensor] = None
+
+    def __init__(self, loader: DataLoader, global_batch: int, replicas: int, replica: int, unit: int,
+                 fixed_epoch: bool) -> None:
+        self.loader = loader
+        self.dataset = loader.dataset
+        self.collate_fn = loader.collate_fn
+        self.global_batch = global_batch
+        self.replicas, self.replica, self.unit = replicas, replica, unit
+        self.fixed_epoch = fixed_epoch
+        self.epoch = 0
+        self.cursor = 0
+        self.records: deque[tuple[int, int, list[int]]] = deque()
+        self.sampler = self  # so that Lightning's _set_sampler_epoch finds set_epoch
+        self._resume: Optional[int] = None
+        self._warned = False
+
+    def reshard(self, replicas: int, replica: int, unit: int) -> None:
+        """Change D and this pipeline's index; batches are cut at use, so nothing loaded is stale."""
+        self.replicas, self.replica, self.unit = replicas, replica, unit
+
+    def slice_of(self, chunk: list[int], replicas: int, replica: int) -> list[int]:
+        """Pipeline ``replica``'s positions of a global batch ``chunk`` split over ``replicas``."""
+        per = len(chunk) // replicas
+        return chunk[replica * per : (replica + 1) * per]
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads (called by Lightning)."""
+        self.epoch = epoch
+
+    def start_at(self, epoch: int, cursor: int, rng_state: Optional[torch.Tensor] = None,
+                 rng_now: Optional[torch.Tensor] = None) -> None:
+        """Resume: the next iteration of ``epoch`` skips the first ``cursor`` samples of the stream."""
+        self.epoch, self.cursor = epoch, cursor
+        self._resume = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        resume, self._resume = self._resume, None
+        skip = self.cursor if resume is not None and resume == self.epoch else 0
+        self.cursor = 0
+        self.records.clear()
+        pos = 0
+        # a sized stream stops after its last batch without being exhausted, as Lightning stops it in one process
+        # (LitData's StreamingDataset draws the next epoch's shuffle when exhausted)
+        batches = itertools.islice(self.loader, len(self)) if self.sized else iter(self.loader)
+        for batch in batches:
+            n = _rows(batch)
+            if pos < skip:  # consumed before the checkpoint / the join: read again, not trained again
+                pos += n
+                continue
+            if n != self.global_batch and (self.fixed_epoch or n % self.unit):
+                if not self._warned:
+                    warnings.warn(f"dropping a partial global batch of {n} samples from the stream (the global batch "
+                                  f"is {self.global_batch}); give the DataLoader drop_last=True", stacklevel=2)
+                    self._warned = True
+                return
+            self.records.append((self.replicas, self.replica, list(range(pos, pos + n))))
+            pos += n
+            yield batch
+
+    @property
+    def sized(self) -> bool:
+        """Whether the user's loader has a length (a stream that knows its size, e.g. LitData's)."""
+        try:
+            len(self.loader)
+        except (TypeError, NotImplementedError):
+            return False
+        return True
+
+    def __len__(self) -> int:
+        """Batches of an epoch, if the stream is sized (else TypeError: Lightning counts until it ends)."""
+        n = len(self.loader)
+        if self.loader.drop_last:
+            return n
+        try:
+            full, rest = divmod(len(self.dataset), self.global_batch)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):
+            return n
+        return full + (1 if rest and not self.fixed_epoch and rest % self.unit == 0 else 0)
+
+
+def rows_of(batch: Any, replicas: int, replica: int) -> Any:
+    """Pipeline ``replica``'s rows of a whole global ``batch`` split into ``replicas`` equal parts (dim 0)."""
+    if replicas == 1:
+        return batch
+    from lightning_parcae.runtime.pipeline import split_micro_batches  # noqa: PLC0415
+
+    return split_micro_batches(batch, replicas)[replica]
+
+
+def _rows(batch: Any) -> int:
+    """Samples in a collated batch: the first dimension of its first batched tensor (1 if it holds none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    items = list(batch.values()) if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    for item in items:
+        if isinstance(item, (torch.Tensor, dict, list, tuple)):
+            return _rows(item)
+    return 1
+
+
 def global_batch_size(loader: DataLoader) -> int:
     """The global batch B a DataLoader defines (its ``batch_size``).
 
     Raises:
-        ConfigurationError: for loaders without a plain batch size (custom batch samplers, iterable datasets).
+        ConfigurationError: for loaders without a plain batch size (custom batch samplers, a stream that yields
+            its own batches).
     """
-    if isinstance(loader.dataset, IterableDataset):
+    if isinstance(loader.dataset, IterableDataset) and loader.batch_size is None:
         raise ConfigurationError(
-            "ParcaeStrategy needs a map-style dataset to split global batches; IterableDataset is not supported"
+            "ParcaeStrategy needs the DataLoader's batch_size to know the global batch of a stream (got an "
+            "IterableDataset with batch_size=None, i.e. one that yields its own batches); let the DataLoader batch "
+            "the stream: DataLoader(dataset, batch_size=B)"
         )
     if loader.batch_size is not None:
         return int(loader.batch_size)
@@ -230,7 +363,7 @@ def global_batch_size(loader: DataLoader) -> int:
 
 def reshard_dataloader(
     loader: DataLoader, replicas: int, replica: int, micro_batches: int, train: bool, fixed_epoch: bool = False
-) -> tuple[DataLoader, GlobalBatchSampler]:
+) -> tuple[Any, Optional[Union[GlobalBatchSampler, "GlobalStream"]]]:
     """Rebuild ``loader`` so that it yields this replica's share of each global batch.
 
     Args:
@@ -243,13 +376,18 @@ def reshard_dataloader(
             :class:`GlobalBatchSampler`).
 
     Returns:
-        The new loader and its :class:`GlobalBatchSampler` (keep it to set the cursor on resume).
+        The new loader and its :class:`GlobalBatchSampler` (keep it to set the cursor on resume). A stream (an
+        ``IterableDataset``): for training a :class:`GlobalStream` as both; for evaluation the loader itself and
+        ``None`` (every pipeline evaluates the whole stream).
 
     Raises:
         BatchSplitError: (training) if B is not divisible by D, or B / D not by M. An evaluation loader whose B
             does not split over D is given whole to every pipeline (with a warning).
     """
     b = global_batch_size(loader)
+    stream = isinstance(loader.dataset, IterableDataset)
+    if stream and not train:
+        return loader, None  # every pipeline evaluates the whole stream (the same result, D x the work)
     if not train and not batch_splits(b, replicas):
         # Regression (chaos seed 1005): a job with a training batch of 120 moved to D = 5 and died at the next
         # validation, whose batch of 12 does not split over 5 pipelines. The shape is chosen for training; an
@@ -272,6 +410,9 @@ def reshard_dataloader(
             f"cannot be split into micro_batches={micro_batches}; the global batch must be a multiple of "
             f"D x M = {replicas * micro_batches}"
         )
+    if stream:
+        global_stream = GlobalStream(loader, b, replicas, replica, replicas * micro_batches, fixed_epoch)
+        return global_stream, global_stream
     drop_last = bool(getattr(loader, "drop_last", False))
     sampler = GlobalBatchSampler(
         loader.sampler, b, replicas, replica, replicas * micro_batches, drop_last, train, fixed_epoch

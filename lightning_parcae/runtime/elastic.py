@@ -343,9 +343,11 @@ class ElasticRuntime:
         proposal = 0
         # a joiner restored from this step's state would skip the validation the members run right after it
         # (Lightning fast-forwards a validation pending at a train-batch-end checkpoint), or the end of fit if this
-        # is the last step: admit no one here
+        # is the last step, or run the epoch-end hooks from state the members set up long before (see
+        # ParcaeStrategy.epoch_ends): admit no one here
         with steptime.span("boundary.validation_follows"):
-            admit = not self.host.validation_follows(trainer) and not self.host.training_ends(trainer)
+            admit = (not self.host.validation_follows(trainer) and not self.host.training_ends(trainer)
+                     and not self.host.epoch_ends(trainer))
         if self.is_leader and admit and self._clock.due(step):
             self.life.to(Phase.PLANNING, reason="interval")
             with steptime.span("boundary.plan"):

@@ -97,6 +97,10 @@ class TrainingHost(Protocol):
         """Whether the step that just ended is the last one ``fit`` trains (False when unsure)."""
         ...
 
+    def epoch_ends(self, trainer: Any) -> bool:
+        """Whether the step that just ended is the last of its epoch (False when unsure)."""
+        ...
+
     def loop_checkpoint(self, trainer: Any) -> dict[str, Any]:
         """The trainer's checkpoint of this process's own state (loops, callbacks, schedulers; no gather)."""
         ...

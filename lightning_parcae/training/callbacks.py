@@ -102,6 +102,7 @@ class ParcaeRunCallbackMixin:
         self._window: list[tuple[float, int]] = []
         self._samples_per_step = 0
         self._resumed_step = 0
+        self._last_step = 0  # the global step at the last batch end
         if self.active:
             if check_token:
                 self._check_token()
@@ -189,6 +190,7 @@ class ParcaeRunCallbackMixin:
         if _elastic(trainer) is None:  # live reconfiguration handles SIGTERM itself (migrate, not stop)
             self._install_handler()
         self._resumed_step = int(trainer.global_step)
+        self._last_step = self._resumed_step
         self._emit(trainer, "start", resumed_from=self._resumed_step, resume_ckpt=resume_path())
 
     def on_train_batch_end(
@@ -217,6 +219,11 @@ class ParcaeRunCallbackMixin:
         self._window.append((now, step))
         self._window = [w for w in self._window if now - w[0] <= 5.0] or [(now, step)]
         if self._agreed_stop:
+            return
+        # under gradient accumulation only a batch that ended an optimizer step is a place to stop or checkpoint (a
+        # checkpoint inside a window would resume without the window's gradients); every rank sees the same steps
+        stepped, self._last_step = step != self._last_step, step
+        if not stepped:
             return
         stop = False if _elastic(trainer) is not None else trainer.strategy.reduce_boolean_decision(
             self.notified, all=False)
@@ -306,6 +313,7 @@ class ParcaeElasticCallbackMixin:
         self._logged_generation: Optional[int] = None
         self._t: Optional[float] = None
         self._rate = 0.0
+        self._boundary_step: Optional[int] = None  # the global step of the last boundary
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A joiner becomes a training member once its loop state has been restored."""
@@ -315,14 +323,22 @@ class ParcaeElasticCallbackMixin:
         er.install_signal_handler()  # after Lightning's own: SIGTERM means "migrate away", not "stop"
         if er.joining and er.life.phase.value != "training":
             er.joined(trainer)
+        self._boundary_step = int(trainer.global_step)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Step boundary: agree, plan, switch or recover; then log the configuration."""
+        """Step boundary: agree, plan, switch or recover; then log the configuration.
+
+        Only after an optimizer step: under gradient accumulation the batches inside a window are not boundaries
+        (a membership change there would split the window's gradient between two shapes), so a notice in a window
+        is taken at its end."""
         er = _elastic(trainer)
         if er is None:
             return
+        if int(trainer.global_step) == self._boundary_step:
+            return  # inside an accumulation window (or a skipped step): no optimizer step was taken
+        self._boundary_step = int(trainer.global_step)
         if steptime.ON:
             with steptime.span("callback.elastic"):
                 return self._batch_end(trainer, pl_module, er)

@@ -1,29 +1,38 @@
 """The data path: every pipeline reads its slice of one global batch order, at any shape, resumable mid-epoch.
 
 Problem: a D x P job must train on exactly the batches a single process would see -- the same global batch B, in
-the same order -- while D changes under it, a step may be re-run after a lost peer, and a checkpoint must resume
-mid-epoch. Lightning injects its own distributed sampler and prefetches batches sliced for the shape at load
+the same order -- while D changes under it, a step (under gradient accumulation: every micro-step of its window)
+may be re-run after a lost peer, and a checkpoint must resume mid-epoch. Lightning injects its own distributed sampler and prefetches batches sliced for the shape at load
 time. This part replaces Lightning's sampler injection (every loader is read in global order and sliced per
 pipeline by :func:`~lightning_parcae.runtime.data.reshard_dataloader`), keeps the sample cursor (epoch, samples
 consumed, sampler RNG) for checkpoints, and re-cuts a batch that was sliced for a previous D.
+
+Accumulation windows (live reconfiguration): with ``accumulate_grad_batches = k`` one optimizer step consumes k
+global batches, and a lost peer anywhere in them discards the whole window. The data path remembers the window's
+batch records (global indices) and the cursor at its start, so the elastic hooks can rewind to the start and
+replay every micro-step of the window, re-cut for the recovered D (:meth:`DataPath.restart_window`,
+:meth:`DataPath.replay_next`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from lightning_parcae.runtime.data import GlobalBatchSampler, reshard_dataloader
+from lightning_parcae.runtime.data import GlobalBatchSampler, GlobalStream, reshard_dataloader, rows_of
 from lightning_parcae.training.lightning_internals import (
     prepare_dataloader,
     replace_prepare_dataloader,
     restore_prepare_dataloader,
+    whole_stream_for_every_process,
 )
 from lightning_parcae.training.stage_state import StageState
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["DataPath"]
+__all__ = ["DataPath", "BatchRecord"]
+
+BatchRecord = tuple[int, int, list[int]]  # (D, replica) the batch was sliced for, and the global batch's indices
 
 _TRAINING, _PREDICTING = "train", "predict"  # RunningStage values (both namespaces)
 
@@ -40,8 +49,10 @@ class DataPath:
     Attributes:
         global_batch: B, once the training loader is known.
         resume: The cursor read from a checkpoint (epoch, cursor, rng, rng_now), applied to the next train loader.
-        rerun_step: Set when the current step is re-run after a failure: the next batch is the one it started with.
-        last_step_indices: Global sample indices this pipeline trained on in the last step.
+        window: The batch records (D, replica, global indices) of the optimizer step being accumulated (emptied by
+            :meth:`close_window` once the step is applied).
+        last_step_indices: Global sample indices this pipeline trained on in the last optimizer step (all
+            micro-steps of its accumulation window, as last run).
     """
 
     def __init__(self, state: StageState, micro_batches: int, elastic: bool, to_device: Callable[[Any], Any]) -> None:
@@ -50,14 +61,18 @@ class DataPath:
         self.elastic = elastic
         self.to_device = to_device
         self.prepare_patch: Optional[Callable[..., Any]] = None  # Lightning's own _prepare_dataloader
-        self.train_sampler: Optional[GlobalBatchSampler] = None
+        self.train_sampler: Optional[Union[GlobalBatchSampler, GlobalStream]] = None
         self.train_loader: Optional[Any] = None
         self.global_batch: Optional[int] = None
         self.cursor_epoch = -1
         self.cursor = 0
         self.resume: Optional[dict[str, Any]] = None
-        self.step_batch: Optional[tuple[int, int, list[int]]] = None  # (D, replica, global batch) of this step
-        self.rerun_step = False
+        self.step_batch: Optional[BatchRecord] = None  # (D, replica, global batch) of this step
+        self.window: list[BatchRecord] = []
+        self.window_indices: list[int] = []
+        self.window_batches: dict[int, Any] = {}  # a stream's whole global batches of this window, by position
+        self.window_start: tuple[int, int] = (-1, 0)
+        self.replay: Optional[tuple[BatchRecord, bool]] = None  # the next batch's record; whether it is the batch given
         self.last_step_indices: list[int] = []
 
     def sampler_kwargs(self) -> dict[str, Any]:
@@ -81,6 +96,7 @@ class DataPath:
                 return original(dataloader, shuffle, mode)
             assert s.groups is not None
             train = mode == _TRAINING
+            whole_stream_for_every_process(dataloader.dataset)  # a LitData stream: not pre-sharded per rank
             loader, sampler = reshard_dataloader(
                 dataloader, s.groups.data_parallel, s.groups.coords.replica, self.micro_batches, train,
                 fixed_epoch=self.elastic,  # every member, joiner or not, must agree on where an epoch ends
@@ -126,7 +142,31 @@ class DataPath:
 
     def rerun_next_step(self) -> None:
         """The next step re-runs the discarded one: :meth:`effective_batch` hands it the batch that step began with."""
-        self.rerun_step = True
+        if self.step_batch is not None:
+            self.replay = (self.step_batch, True)
+
+    @property
+    def rerun_step(self) -> bool:
+        """Whether the next step re-runs a discarded one (or replays a micro-step of a discarded window)."""
+        return self.replay is not None
+
+    def restart_window(self) -> list["BatchRecord"]:
+        """The optimizer step being accumulated was discarded: rewind the cursor to the start of its window and
+        return the window's batch records (the caller replays all but the last with :meth:`replay_next` and re-runs
+        the last with the batch Lightning gives it)."""
+        records, self.window = self.window, []
+        self.rewind(self.window_start)
+        return records
+
+    def replay_next(self, record: "BatchRecord", given: bool) -> None:
+        """The next :meth:`effective_batch` is the batch of ``record``; ``given``: the batch passed to it is that
+        record's own (re-cut only if the shape changed), otherwise it is rebuilt from the dataset."""
+        self.replay = (record, given)
+
+    def close_window(self) -> None:
+        """The accumulated optimizer step was applied: the next batch opens a new window."""
+        self.window = []
+        self.window_batches = {}
 
     def resume_from(self, saved: dict[str, Any]) -> None:
         """Resume the sample cursor of a checkpoint (its ``"data"`` record) at the next training loader."""
@@ -156,19 +196,30 @@ class DataPath:
         g = self.stage.groups
         if sampler is None or g is None:
             return batch
-        if self.rerun_step and self.step_batch is not None:
-            record = self.step_batch  # the step re-runs after a failure: same global batch
+        if self.replay is not None:
+            record, given = self.replay  # a re-run after a failure: the same global batch
+            self.replay = None
         elif sampler.records:
-            record = sampler.records.popleft()
+            record, given = sampler.records.popleft(), True
             self.step_batch = record
         else:
             return batch
-        self.rerun_step = False
+        if not self.window:
+            self.window_start = self.cursor_mark()
+            self.window_indices = []
+        self.window.append(record)
         d, replica, chunk = record
-        self.last_step_indices = sampler.slice_of(chunk, g.data_parallel, g.coords.replica)
-        if (d, replica) == (g.data_parallel, g.coords.replica):
+        indices = sampler.slice_of(chunk, g.data_parallel, g.coords.replica)
+        self.window_indices.extend(indices)
+        self.last_step_indices = list(self.window_indices)
+        if isinstance(sampler, GlobalStream):
+            # a stream's batches arrive whole: keep the window's (a replay has no dataset to re-read) and cut rows
+            if given:
+                self.window_batches[chunk[0]] = batch
+            return rows_of(self.window_batches[chunk[0]], g.data_parallel, g.coords.replica)
+        if given and (d, replica) == (g.data_parallel, g.coords.replica):
             return batch
         loader = self.train_loader
         assert loader is not None
-        fresh = loader.collate_fn([loader.dataset[i] for i in self.last_step_indices])
+        fresh = loader.collate_fn([loader.dataset[i] for i in indices])
         return self.to_device(fresh)

@@ -31,6 +31,7 @@ __all__ = [
     "inner_optimizer",
     "optimizers_to_device",
     "optimizer_to_device",
+    "whole_stream_for_every_process",
 ]
 
 
@@ -207,3 +208,24 @@ def trainer_devices_argument(unknown: Any) -> Any:
                     return frame.f_locals["devices"]
         frame = frame.f_back  # type: ignore[assignment]
     return unknown
+
+
+# ------------------------------------------------------------------------------------------------ LitData
+def whole_stream_for_every_process(dataset: Any) -> bool:
+    """Make a LitData ``StreamingDataset`` yield the whole stream on this process; True if it was one.
+
+    Wraps ``litdata.streaming.dataset.StreamingDataset.distributed_env`` and ``litdata.utilities.env._DistributedEnv``
+    (litdata 0.2.x, written against 0.2.76): the dataset reads ``torch.distributed``'s world size once, when it is
+    constructed, and then yields only its rank's share. Under ParcaeStrategy every pipeline reads the whole global
+    stream and keeps its rows (``runtime.data.GlobalStream``), and the world changes with every generation, so the
+    dataset must see a world of one. If litdata renames these, a StreamingDataset built after the process group
+    would silently yield a fraction of the stream per rank: ``tests/test_training_lightning_internals.py`` checks
+    they exist.
+    """
+    env = getattr(dataset, "distributed_env", None)
+    if env is None or type(dataset).__module__.split(".")[0] != "litdata":
+        return False
+    from litdata.utilities.env import _DistributedEnv  # noqa: PLC0415
+
+    dataset.distributed_env = _DistributedEnv(world_size=1, global_rank=0, num_nodes=1)
+    return True

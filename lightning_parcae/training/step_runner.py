@@ -128,14 +128,28 @@ class StepRunner:
             optimizer.step()
 
     def check_supported(self, module: Any) -> None:
-        """Refuse what the pipeline step cannot run (manual optimization); under 16-mixed precision set up the
-        job-wide loss scaling of the plugin's GradScaler (:mod:`~lightning_parcae.training.loss_scaling`).
+        """Refuse what the pipeline step cannot run (manual optimization at P > 1, or with a loss scaler); under
+        16-mixed precision set up the job-wide loss scaling of the plugin's GradScaler
+        (:mod:`~lightning_parcae.training.loss_scaling`).
 
         Raises:
             ConfigurationError: naming what to use instead.
         """
         if not module.automatic_optimization:
-            raise ConfigurationError("ParcaeStrategy supports automatic optimization only")
+            g = self.state.groups
+            if g is not None and g.pipeline_stages > 1:
+                raise ConfigurationError(
+                    f"manual optimization (automatic_optimization=False) runs at pipeline_stages=1 only (got "
+                    f"P={g.pipeline_stages}): with P > 1 the pipeline schedule must own each step's forward and "
+                    "backward, which manual optimization leaves to training_step; use ParcaeStrategy("
+                    "pipeline_stages=1) -- data parallel, still elastic -- or automatic optimization"
+                )
+            if getattr(self.host.precision_plugin, "scaler", None) is not None:
+                raise ConfigurationError(
+                    "manual optimization with 16-mixed precision (a GradScaler) is not supported by ParcaeStrategy; "
+                    "use precision='bf16-mixed' or '32-true', or automatic optimization"
+                )
+            return
         self.loss_scaling = LossScaling.for_plugin(self.host.precision_plugin, self.state, self.host.root_device)
 
     def call_step(self, name: str, mode: str, batch: Any, rest: tuple[Any, ...], kwargs: dict[str, Any],
@@ -181,12 +195,18 @@ class StepRunner:
         return middle
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss."""
+        """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss.
+        Under manual optimization (P = 1) the user's step as written, on this replica's rows: its
+        ``manual_backward`` calls reach :meth:`backward`, which averages the gradients over the replicas."""
         s, host = self.state, self.host
         module = host.lightning_module
         g = s.groups
         assert module is not None and g is not None and s.p2p is not None and s.stage is not None
         trainer = module.trainer
+        if not module.automatic_optimization:
+            out = module.training_step(self.data.effective_batch(args[0]), *args[1:], **kwargs)
+            self.data.count_samples(trainer.current_epoch)
+            return out
         batch, rest = self.data.effective_batch(args[0]), tuple(args[1:])
         m_total = self.micro_batches
         micro = split_micro_batches(batch, m_total)
@@ -308,11 +328,22 @@ class StepRunner:
         finally:
             self.sync_grads = True
 
-    def backward(self, closure_loss: Tensor) -> Tensor:
-        """Put back the gradients computed in :meth:`training_step`, then reduce them (unless accumulating)."""
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer] = None, *args: Any,
+                 **kwargs: Any) -> Tensor:
+        """Put back the gradients computed in :meth:`training_step`, then reduce them (unless accumulating).
+
+        Manual optimization: ``manual_backward`` runs the real backward here, then every parameter's gradient is
+        averaged over the D replicas -- after each call, so a step that calls it more than once (a GAN's two
+        losses) gets what one process accumulates (the average is linear, and averaging gradients that are
+        already equal on every replica leaves them unchanged)."""
         host = self.host
         module = host.lightning_module
         assert module is not None
+        if not module.automatic_optimization:
+            closure_loss = host.precision_plugin.pre_backward(closure_loss, module)
+            host.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            self.reduce_gradients()
+            return host.precision_plugin.post_backward(closure_loss, module)
         closure_loss = host.precision_plugin.pre_backward(closure_loss, module)
         params = [p for p in module.parameters() if p.requires_grad]
         pending = self.pending_grads or [None] * len(params)

@@ -172,7 +172,10 @@ class ParcaeStrategyMixin:
         self.profiler = LayerProfiler(self.stage_state, o.profile_repeats, self)
         self.layout = StageLayout(self.stage_state, o, self, self.profiler)
         self.process = ProcessSetup(self, o, self.layout, ns_name)
-        self.data = DataPath(self.stage_state, o.micro_batches, o.elastic, lambda batch: self.batch_to_device(batch))
+        # a batch the data path rebuilds goes where Lightning's loop sends one: the precision's dtype (64-true:
+        # double; regression -- a window replayed after a loss fed float32 rows to a float64 model), then the device
+        self.data = DataPath(self.stage_state, o.micro_batches, o.elastic,
+                             lambda batch: self.batch_to_device(self.precision_plugin.convert_input(batch)))
         self.steps = StepRunner(self.stage_state, o.micro_batches, o.schedule, self, self.data)
         self.collectives = Collectives(self.stage_state, self)
         self.elastic_hooks = ElasticHooks(self, self.data, self.steps, self.process, ns_name)
@@ -210,9 +213,12 @@ class ParcaeStrategyMixin:
 
     @property
     def max_pipeline_stages(self) -> Optional[int]:
-        """Deepest pipeline live reconfiguration may choose: 1 for a model without a cuttable stack, else the
-        option (``None``: as many as layers)."""
-        return 1 if self.stage_state.whole_model else self.options.max_pipeline_stages
+        """Deepest pipeline live reconfiguration may choose: 1 for a model without a cuttable stack or under manual
+        optimization, else the option (``None``: as many as layers)."""
+        module = self.lightning_module
+        if self.stage_state.whole_model or (module is not None and not module.automatic_optimization):
+            return 1  # (manual optimization runs at P = 1 only)
+        return self.options.max_pipeline_stages
 
     # ============================================================================================ Lightning plumbing
     @property
@@ -313,7 +319,11 @@ class ParcaeStrategyMixin:
         """One optimizer step; under live reconfiguration a step interrupted by a lost peer is applied everywhere
         or discarded everywhere (two-phase), then re-run on the recovered shape with the same global batch."""
         step = partial(super().optimizer_step, optimizer, closure, model, **kwargs)
-        return step() if self.elastic_runtime is None else self.elastic_hooks.optimizer_step(optimizer, step)
+        if self.elastic_runtime is not None:
+            return self.elastic_hooks.optimizer_step(optimizer, step)
+        out = step()
+        self.data.close_window()
+        return out
 
     def model_to_device(self) -> None:
         """Move the (local) module to this process's device."""
@@ -390,6 +400,18 @@ class ParcaeStrategyMixin:
         """
         return training_ends(trainer)
 
+    def epoch_ends(self, trainer: "pl.Trainer") -> bool:
+        """Whether the step that just ended is the last of its epoch.
+
+        Regression (issue 23, gradient accumulation 4 made it 4x likelier): a standby admitted at the last step of
+        an epoch restored the loop there and ran the epoch-end hooks right away -- but with the state of a process
+        that has not loaded the validation loader yet: ModelCheckpoint(monitor=...) decides whether to save at a
+        training epoch's end from ``trainer.num_val_batches`` (0 in the joiner, so it saved: a barrier and a
+        reduction the members, which had validated, did not make). The members stalled 60 s in their next
+        gradient all-reduce. Planned admissions wait one step when this is true.
+        """
+        return epoch_ends(trainer)
+
     def loop_checkpoint(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """Lightning's checkpoint of this process's own state: loops, callbacks, schedulers (no gather)."""
         with self.local_state_dump():
@@ -425,8 +447,12 @@ class ParcaeStrategyMixin:
     # ============================================================================================ steps
     # Lightning calls these on the strategy; the work is in :class:`~lightning_parcae.training.step_runner.StepRunner`.
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss."""
-        return self.steps.training_step(*args, **kwargs)
+        """One pipeline step over M micro-batches (forward and backward); returns the mean micro-batch loss.
+        Under live reconfiguration a micro-step of an accumulation window interrupted by a lost peer is replayed
+        with its whole window (:meth:`~lightning_parcae.training.elastic_hooks.ElasticHooks.training_step`)."""
+        if self.elastic_runtime is None:
+            return self.steps.training_step(*args, **kwargs)
+        return self.elastic_hooks.training_step(args, kwargs, partial(self.steps.training_step, *args, **kwargs))
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Pipeline forward of the batch, then the user's ``validation_step`` on every stage with its output."""
@@ -448,8 +474,12 @@ class ParcaeStrategyMixin:
             yield None
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Put back the gradients computed in :meth:`training_step`, then reduce them (unless accumulating)."""
-        return self.steps.backward(closure_loss)
+        """Put back the gradients computed in :meth:`training_step`, then reduce them (unless accumulating); under
+        manual optimization the real backward, then the reduction."""
+        if self.elastic_runtime is not None and self.lightning_module is not None \
+                and not self.lightning_module.automatic_optimization:
+            self.elastic_hooks.before_manual_backward()
+        return self.steps.backward(closure_loss, optimizer, *args, **kwargs)
 
     def reduce_gradients(self) -> None:
         """Sum replicated parameters' gradients over the pipeline, then average everything over the D replicas."""
@@ -544,6 +574,14 @@ def training_ends(trainer: "pl.Trainer") -> bool:
         max_epochs = loop.max_epochs
         last_epoch = max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs
         return bool(last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
+    except Exception:  # noqa: BLE001 -- Lightning internals: when in doubt, do not hold admissions back
+        return False
+
+
+def epoch_ends(trainer: "pl.Trainer") -> bool:
+    """Whether the step that just ended is the last of its epoch (see ``ParcaeStrategy.epoch_ends``)."""
+    try:
+        return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
     except Exception:  # noqa: BLE001 -- Lightning internals: when in doubt, do not hold admissions back
         return False
 # --- end TrainingHost ---
