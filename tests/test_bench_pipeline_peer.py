@@ -1,0 +1,58 @@
+"""The peer benchmark (benchmarks/bench_pipeline_peer.py) measures what it says: every configuration gets a row.
+
+Problem: the comparison of ParcaeStrategy's pipeline engine with ``torch.distributed.pipelining`` (issue 22) is a
+multi-process script that nobody runs in the default suite; without a test it rots silently (an API change in
+torch's pipelining, a renamed strategy option) and a missing row reads like a skipped configuration. The fast test
+pins the bubble-ratio definition; the slow one runs the whole benchmark at a tiny size and checks that the table
+has a row for every (P, schedule), each with both engines' samples/s and memory per stage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench() -> ModuleType:
+    path = os.path.join(ROOT, "benchmarks", "bench_pipeline_peer.py")
+    spec = importlib.util.spec_from_file_location("bench_pipeline_peer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_pipeline_peer"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bubble_ratio_is_measured_over_p_times_one_process_times_the_bound() -> None:
+    bench = _bench()
+    # P=2, M=4: bound 4/5; an ideal pipeline runs at 2 x 100 x 0.8 = 160 samples/s
+    assert bench.bubble_ratio(160.0, 100.0, 2, 4) == pytest.approx(1.0)
+    assert bench.bubble_ratio(120.0, 100.0, 2, 4) == pytest.approx(0.75)
+    # P=4, M=8: bound 8/11
+    assert bench.bubble_ratio(4 * 50.0 * 8 / 11, 50.0, 4, 8) == pytest.approx(1.0)
+
+
+@pytest.mark.slow  # 1-4 min on 2 shared cores (220 s at load 3.6): five short multi-process runs, mostly start-up
+def test_tiny_run_has_a_row_per_stage_count_and_schedule_with_both_engines(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    out = bench.main(["--vocab", "512", "--dim", "32", "--blocks", "2", "--seq", "16", "--batch", "8",
+                      "--stages", "2", "--micro-batches", "2", "--steps", "2", "--warmup", "1"])
+    printed = capsys.readouterr().out
+    assert out["one_process"] > 0
+    assert set(out["rows"]) == {"P=2 gpipe", "P=2 1f1b"}
+    for name, row in out["rows"].items():
+        for engine in ("parcae", "peer"):
+            assert row[engine]["samples_per_s"] > 0, (name, engine)
+            assert len(row[engine]["peak_above_baseline_mib"]) == 2, (name, engine)  # one figure per stage
+        assert row["throughput_ratio"] == pytest.approx(row["parcae"]["samples_per_s"]
+                                                        / row["peer"]["samples_per_s"])
+        p, m, schedule = row["P"], row["M"], row["schedule"]
+        assert any(line.split()[:3] == [str(p), str(m), schedule] for line in printed.splitlines()), name
+    assert sum(out["splits"][2]) == 2 + 3  # blocks + embedding, final norm, head
