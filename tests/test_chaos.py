@@ -12,6 +12,8 @@ The default suite runs the repros of issue 9 that need the real runtime under th
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -59,7 +61,16 @@ def test_parcae_run_code_after_fit_works_if_a_hung_worker_came_back_as_a_standby
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("seed", [4, 43, 1005, 1102, 2008])  # 43: store outage; 1005, 1102: validation with joiners; 2008: kills in a migration and a join
 def test_chaos_trial_sample_loses_nothing_and_stalls_within_bound(tmp_path: Path, seed: int) -> None:
-    _check(run_trial(draw(seed), tmp_path))
+    # these seeds are regressions found before trials drew gradient accumulation: run them as they were drawn then
+    _check(run_trial(dataclasses.replace(draw(seed), accumulate=1), tmp_path))
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("seed", [192, 254])  # accumulation 2 at P=2 with two kills; 3 at P=2, the leader and two kills
+def test_chaos_trial_with_gradient_accumulation_loses_nothing(tmp_path: Path, seed: int) -> None:
+    trial = draw(seed)
+    assert trial.accumulate > 1 and trial.pipeline_stages > 1  # a loss can land inside a window, mid-pipeline
+    _check(run_trial(trial, tmp_path))
 
 
 @pytest.mark.chaos

@@ -48,6 +48,8 @@ class RunConfig:
     """Instances during each (scaled) replay interval; empty for a static cluster."""
     trace_counts: list[int] = field(default_factory=list)
     checkpoint_dir: Optional[str] = None
+    trace_clock: str = "launch"
+    """When the trace's time starts: at the launch, or at the first training step (``first-step``)."""
     """``--checkpoint-dir``: a local path, shared mount or fsspec URL that outlives every instance (None: the legacy
     ``run_dir/ckpt/last.ckpt``, written on the disk of whichever member is rank 0)."""
 

@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=_DEFAULT_TIME_SCALE,
                    help=f"replay speed-up: trace seconds per wall second (default {_DEFAULT_TIME_SCALE:g})")
     p.add_argument("--interval", type=float, default=60.0, help="trace interval length in trace seconds (default 60)")
+    p.add_argument("--trace-clock", choices=["launch", "first-step"], default="launch",
+                   help="when the trace's time starts: at the launch (default; start-up takes part of the trace, as "
+                        "on a real fleet), or when the first generation reports its first training step (a replay "
+                        "whose changes must hit training, not start-up, however long start-up takes here)")
     p.add_argument("--grace", type=float, default=120.0,
                    help="preemption notice period in trace seconds, divided by --time-scale (default 120, AWS)")
     p.add_argument("--victims", choices=VICTIM_ORDERS, default="newest",
@@ -212,7 +216,7 @@ def _config(argv: Sequence[str]) -> RunConfig:
         startup_timeout_s=ns.startup_timeout, progress_every_s=ns.progress_every, plot=not ns.no_plot,
         mode=ns.mode, max_restarts=ns.max_restarts, stall_timeout_s=ns.stall_timeout,
         emulated_devices=ns.emulated_devices, victims=ns.victims, seed=ns.seed,
-        checkpoint_dir=checked_location(ns.checkpoint_dir),
+        checkpoint_dir=checked_location(ns.checkpoint_dir), trace_clock=ns.trace_clock,
     )
     if ns.trace is not None:
         cfg.trace_counts, cfg.schedule = _load_schedule(ns.trace, ns.interval, max_inst)
@@ -274,6 +278,7 @@ class Launcher:
         self.fleet = Fleet(cfg, self.state, self.reports, self.pool, self.job_store, self.event, self.console.say,
                            self.relaunch, lambda: host_capacity())
         """The ``--elastic`` instance manager."""
+        self._trace_t0: Optional[float] = None  # --trace-clock first-step: when the first step was reported
 
     @property
     def workers(self) -> list[Worker]:
@@ -323,6 +328,19 @@ class Launcher:
         self.pool.kill_all()
 
     # ------------------------------------------------------------------------------------------------ main loop
+    def trace_elapsed(self) -> float:
+        """Wall seconds into the trace: since the launch, or (``--trace-clock first-step``) since the first training
+        step was reported (0 until then)."""
+        now = time.time()
+        if self.cfg.trace_clock != "first-step":
+            return now - self.state.t0
+        if self._trace_t0 is None:
+            if self.state.phase is not Phase.RUNNING:
+                return 0.0
+            self._trace_t0 = now
+            self.event("trace_clock", note="the trace starts now: the first training step was reported")
+        return now - self._trace_t0
+
     def target_at(self, elapsed: float) -> int:
         """Instances the trace asks for ``elapsed`` wall seconds into the run (the last count after it ends)."""
         if not self.cfg.schedule:
@@ -396,7 +414,7 @@ class Launcher:
                     raise pool.failure("parcae run failed: every worker exited but training did not finish",
                                        fleet.this_launch()[:2])
                 break
-            target = self.target_at(time.time() - st.t0)
+            target = self.target_at(self.trace_elapsed())
             if target != len(fleet.instances):
                 fleet.change(target)
             if st.phase is Phase.STARTING and time.time() - st.started_at > cfg.startup_timeout_s:
@@ -418,7 +436,7 @@ class Launcher:
         while True:
             time.sleep(POLL_S)
             self._read_events()
-            elapsed = time.time() - st.t0
+            elapsed = self.trace_elapsed()
             if pool.workers:
                 codes = [w.proc.poll() for w in pool.workers]
                 bad = [w for w, c in zip(pool.workers, codes) if c not in (None, 0)]
