@@ -206,3 +206,25 @@ def test_an_outcome_that_cannot_cross_fails_on_every_stage_instead_of_hanging_th
     (payload, _), = out.sent  # the last stage still sent something: the error
     with pytest.raises(ConfigurationError, match="could not be sent"):
         _stage_runner(Module(), False, Transport(payload)).share_outcome(None)
+
+
+def test_a_step_does_not_hold_the_previous_gradients_when_lightning_zeroes_them_anyway() -> None:
+    """Regression (issue 22, bench_pipeline_peer): every stage kept the previous step's gradients aside through the
+    whole step although Lightning's zero_grad drops them right after it -- one extra gradient set at the peak. They
+    are dropped now when nothing accumulates and optimizer_zero_grad is Lightning's own; kept otherwise."""
+    import pytorch_lightning as pl
+
+    from lightning_parcae.training.step_runner import _zeroed_after_step
+
+    class Plain(pl.LightningModule):
+        pass
+
+    class Keeps(pl.LightningModule):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            pass  # accumulates across steps on purpose
+
+    trainer = types.SimpleNamespace(accumulate_grad_batches=1)
+    assert _zeroed_after_step(Plain(), trainer)
+    assert not _zeroed_after_step(Keeps(), trainer)
+    assert not _zeroed_after_step(Plain(), types.SimpleNamespace(accumulate_grad_batches=2))
+    assert not _zeroed_after_step(Module(), trainer)  # not a LightningModule: keep them (as before)

@@ -211,7 +211,10 @@ class StepRunner:
         m_total = self.micro_batches
         micro = split_micro_batches(batch, m_total)
         params = [p for p in module.parameters() if p.requires_grad]
-        previous = [p.grad for p in params]
+        # the gradients before this step are kept aside and put back after it -- unless Lightning is about to zero
+        # them anyway (no accumulation, the module's own optimizer_zero_grad): then they are dropped now, so a
+        # stage does not hold two gradient sets through its step (issue 22: 1.16-1.30x the peer's peak memory)
+        previous = [None] * len(params) if _zeroed_after_step(module, trainer) else [p.grad for p in params]
         for p in params:
             p.grad = None
         results: list[Any] = []
@@ -396,6 +399,19 @@ class StepRunner:
         for p in params:
             p.grad.detach().mul_(coef.to(p.grad.dtype))
 
+
+
+def _zeroed_after_step(module: Any, trainer: Any) -> bool:
+    """Whether Lightning zeroes (sets to None) every gradient between this ``training_step`` and its backward: no
+    accumulation, and ``optimizer_zero_grad`` is the LightningModule's own (``optimizer.zero_grad()``, whose
+    ``set_to_none`` is torch's default). A module that overrides the hook keeps its gradients as before."""
+    if int(getattr(trainer, "accumulate_grad_batches", 1)) != 1:
+        return False
+    hook = getattr(type(module), "optimizer_zero_grad", None)
+    for base in type(module).__mro__:
+        if base.__name__ == "LightningModule" and base.__module__.split(".")[0] in ("pytorch_lightning", "lightning"):
+            return hook is getattr(base, "optimizer_zero_grad", None)
+    return False
 
 
 def _inner_optimizers(trainer: Any) -> list[Optimizer]:
