@@ -1,0 +1,68 @@
+"""benchmarks/bench_scale.py turns a run's events into the scale table: figures per N and the growth column.
+
+No processes: synthetic ``events.jsonl`` records shaped like those of ``parcae run`` (launcher ``launch``/``add``,
+worker ``progress``/``step_timing``, elastic ``phase``/``migration``/``decision``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_scale  # noqa: E402
+
+
+def _events(n: int, startup: float, intra: float, boundary_ms: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def run(with_changes: bool) -> list[dict[str, Any]]:
+        ev: list[dict[str, Any]] = [
+            {"source": "launcher", "event": "run_start", "time": 99.0},
+            {"source": "launcher", "event": "launch", "time": 100.0, "members": [f"i{k}" for k in range(n)]},
+            {"source": "elastic", "event": "phase", "old": "starting", "new": "training", "generation": 0,
+             "spent_s": startup / 2, "time": 100.0 + startup},
+            {"source": "worker", "event": "progress", "time": 100.0 + startup, "step": 1},
+        ]
+        if with_changes:
+            # two members of generation 1 report the intra-stage change; the slower one counts
+            ev += [{"source": "elastic", "event": "migration", "generation": 1, "kind": "intra-stage",
+                    "duration_s": intra * f, "transfer_s": 0.01, "joiners": [], "time": 150.0} for f in (0.5, 1.0)]
+            ev += [{"source": "launcher", "event": "add", "joiners": [f"i{n}"], "time": 160.0},
+                   {"source": "elastic", "event": "decision", "standbys": [f"i{n}"], "time": 163.0},
+                   {"source": "elastic", "event": "migration", "generation": 2, "kind": "intra-stage",
+                    "duration_s": 2.0, "transfer_s": 1.5, "joiners": [f"i{n}"], "time": 165.0}]
+        else:
+            ev += [{"source": "worker", "event": "step_timing", "rank": r,
+                    "parts": {"step": {"n": 100, "total_s": 10.0},
+                              "boundary": {"n": 100, "total_s": boundary_ms * (1 + r) / 10.0},
+                              "commit": {"n": 100, "total_s": 0.1}}} for r in range(2)]
+        return ev
+
+    return run(False), run(True)
+
+
+def test_summary_takes_the_slowest_member_and_separates_joins() -> None:
+    fixed, changes = _events(4, startup=10.0, intra=0.2, boundary_ms=1.0)
+    s = bench_scale.summarize(fixed, changes, None, 4)
+    assert s["startup_s"] == 10.0
+    assert s["migration:intra-stage"] == 0.2  # the slower of the two members, not the mean
+    assert s["migration:join"] == 2.0 and abs(s["rest:join"] - 0.5) < 1e-9
+    assert s["join_delay_s"] == 3.0
+    assert s["kinds"] == {"intra-stage": 1, "join": 1}
+    assert abs(s["boundary_ms"] - 1.5) < 1e-9 and abs(s["boundary_max_ms"] - 2.0) < 1e-9  # ranks at 1 and 2 ms
+    assert s["leader_ops_per_beat"] == 11.0  # 3 + 2 N: the leader reads every member's heartbeat
+
+
+def test_growth_column_is_the_ratio_of_the_largest_n_to_the_smallest() -> None:
+    results = {}
+    for n, (startup, intra) in {4: (10.0, 0.2), 8: (20.0, 0.4), 16: (80.0, 0.5)}.items():
+        fixed, changes = _events(n, startup=startup, intra=intra, boundary_ms=1.0)
+        results[n] = bench_scale.summarize(fixed, changes, None, n)
+    text = bench_scale.table(results)
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()[2:]}
+    assert "growth 4->16" in text.splitlines()[0] and "linear 4x" in text.splitlines()[0]
+    start = rows["start-up: launch -> first step, s (median of 2 runs)"]
+    assert start[2:5] == ["10.00", "20.00", "80.00"] and start[5] == "8.00"
+    assert rows["migration intra-stage, s"][5] == "2.50"
+    assert rows["migration inter-stage, s"][5] == "n/a"  # no such migration: no ratio invented
