@@ -135,15 +135,6 @@ def _is_wildcard(host: str) -> bool:
         return False
 
 
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _check_port_free(host: str, port: int, what: str) -> None:
     """Bind ``host:port`` once (as etcd will, with SO_REUSEADDR) to turn "taken" into a clear error now.
 
@@ -218,7 +209,9 @@ class StoreService:
     @property
     def loopback(self) -> bool:
         """Whether only this machine can reach the store."""
-        return _is_loopback(self.host)
+        from lightning_parcae.runtime.store import is_loopback  # noqa: PLC0415
+
+        return is_loopback(self.host)
 
     def start(self) -> str:
         """Start etcd, make sure the token file and the proof are there; the job's ``--store`` URL.

@@ -37,12 +37,40 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from lightning_parcae.errors import BatchSplitError, ConfigurationError
 from lightning_parcae.planning.costmodel import batch_splits
+from lightning_parcae.runtime.pipeline import batch_size_of, split_micro_batches
 
 __all__ = ["GlobalBatchSampler", "GlobalStream", "global_batch_size", "reshard_dataloader", "rows_of"]
 
 
 
-class GlobalBatchSampler(Sampler[list[int]]):
+class _GlobalSlices:
+    """What :class:`GlobalBatchSampler` and :class:`GlobalStream` share: D, this pipeline's index, the split unit,
+    the epoch Lightning selects and how a global batch is cut per pipeline."""
+
+    replicas: int
+    replica: int
+    unit: int
+    epoch: int
+
+    def reshard(self, replicas: int, replica: int, unit: int) -> None:
+        """Change D and this pipeline's index (live reconfiguration); batches from now on use the new slice.
+
+        Batches already drawn (prefetched by Lightning or DataLoader workers) keep the slice of the D they were
+        drawn for; their records let the strategy re-slice them (:meth:`slice_of`).
+        """
+        self.replicas, self.replica, self.unit = replicas, replica, unit
+
+    def slice_of(self, chunk: list[int], replicas: int, replica: int) -> list[int]:
+        """Pipeline ``replica``'s part of a training global batch ``chunk`` split over ``replicas``."""
+        per = len(chunk) // replicas
+        return chunk[replica * per : (replica + 1) * per]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration reads (called by Lightning)."""
+        self.epoch = epoch
+
+
+class GlobalBatchSampler(_GlobalSlices, Sampler[list[int]]):
     """Yields replica ``replica``'s slice of each global batch of the base sampler's order.
 
     Args:
@@ -90,23 +118,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
         """The DataLoader's generator (it draws one seed from it per iterator); set by :func:`reshard_dataloader`."""
         self.records: deque[tuple[int, int, list[int]]] = deque()
         self.sampler = self  # so that Lightning's _set_sampler_epoch finds set_epoch
-
-    def reshard(self, replicas: int, replica: int, unit: int) -> None:
-        """Change D and this pipeline's index (live reconfiguration); batches from now on use the new slice.
-
-        Batches already drawn (prefetched by Lightning or DataLoader workers) keep their old slice; their
-        :attr:`records` let the strategy re-slice them (:meth:`slice_of`).
-        """
-        self.replicas, self.replica, self.unit = replicas, replica, unit
-
-    def slice_of(self, chunk: list[int], replicas: int, replica: int) -> list[int]:
-        """Pipeline ``replica``'s part of a training global batch ``chunk`` split over ``replicas``."""
-        per = len(chunk) // replicas
-        return chunk[replica * per : (replica + 1) * per]
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration uses (called by Lightning)."""
-        self.epoch = epoch
 
     def start_at(self, epoch: int, cursor: int, rng_state: Optional[torch.Tensor] = None,
                  rng_now: Optional[torch.Tensor] = None) -> None:
@@ -216,14 +227,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return full
 
 
-class GlobalStream:
+class GlobalStream(_GlobalSlices):
     """The training loader over a stream: yields every global batch whole, records it for the strategy.
 
     Every pipeline iterates the user's DataLoader (an ``IterableDataset``) completely; :attr:`records` holds, for
     each batch handed out, ``(D, replica, positions)`` -- the positions being the batch's sample numbers in the
     epoch's stream -- which the strategy consumes in order and cuts this pipeline's rows from (:func:`rows_of`).
     It offers :class:`GlobalBatchSampler`'s interface (``records``, :meth:`slice_of`, :meth:`reshard`,
-    :meth:`set_epoch`, :meth:`start_at`, ``rng_state``/``rng_now``), so the data path treats both alike.
+    :meth:`set_epoch`, :meth:`start_at`, ``rng_state``/``rng_now``), so the data path treats both alike; a stream's
+    batches are cut when a step uses them, so a reshard leaves nothing loaded stale.
 
     Args:
         loader: the user's DataLoader over an IterableDataset; its ``batch_size`` is B.
@@ -253,19 +265,6 @@ class GlobalStream:
         self._resume: Optional[int] = None
         self._warned = False
 
-    def reshard(self, replicas: int, replica: int, unit: int) -> None:
-        """Change D and this pipeline's index; batches are cut at use, so nothing loaded is stale."""
-        self.replicas, self.replica, self.unit = replicas, replica, unit
-
-    def slice_of(self, chunk: list[int], replicas: int, replica: int) -> list[int]:
-        """Pipeline ``replica``'s positions of a global batch ``chunk`` split over ``replicas``."""
-        per = len(chunk) // replicas
-        return chunk[replica * per : (replica + 1) * per]
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration reads (called by Lightning)."""
-        self.epoch = epoch
-
     def start_at(self, epoch: int, cursor: int, rng_state: Optional[torch.Tensor] = None,
                  rng_now: Optional[torch.Tensor] = None) -> None:
         """Resume: the next iteration of ``epoch`` skips the first ``cursor`` samples of the stream."""
@@ -282,7 +281,7 @@ class GlobalStream:
         # (LitData's StreamingDataset draws the next epoch's shuffle when exhausted)
         batches = itertools.islice(self.loader, len(self)) if self.sized else iter(self.loader)
         for batch in batches:
-            n = _rows(batch)
+            n = batch_size_of(batch) or 1
             if pos < skip:  # consumed before the checkpoint / the join: read again, not trained again
                 pos += n
                 continue
@@ -319,22 +318,7 @@ class GlobalStream:
 
 def rows_of(batch: Any, replicas: int, replica: int) -> Any:
     """Pipeline ``replica``'s rows of a whole global ``batch`` split into ``replicas`` equal parts (dim 0)."""
-    if replicas == 1:
-        return batch
-    from lightning_parcae.runtime.pipeline import split_micro_batches  # noqa: PLC0415
-
-    return split_micro_batches(batch, replicas)[replica]
-
-
-def _rows(batch: Any) -> int:
-    """Samples in a collated batch: the first dimension of its first batched tensor (1 if it holds none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.ndim else 1
-    items = list(batch.values()) if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
-    for item in items:
-        if isinstance(item, (torch.Tensor, dict, list, tuple)):
-            return _rows(item)
-    return 1
+    return batch if replicas == 1 else split_micro_batches(batch, replicas)[replica]
 
 
 def global_batch_size(loader: DataLoader) -> int:

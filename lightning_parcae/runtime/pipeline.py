@@ -31,6 +31,7 @@ __all__ = [
     "Op",
     "schedule_ops",
     "split_micro_batches",
+    "batch_size_of",
     "chunk_batch",
     "StageBoundary",
     "StageProxy",
@@ -84,7 +85,8 @@ def schedule_ops(kind: str, stage: int, pipeline_stages: int, micro_batches: int
 
 
 # ---------------------------------------------------------------------------------------------------- batch split
-def _batch_size_of(batch: Any) -> Optional[int]:
+def batch_size_of(batch: Any) -> Optional[int]:
+    """The batch dimension of a batch (its first batched tensor's dim 0), ``None`` if it holds no batched tensor."""
     if isinstance(batch, Tensor):
         return batch.shape[0] if batch.ndim > 0 else None
     if isinstance(batch, dict):
@@ -94,7 +96,7 @@ def _batch_size_of(batch: Any) -> Optional[int]:
     else:
         return None
     for item in items:
-        n = _batch_size_of(item)
+        n = batch_size_of(item)
         if n is not None:
             return n
     return None
@@ -135,7 +137,7 @@ def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
     Raises:
         BatchSplitError: if the batch size is not divisible by M, or tensors disagree on the batch size.
     """
-    size = _batch_size_of(batch)
+    size = batch_size_of(batch)
     if size is None:
         if micro_batches == 1:
             return [batch]
@@ -159,7 +161,7 @@ def chunk_batch(batch: Any, chunks: int) -> list[Any]:
     Returns:
         ``min(chunks, batch size)`` parts (one part if the batch holds no batched tensor).
     """
-    size = _batch_size_of(batch)
+    size = batch_size_of(batch)
     if size is None or size == 0:
         return [batch]
     n = max(1, min(chunks, size))

@@ -63,6 +63,7 @@ __all__ = [
     "read",
     "encode_record",
     "decode_record",
+    "is_loopback",
     "TokenStore",
     "WrongTokenError",
     "TamperedRecordError",
@@ -176,7 +177,8 @@ def _as_spec(spec: StoreSpec | str) -> StoreSpec:
     return spec if isinstance(spec, StoreSpec) else parse_store_url(spec)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback."""
     if host.lower() == "localhost":
         return True
     try:
@@ -222,7 +224,7 @@ def host_store(
     spec = _as_spec(spec)
     if spec.scheme == "tcp":
         assert spec.host is not None and spec.port is not None
-        if not _is_loopback(spec.host) and not allow_remote:
+        if not is_loopback(spec.host) and not allow_remote:
             raise ConfigurationError(
                 f"refusing to host the coordination store on {spec.host}: only loopback is allowed by default, "
                 "because anyone who can reach the port can read and disturb the job. Pass allow_remote=True "

@@ -51,8 +51,8 @@ class DataPath:
         resume: The cursor read from a checkpoint (epoch, cursor, rng, rng_now), applied to the next train loader.
         window: The batch records (D, replica, global indices) of the optimizer step being accumulated (emptied by
             :meth:`close_window` once the step is applied).
-        last_step_indices: Global sample indices this pipeline trained on in the last optimizer step (all
-            micro-steps of its accumulation window, as last run).
+        window_indices: Global sample indices this pipeline trained on in that window (kept until the next window
+            opens: :attr:`last_step_indices`).
     """
 
     def __init__(self, state: StageState, micro_batches: int, elastic: bool, to_device: Callable[[Any], Any]) -> None:
@@ -73,7 +73,6 @@ class DataPath:
         self.window_batches: dict[int, Any] = {}  # a stream's whole global batches of this window, by position
         self.window_start: tuple[int, int] = (-1, 0)
         self.replay: Optional[tuple[BatchRecord, bool]] = None  # the next batch's record; whether it is the batch given
-        self.last_step_indices: list[int] = []
 
     def sampler_kwargs(self) -> dict[str, Any]:
         """All stages of a pipeline read the same shard: replicas = D, rank = pipeline index (used for predict)."""
@@ -139,6 +138,11 @@ class DataPath:
     def rewind(self, mark: tuple[int, int]) -> None:
         """Put the cursor back to ``mark`` (a :meth:`cursor_mark`): the step after it was discarded."""
         self.cursor_epoch, self.cursor = mark
+
+    @property
+    def last_step_indices(self) -> list[int]:
+        """Global sample indices this pipeline trained on in the last optimizer step (its window, as last run)."""
+        return self.window_indices
 
     def rerun_next_step(self) -> None:
         """The next step re-runs the discarded one: :meth:`effective_batch` hands it the batch that step began with."""
@@ -211,7 +215,6 @@ class DataPath:
         d, replica, chunk = record
         indices = sampler.slice_of(chunk, g.data_parallel, g.coords.replica)
         self.window_indices.extend(indices)
-        self.last_step_indices = list(self.window_indices)
         if isinstance(sampler, GlobalStream):
             # a stream's batches arrive whole: keep the window's (a replay has no dataset to re-read) and cut rows
             if given:

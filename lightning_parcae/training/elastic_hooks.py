@@ -203,14 +203,13 @@ class ElasticHooks:
         records = self.data.restart_window()
         while True:
             self._drop_gradients()
-            self.data.restart_window()  # (again, after a loss during the replay)
             er.recover(trainer)
             try:
                 self._replay(records[:-1], calls[:len(records) - 1])
+                break
             except PeerLostError as exc:
                 log.warning("replay of step %d interrupted: %s", int(trainer.global_step), exc)
-                continue
-            break
+                self.data.restart_window()  # back to the window's start; the replay begins again
         if records:
             self.data.replay_next(records[-1], given=True)
         return calls

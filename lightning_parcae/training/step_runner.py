@@ -408,10 +408,8 @@ def _zeroed_after_step(module: Any, trainer: Any) -> bool:
     if int(getattr(trainer, "accumulate_grad_batches", 1)) != 1:
         return False
     hook = getattr(type(module), "optimizer_zero_grad", None)
-    for base in type(module).__mro__:
-        if base.__name__ == "LightningModule" and base.__module__.split(".")[0] in ("pytorch_lightning", "lightning"):
-            return hook is getattr(base, "optimizer_zero_grad", None)
-    return False
+    return (getattr(hook, "__qualname__", None) == "LightningModule.optimizer_zero_grad"
+            and hook.__module__.split(".")[0] in ("pytorch_lightning", "lightning"))
 
 
 def _inner_optimizers(trainer: Any) -> list[Optimizer]:
