@@ -133,6 +133,7 @@ def test_the_chooser_admits_a_fresh_standby_and_proposes_the_next_generation() -
     """A registered standby whose heartbeat moves and says ``standby`` is planned in (here by an operator's resize
     request to 2x1); the record names it in the transition, and the old leader sends the loop state."""
     import threading
+    import time
 
     store = dist.HashStore()
     coord = Coordinator(store)
@@ -140,7 +141,6 @@ def test_the_chooser_admits_a_fresh_standby_and_proposes_the_next_generation() -
     state = _state(("a",), (4,), 4)
     chooser = _chooser(host, state, _config(), [], coord=coord, store=store)
     coord.register_standby("b")
-    coord.put("parcae/request", {"id": "r1", "D": 2, "P": 1})
     stop = threading.Event()
 
     def beat() -> None:
@@ -154,6 +154,10 @@ def test_the_chooser_admits_a_fresh_standby_and_proposes_the_next_generation() -
     t = threading.Thread(target=beat, daemon=True)
     t.start()
     try:
+        # the first planning interval only notes the new standby; the next one counts it (its beat moved)
+        assert chooser.decide(SimpleNamespace(global_step=4), reason="interval", leaving=()) is None
+        coord.put("parcae/request", {"id": "r1", "D": 2, "P": 1})
+        time.sleep(0.05)
         rec = chooser.decide(SimpleNamespace(global_step=5), reason="interval", leaving=())
     finally:
         stop.set()
@@ -162,3 +166,26 @@ def test_the_chooser_admits_a_fresh_standby_and_proposes_the_next_generation() -
     assert rec["transition"] == ["a", "b"] and rec["loop_from"] == "a" and rec["step"] == 5
     assert coord.generation(1) == rec  # proposed: the first proposal of generation 1 is this one
     assert rec["layer_bytes"] == [30000] * 4  # priced by the agreed sizes of the current record
+
+
+def test_a_new_standby_costs_the_leader_no_wait_and_a_still_heartbeat_is_never_counted() -> None:
+    """Regression (issue 21): the leader slept 2.5 heartbeats inside the decision whenever it saw a standby for the
+    first time, and every member waited for it in the step agreement. Now a first sighting is only noted; a standby
+    is counted at a later interval if its heartbeat moved, never if it stood still (a dead standby's last beat)."""
+    import time
+
+    store = dist.HashStore()
+    coord = Coordinator(store)
+    host = _host([0.01] * 4, batch=16, micro=1)
+    chooser = _chooser(host, _state(("a",), (4,), 4), _config(heartbeat_s=1.0), [], coord=coord, store=store)
+    for name in ("b", "c"):
+        coord.register_standby(name)
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 0}')
+    t0 = time.monotonic()
+    assert chooser._fresh_standbys() == []  # first sighting: noted, not counted
+    assert time.monotonic() - t0 < 0.5, "the leader waited for a heartbeat (heartbeat_s=1.0)"
+    store.set("parcae/hb/b", '{"phase": "standby", "c": 1}')  # b beats, c stands still
+    assert chooser._fresh_standbys() == ["b"]
+    store.set("parcae/hb/b", '{"phase": "standby", "c": 2}')
+    store.set("parcae/hb/c", '{"phase": "joining", "c": 1}')  # moved, but no longer waiting as a standby
+    assert chooser._fresh_standbys() == ["b"]

@@ -155,7 +155,8 @@ def exploration_value(current: float, mean: float, sigma: float, trial_s: float,
               - (current - mean) * trial                                   # the try itself
               - current * move * (1 + P(X <= c))                           # there, and back if it lost
 
-    with ``c = current * (1 + margin)``. Plain arithmetic on the normal distribution (``scipy.stats.norm``).
+    with ``c = current * (1 + margin)``. Plain arithmetic on the normal distribution (``math.erfc``: the leader
+    prices a few hundred candidates a decision at N >= 16, and ``scipy.stats.norm`` costs ~0.2 ms a call).
 
     Args:
         current: Measured samples/s of the running shape.
@@ -166,16 +167,14 @@ def exploration_value(current: float, mean: float, sigma: float, trial_s: float,
         move_cost_s: Seconds one in-place migration stops training.
         margin: Fraction the candidate must measure faster by to be kept.
     """
-    from scipy.stats import norm  # noqa: PLC0415
-
     c = current * (1.0 + margin)
     if sigma <= 0:
         p_win = 1.0 if mean > c else 0.0
         gain_rate = (mean - current) * p_win
     else:
         z = (c - mean) / sigma
-        p_win = float(norm.sf(z))
-        gain_rate = sigma * float(norm.pdf(z)) + (mean - current) * p_win
+        p_win = 0.5 * math.erfc(z / math.sqrt(2.0))  # P(X > c)
+        gain_rate = sigma * math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) + (mean - current) * p_win
     rest = max(0.0, horizon_s - trial_s - move_cost_s)
     return gain_rate * rest - (current - mean) * trial_s - current * move_cost_s * (2.0 - p_win)
 
@@ -227,6 +226,9 @@ class MeasuredThroughput(ThroughputModel):
         self.coef = _PRIOR.copy()
         self.rel_rmse = 0.0
         self._dirty = False
+        # the terms of a shape depend only on the profile, which does not change: priced once per shape
+        self._features: Dict[Shape, np.ndarray] = {}
+        self._medians: Dict[Shape, float] = {}
 
     # ------------------------------------------------------------------------------------------ measurements
     def record(self, d: int, p: int, step_ms: float) -> None:
@@ -234,6 +236,7 @@ class MeasuredThroughput(ThroughputModel):
         if not (math.isfinite(step_ms) and step_ms > 0) or not self.prior.allowed(d, p):
             return
         self.samples.setdefault((int(d), int(p)), deque(maxlen=self.window)).append(float(step_ms))
+        self._medians.pop((int(d), int(p)), None)
         self._dirty = True
 
     def measured_ms(self, d: int, p: int) -> Optional[float]:
@@ -241,7 +244,10 @@ class MeasuredThroughput(ThroughputModel):
         q = self.samples.get((d, p))
         if q is None or len(q) < self.min_samples:
             return None
-        return float(np.median(q))
+        ms = self._medians.get((d, p))
+        if ms is None:  # recomputed only after a new step of this shape (record)
+            ms = self._medians[(d, p)] = float(np.median(q))
+        return ms
 
     def measured(self, d: int, p: int) -> Optional[float]:
         """Measured samples/s of (d, p), or None if not measured."""
@@ -260,12 +266,23 @@ class MeasuredThroughput(ThroughputModel):
         return max(sum(self.layer_bytes[b[k]: b[k + 1]]) for k in range(p)) / 1e6
 
     def features(self, d: int, p: int) -> np.ndarray:
-        """The fitted model's terms for (d, p) (see the class docstring), in the order of :data:`FEATURES`."""
-        f = self.prior.step_ms(d, p)
-        over = max(0.0, d * p / self.cores - 1.0) if self.cores else 0.0
-        m = self.prior.micro_batches
-        return np.array([1.0, f, f * over, 2.0 * (d - 1) / d * self._stage_mb(p),
-                         2.0 * (m + p - 2) if p > 1 else 0.0])
+        """The fitted model's terms for (d, p) (see the class docstring), in the order of :data:`FEATURES`.
+
+        Cached per shape (read-only array). Regression: recomputed at every call, the stage split behind the
+        all-reduce term (a 60-round binary search) was ~90 % of a leader's planning at N=16 -- 2,200 calls a
+        decision, 270 ms, against 60 ms at N=4 (issue 21, ``bench_scale.py``'s step-boundary agreement x49).
+        """
+        key = (d, p)
+        x = self._features.get(key)
+        if x is None:
+            f = self.prior.step_ms(d, p)
+            over = max(0.0, d * p / self.cores - 1.0) if self.cores else 0.0
+            m = self.prior.micro_batches
+            x = np.array([1.0, f, f * over, 2.0 * (d - 1) / d * self._stage_mb(p),
+                          2.0 * (m + p - 2) if p > 1 else 0.0])
+            x.flags.writeable = False
+            self._features[key] = x
+        return x
 
     def fit(self) -> np.ndarray:
         """Re-fit the coefficients from the measured shapes (called lazily); returns them."""

@@ -46,6 +46,11 @@ MEASURED_KEY = "parcae/measured"
 """Store key of the measured profile (the leader publishes it each interval, so a new leader keeps it)."""
 
 
+PROFILE_EVERY_S = 5.0
+"""A planning interval republishes the measured profile at most this often unless a migration happened since (a
+new leader starts from it; the end of training saves it whole)."""
+
+
 RUNTIME_CONSTANTS = MigrationConstants(group_base_ms=30.0, join_ms=150.0, restart_ms=10000.0)
 """Migration costs of this runtime as measured by ``benchmarks/bench_migration.py`` on loopback: a group rebuild
 is tens of ms, a *warm* standby joins in ~0.1-0.2 s (its imports and model were done while it waited -- the
@@ -91,6 +96,7 @@ class ShapeChooser:
         # (generation, step, time, first in its generation) at the last step boundary
         self._step_mark: Optional[tuple[int, int, float, bool]] = None
         self._warmup = 0
+        self._profile_saved: Optional[tuple[float, int]] = None  # (when, migrations then) of the last save_profile
 
     def mark_step(self, generation: int, step: int) -> None:
         """A step boundary's work is done: the next step is timed from here (planning, agreement and migrations
@@ -242,12 +248,22 @@ class ShapeChooser:
         self.measured = model
         return model
 
-    def save_profile(self) -> None:
+    def save_profile(self, every_s: float = 0.0) -> None:
         """Leader: publish the measured profile in the store and write ``run_dir/profile.json`` (with migration
-        constants fitted from this job's own migrations) -- ``parcae simulate --profile`` loads it."""
+        constants fitted from this job's own migrations) -- ``parcae simulate --profile`` loads it.
+
+        Args:
+            every_s: Skip it if the last one was less than this long ago and no migration happened since (a
+                planning interval passes ``PROFILE_EVERY_S``; the end of training saves unconditionally).
+        """
         model = self.measured
         if model is None or not self.state.is_leader:
             return
+        now = time.monotonic()
+        if every_s > 0 and self._profile_saved is not None and now - self._profile_saved[0] < every_s \
+                and self._profile_saved[1] == len(self.migrations):
+            return
+        self._profile_saved = (now, len(self.migrations))
         try:
             moves = [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
                      for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
@@ -285,31 +301,28 @@ class ShapeChooser:
         return shape
 
     def _fresh_standbys(self) -> list[str]:
-        """Registered standbys whose heartbeat moves and says ``standby``.
+        """Registered standbys whose heartbeat moved since the previous planning interval and says ``standby``.
 
-        A heartbeat "moves" if it changed since the previous planning interval; a standby seen for the first time
-        is watched for two heartbeat periods (the only time the leader waits).
+        A standby seen for the first time is only noted (its heartbeat now); it is counted at the next planning
+        interval if its heartbeat moved by then. The leader never waits here.
+
+        Regression (issue 21): a first sighting used to be watched for 2.5 heartbeats *inside* the decision --
+        0.5 s during which every member waited in the step agreement -- and at N=16, where shape changes keep
+        releasing members that come back as new standbys, that sleep was part of the step-boundary agreement's
+        49x growth from N=4.
         """
-        assert self.coord is not None and self.state.layout is not None
+        assert self.coord is not None and self.state.layout is not None and self.store is not None
+        store = self.store
         cands = [m for m in dict.fromkeys(self.coord.standbys()) if m not in self.state.layout.members]
-
-        def beats(members: list[str]) -> dict[str, Optional[bytes]]:
-            return {m: bytes(self.store.get(hb_key(m))) if self.store.check([hb_key(m)]) else None for m in members}
-
-        now = beats(cands)
-        new = [m for m in cands if m not in self._standby_seen and now[m] is not None]
-        moved = {m for m in cands if m in self._standby_seen and now[m] != self._standby_seen[m]}
-        if new:
-            time.sleep(2.5 * self.config.heartbeat_s)
-            later = beats(new)
-            moved |= {m for m in new if later[m] != now[m]}
-            now.update(later)
-        self._standby_seen = {m: b for m, b in now.items() if b is not None}
+        now = {m: bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else None for m in cands}
         alive = []
         for m in cands:
             b = now[m]
-            if m in moved and b is not None and json.loads(b.decode()).get("phase") == "standby":
+            if b is None or m not in self._standby_seen or b == self._standby_seen[m]:
+                continue  # no heartbeat yet, first sighting, or a heartbeat that stood still
+            if json.loads(b.decode()).get("phase") == "standby":
                 alive.append(m)
+        self._standby_seen = {m: b for m, b in now.items() if b is not None}
         return alive
 
     def partition_for(self, p: int) -> list[int]:
@@ -338,7 +351,7 @@ class ShapeChooser:
         avail = staying + standbys
         cur = (old.data_parallel, old.pipeline_stages)
         shape = self.choose(len(old.members) + len(standbys), len(avail), observe=not leaving)
-        self.save_profile()
+        self.save_profile(every_s=PROFILE_EVERY_S)
         requested = self.requested_shape(len(avail))
         if requested is not None:
             shape, reason = requested, f"{reason}; operator requested D={requested[0]} P={requested[1]}"
