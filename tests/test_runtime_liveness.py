@@ -355,3 +355,33 @@ def test_liveness_declares_nobody_dead_if_the_store_stops_answering_for_a_while(
         os.kill(proc.pid, signal.SIGCONT)
         for lv in live:
             lv.stop()
+
+
+def test_wait_key_sees_a_key_soon_after_it_is_set_with_many_waiters(url: str) -> None:
+    """Regression (issue 21): ``wait_key`` looped over ``TCPStore.wait([key], 50 ms)``. With c10d's default C++
+    log level every timed-out wait logs two warnings, and after ~5 s of them torch 2.13's client stalls ~5 s in one
+    wait: at N=16 four members entered the next generation 5 s late, the leaver's grace ran out and the job fell
+    back to a restart. 16 waiters here (one connection each, as members have) waited 4.3-4.7 s for a key set after
+    1 s with the old loop; polling with ``check`` sees it within tens of ms."""
+    from lightning_parcae.runtime.store import connect_store as connect
+
+    lives = [Liveness(lambda: connect(url, token=None), f"w{i}", interval_s=0.05, dead_after_s=30.0)
+             for i in range(16)]
+    stores = [connect(url, token=None) for _ in lives]
+    seen: list[float] = []
+    set_at = [0.0]
+
+    def wait(i: int) -> None:
+        lives[i].wait_key(stores[i], "parcae/genrec/1", "waiting for the next generation")
+        seen.append(time.monotonic() - set_at[0])
+
+    threads = [threading.Thread(target=wait, args=(i,), daemon=True) for i in range(16)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # long enough for the old loop's ~20 timed-out waits per waiter
+    set_at[0] = time.monotonic()
+    connect(url, token=None).set("parcae/genrec/1", "{}")
+    for t in threads:
+        t.join(15)
+    assert len(seen) == 16, "a waiter never saw the key"
+    assert max(seen) < 1.0, f"waiters saw the key {max(seen):.2f} s after it was set"

@@ -332,25 +332,28 @@ class Liveness:
             self._waiter_thread = None
 
     def wait_key(self, store: dist.Store, key: str, what: str) -> None:
-        """Wait until ``key`` exists in ``store``, aborting like :meth:`wait`."""
+        """Wait until ``key`` exists in ``store``, aborting like :meth:`wait`.
+
+        It polls with ``check`` (every ``poll_s``), never with a short ``store.wait``. Regression (issue 21, the
+        N=16 notice that fell back to a restart): ``TCPStore.wait([key], 50 ms)`` in a loop -- as this method did --
+        makes torch 2.13's client stall ~5 s in one of the timed-out waits (``benchmarks/tcpstore_wait_stall.py``:
+        4 and 16 waiters, every one saw the key 4.3-4.7 s after it was set, against 6-14 ms by ``check``). Four of sixteen members entered
+        generation 1 five seconds late, the leaver's grace ran out meanwhile, and the transition world could not
+        form.
+        """
         while True:
             if self.aborted.is_set():
                 raise PeerLostError(f"{what} abandoned: generation {self.generation} aborted ({self.reason})")
             try:
-                store.wait([key], timedelta(seconds=max(self.poll_s, 0.05)))
-                return
-            except (RuntimeError, LookupError) as exc:
-                if "timeout" in str(exc).lower() or "timed out" in str(exc).lower() or isinstance(exc, LookupError):
-                    continue
-                raise
+                if store.check([key]):
+                    return
             except Exception as exc:  # noqa: BLE001
-                # a store hiccup (etcd's client wraps a read timeout of its long poll as EtcdConnectionFailed on a
-                # loaded machine): keep waiting; a lost peer still ends the wait through the abort flag
-                if type(exc).__name__ in ("EtcdConnectionFailed", "EtcdWatchTimedOut") or isinstance(
-                        exc, (ConnectionError, TimeoutError)):
-                    time.sleep(self.poll_s)
-                    continue
-                raise
+                # a store hiccup (etcd's client wraps a read timeout as EtcdConnectionFailed on a loaded machine):
+                # keep waiting; a lost peer still ends the wait through the abort flag
+                if not (type(exc).__name__ in ("EtcdConnectionFailed", "EtcdWatchTimedOut")
+                        or isinstance(exc, (ConnectionError, TimeoutError))):
+                    raise
+            time.sleep(self.poll_s)
 
     # ------------------------------------------------------------------------------------------------ thread
     def _beat(self, counter: int) -> None:
