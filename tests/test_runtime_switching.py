@@ -143,7 +143,7 @@ def test_the_leader_sends_the_joiners_layers_and_the_loop_state(monkeypatch: pyt
     world = _World(monkeypatch)
     sw, host, state, ctx = _setup("a", Layout(("a",), (2,)), [])
     rec = _rec(host, state, ["a", "j"], (2, 1))
-    assert rec["transition"] == ["a", "j"] and sw.hands_loop_state(rec)
+    assert rec["transition"] == rec["movers"] == ["a", "j"] and sw.hands_loop_state(rec)
     moved = sw.switch(types.SimpleNamespace(global_step=9), rec, loop={"epoch": 0})
     assert world.met == [("a", 4)] and world.destroyed == 1
     assert set(world.sent) == {1} and world.sent[1]["loop"] == {"epoch": 0}
@@ -178,9 +178,41 @@ def test_a_member_the_new_generation_leaves_out_exits_after_sending(monkeypatch:
     rec = _rec(host, state, ["a"], (1, 1))
     with pytest.raises(_Exit) as exc:
         sw.switch(types.SimpleNamespace(global_step=9), rec, loop=None)
-    assert exc.value.code == code and world.destroyed == 1 and host.applied == []
+    # a holds every layer already: b has nothing to send and leaves without meeting a transition world
+    assert rec["transition"] == ["a", "b"] and rec["movers"] == [] and world.met == []
+    assert exc.value.code == code and world.destroyed == 0 and host.applied == []
     assert events[-1][0] == "left" and events[-1][1]["reason"] == ("notice" if noticed else "released")
     assert ctx.life.phase == Phase.FENCED
+
+
+def test_a_leaver_that_holds_a_stage_sends_it_before_it_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """b holds layer 1 of a 1x2 job and leaves for 1x1 on a: it meets the transition world, sends layer 1 to a,
+    and only then exits; a meets it and receives from it."""
+    world = _World(monkeypatch)
+    sw, host, state, ctx = _setup("b", Layout(("a", "b"), (1, 1)), [])
+    ctx.live.noticed.set()
+    rec = _rec(host, state, ["a"], (1, 1))
+    assert rec["movers"] == ["a", "b"]
+    with pytest.raises(_Exit):
+        sw.switch(types.SimpleNamespace(global_step=9), rec, loop=None)
+    assert world.met == [("b", 4)] and world.destroyed == 1 and sorted(world.sent[0]["layers"]) == [1]
+
+
+def test_an_intra_stage_change_that_moves_nothing_meets_no_transition_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 21, bench_scale N=16): a notice to one member of an 8x2 job meant a transition world of
+    all 16 old members, the leaver included, for a change that moves 0 bytes; the leaver's grace ran out before
+    four late members arrived, and the job fell back to a restart. The members that stay rebuild their groups
+    directly, watching the new generation's members meanwhile."""
+    world = _World(monkeypatch)
+    sw, host, state, ctx = _setup("a", Layout(("a", "b", "c"), (2,)), [])
+    rec = _rec(host, state, ["a", "b"], (2, 1))
+    assert rec["transition"] == ["a", "b", "c"] and rec["movers"] == [] and rec["loop_from"] is None
+    assert rec["bytes_moved"] == 0
+    sw.switch(types.SimpleNamespace(global_step=9), rec, loop=None)
+    assert world.met == [] and world.destroyed == 0
+    (layout, generation, received, _), = host.applied
+    assert layout.members == ("a", "b") and generation == 4 and received == {}
+    assert ctx.live.generation == 4 and "b" in ctx.live._watch
 
 
 @pytest.mark.parametrize("where", ["rendezvous", "apply"])

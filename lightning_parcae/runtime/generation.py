@@ -19,7 +19,7 @@ from typing import Any, Optional, Protocol
 from lightning_parcae.planning.migration_plan import Layout, MigrationPlan
 from lightning_parcae.runtime.torch_internals import child
 
-__all__ = ["GenerationState", "GenerationRecords", "LayerStack"]
+__all__ = ["GenerationState", "GenerationRecords", "LayerStack", "movers_of"]
 
 
 @dataclass
@@ -66,6 +66,40 @@ class GenerationState:
         assert self.layout is not None
         members = list(self.layout.members)
         return members if members and members[0] == self.member else members[:1]
+
+
+def movers_of(plan: MigrationPlan, layout: Layout,
+              alive: Optional[list[str]] = None) -> tuple[list[str], Optional[str]]:
+    """Who meets in the transition world of a migration into ``layout``, and who sends the joiners the loop state.
+
+    Only the processes that move state: every sender and receiver of a layer, the joiners, and -- when there are
+    joiners -- the old member that hands them the loop state (the first live one). The others skip the transition
+    world: they leave the old groups and build the new ones (or, leaving, exit) at once. A record keeps both
+    lists: ``transition`` (every live old member and every new one: who takes part, what recovery's verdicts and
+    fencing read) and ``movers`` (this function: who meets).
+
+    Regression (issue 21): the transition world was every live old member plus the joiners. At N=16 a notice to
+    one member of an 8x2 job (an intra-stage change to 6x2 that moves 0 bytes) needed all 16 old members, the
+    leaver included, to meet; the leaver's grace ended while four late members were still on their way, its rank
+    never arrived and the job fell back to a restart. That change's transition world is now empty.
+
+    Args:
+        plan: The migration.
+        layout: The new generation's layout.
+        alive: The old members that take part (after a failure: the survivors), or None for all.
+
+    Returns:
+        ``(movers, loop_from)``: old participants in their old order, then the new ones in the new order;
+        ``loop_from`` is None if nobody joins.
+    """
+    old = [m for m in plan.old.members if alive is None or m in alive]
+    joiners = [m for m in layout.members if m not in plan.old.members]
+    loop_from = old[0] if old and joiners else None
+    moving = {t.src for t in plan.transfers} | {t.dst for t in plan.transfers} | set(joiners)
+    if loop_from is not None:
+        moving.add(loop_from)
+    first = [m for m in old if m in moving]
+    return first + [m for m in layout.members if m in moving and m not in first], loop_from
 
 
 class LayerStack(Protocol):
@@ -128,8 +162,8 @@ class GenerationRecords:
         if plan is not None:
             rec["plan"] = plan.to_json()
             old = [m for m in plan.old.members if alive is None or m in alive]
-            rec["transition"] = old + [m for m in layout.members if m not in old]
-            rec["loop_from"] = old[0] if old else None
+            rec["transition"] = old + [m for m in layout.members if m not in old]  # everyone who takes part
+            rec["movers"], rec["loop_from"] = movers_of(plan, layout, alive)  # those who meet to move state
             rec["bytes_moved"] = plan.bytes_moved
         return rec
 

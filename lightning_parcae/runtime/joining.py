@@ -27,7 +27,7 @@ from lightning_parcae.runtime.migration import exchange
 from lightning_parcae.runtime.generation import GenerationState
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.part import PartContext
-from lightning_parcae.runtime.switching import meet_transition
+from lightning_parcae.runtime.switching import movers, meet_transition
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
@@ -112,7 +112,7 @@ class Admission:
         ctx = self.ctx
         ctx.life.to(Phase.MIGRATING, generation=rec["generation"], kind=rec["kind"])
         plan = MigrationPlan.from_json(rec["plan"])
-        transition = list(rec["transition"])
+        transition = movers(rec)
         t0 = time.monotonic()
         ctx.live.set_generation(int(rec["generation"]), [m for m in transition if m != ctx.member])
         activate(ctx.live)

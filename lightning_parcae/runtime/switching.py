@@ -32,7 +32,7 @@ from lightning_parcae.runtime.part import PartContext
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-__all__ = ["Switch", "Moved", "GenerationNotEntered", "meet_transition", "joiners_of"]
+__all__ = ["Switch", "Moved", "GenerationNotEntered", "meet_transition", "movers", "joiners_of"]
 
 
 class GenerationNotEntered(Exception):
@@ -47,12 +47,18 @@ class GenerationNotEntered(Exception):
         self.reason = reason
 
 
+def movers(rec: dict[str, Any]) -> list[str]:
+    """The processes that meet in ``rec``'s transition world (:func:`~.generation.movers_of`; a record written
+    before ``movers`` existed names everyone in ``transition``)."""
+    return list(rec.get("movers", rec["transition"]))
+
+
 def meet_transition(store: dist.Store, rec: dict[str, Any], member: str, bound: timedelta,
                     aborted: Callable[[], Optional[str]]) -> None:
     """Meet the transition world of ``rec`` (every process that sends or receives), within the watchdog's bound
     (:func:`~.groups.init_transition_world`)."""
-    transition = list(rec["transition"])
-    init_transition_world(store, int(rec["generation"]), transition.index(member), len(transition), bound, aborted)
+    world = movers(rec)
+    init_transition_world(store, int(rec["generation"]), world.index(member), len(world), bound, aborted)
 
 
 def joiners_of(plan: MigrationPlan) -> list[str]:
@@ -133,12 +139,39 @@ class Switch:
         ctx, s = self.ctx, self.host
         plan = MigrationPlan.from_json(rec["plan"])
         new = plan.new
-        transition = list(rec["transition"])
+        transition = movers(rec)
         joiners = joiners_of(plan)
         self.teardown_groups()
         t_groups = time.monotonic()
-        # the transfers belong to the new generation: a death now aborts *it* (and is seen by every participant)
-        ctx.live.set_generation(int(rec["generation"]), [m for m in transition if m != ctx.member])
+        # the transfers belong to the new generation: a death now aborts *it* (and is seen by every participant);
+        # a member that stays watches the new generation's members too while its groups form
+        staying = ctx.member in new.members
+        watch = [m for m in dict.fromkeys(transition + (list(new.members) if staying else [])) if m != ctx.member]
+        ctx.live.set_generation(int(rec["generation"]), watch)
+        inbox: dict[int, Any] = {}
+        if ctx.member in transition:  # only the processes that move state meet (generation.movers_of)
+            inbox = self._transfer(rec, plan, transition, joiners, loop)
+        t_transfer = time.monotonic()
+        if ctx.member not in new.members:
+            leaving_reason = "notice" if ctx.live.noticed.is_set() else "released"
+            ctx.event("left", kind=rec["kind"], reason=leaving_reason, transfer_s=t_transfer - t_groups)
+            ctx.life.to(Phase.FENCED, reason=leaving_reason)
+            exit_now(0 if leaving_reason == "notice" else RELEASED_EXIT)
+        received: dict[int, Any] = {}
+        for blob in inbox.values():
+            received.update(blob.get("layers", {}))
+        try:
+            s.apply_layout(trainer, new, int(rec["generation"]), received, self.state.group_of)
+        except RuntimeError as exc:
+            raise self._rendezvous_failed(rec, exc) from exc
+        s.reset_eval_loaders(trainer)
+        return Moved(plan=plan, joiners=joiners, t_groups=t_groups, t_transfer=t_transfer,
+                     bytes_received=int(sum(t.nbytes for t in plan.receives(ctx.member))))
+
+    def _transfer(self, rec: dict[str, Any], plan: MigrationPlan, transition: list[str], joiners: list[str],
+                  loop: Optional[dict[str, Any]]) -> dict[int, Any]:
+        """Meet the transition world, send and receive this process's layers (and the loop state), leave it."""
+        ctx, s = self.ctx, self.host
         try:
             meet_transition(ctx.store, rec, ctx.member, self.stall_timeout, ctx.live.abort_reason)
         except RuntimeError as exc:
@@ -163,22 +196,7 @@ class Switch:
             # fall back to the checkpoint, as for a failed rendezvous.
             raise self._rendezvous_failed(rec, exc) from exc
         dist.destroy_process_group()
-        t_transfer = time.monotonic()
-        if ctx.member not in new.members:
-            leaving_reason = "notice" if ctx.live.noticed.is_set() else "released"
-            ctx.event("left", kind=rec["kind"], reason=leaving_reason, transfer_s=t_transfer - t_groups)
-            ctx.life.to(Phase.FENCED, reason=leaving_reason)
-            exit_now(0 if leaving_reason == "notice" else RELEASED_EXIT)
-        received: dict[int, Any] = {}
-        for blob in inbox.values():
-            received.update(blob.get("layers", {}))
-        try:
-            s.apply_layout(trainer, new, int(rec["generation"]), received, self.state.group_of)
-        except RuntimeError as exc:
-            raise self._rendezvous_failed(rec, exc) from exc
-        s.reset_eval_loaders(trainer)
-        return Moved(plan=plan, joiners=joiners, t_groups=t_groups, t_transfer=t_transfer,
-                     bytes_received=int(sum(t.nbytes for t in plan.receives(ctx.member))))
+        return inbox
 
     def _rendezvous_failed(self, rec: dict[str, Any], exc: BaseException) -> GenerationNotEntered:
         """Building a new generation's groups failed (a peer lost or stalled during the rendezvous). The race
