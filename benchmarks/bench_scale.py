@@ -9,7 +9,7 @@ for each N, twice:
 * a **fixed** run (no trace, ``LIGHTNING_PARCAE_STEP_TIMING=1``, a fixed number of steps): start-up and every rank's
   step-part timers (:mod:`lightning_parcae.runtime.steptime`: the step-boundary agreement ``boundary``, the
   two-phase ``commit``), written as ``step_timing`` events at the end of training;
-* a **changes** run: a count trace that holds N until training has surely started, drops to N-1 (a preemption
+* a **changes** run: a count trace that holds N for 15 s of training (``--trace-clock first-step``), drops to N-1 (a preemption
   notice to the newest member: usually an intra-stage change) and goes back to N (an addition: a cold standby
   boots and joins); every ``migration`` event of the workers, by kind, and the delay from the launcher's ``add``
   to the leader's first decision that counts the joiner (``bench_replay.join_delays``).
@@ -310,11 +310,16 @@ def main() -> int:
             fixed = launch([*base, "--instances", str(n)], out / f"n{n}_fixed", 120.0 + 10.0 * n + 3.0 * a.steps,
                            ("--trainer.max_steps", str(a.steps), "--data.batch_size", str(a.batch_size)))
         os.environ.pop("LIGHTNING_PARCAE_STEP_TIMING", None)
-        hold = 15.0 + 1.5 * (_startup(fixed) or 4.0 * n)  # the change comes after training has surely started
+        # the trace's clock starts at the first training step (--trace-clock first-step): the change comes 15 s
+        # into training however long start-up takes (regression: by wall clock from launch, a start-up slowed by
+        # a loaded machine took the notice before the first generation formed and the N=4 run relaunched)
+        hold = 15.0
+        startup = _startup(fixed) or 4.0 * n
         _trace(out / f"n{n}_trace.csv", n, hold, a.time_scale)
         with HeartbeatProbe(out / f"n{n}_changes") as p2:
             changes = launch([*base, "--instances", str(n), "--trace", str(out / f"n{n}_trace.csv"), "--victims",
-                              "newest", "--time-scale", str(a.time_scale)], out / f"n{n}_changes", hold + 40.0,
+                              "newest", "--time-scale", str(a.time_scale), "--trace-clock", "first-step"],
+                             out / f"n{n}_changes", 2.0 * startup + hold + 40.0,
                              ("--data.batch_size", str(a.batch_size)))
         results[n] = summarize(fixed, changes, [p1, p2], n)
         results[n]["load"] = loads[n]
