@@ -66,3 +66,14 @@ def test_growth_column_is_the_ratio_of_the_largest_n_to_the_smallest() -> None:
     assert start[2:5] == ["10.00", "20.00", "80.00"] and start[5] == "8.00"
     assert rows["migration intra-stage, s"][5] == "2.50"
     assert rows["migration inter-stage, s"][5] == "n/a"  # no such migration: no ratio invented
+
+
+def test_the_planning_benchmark_times_the_leaders_real_decision() -> None:
+    """benchmarks/bench_planning_scale.py runs ShapeChooser.decide itself (no stand-in): a decision at N=4 and
+    N=8 takes a measurable, bounded time, and the script's table prints."""
+    import bench_planning_scale
+
+    for n in (4, 8):
+        ms = bench_planning_scale.decide_ms(n, decisions=2)
+        assert 0.0 < ms < 5000.0, (n, ms)
+    assert bench_planning_scale.main(["--counts", "4", "--decisions", "1"]) == 0

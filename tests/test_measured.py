@@ -274,3 +274,29 @@ def test_candidates_include_narrower_shapes_when_wider_is_slower():
     feed(model, [(2, 1), (4, 1)], np.random.default_rng(0), 0.0, **MACHINES[0])
     assert (2, 1) in model.candidates(4)
     assert (4, 1) in model.prior.candidates(4) and (2, 1) not in model.prior.candidates(4)
+
+
+def test_a_shape_is_priced_from_one_partition_however_often_the_leader_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 21): the fitted model recomputed the stage split behind its all-reduce term (a 60-round
+    binary search) at every call; the leader's decision at N=16 asks ~2,200 times, 270 ms of its 300 ms. The terms
+    of a shape are computed once: the stage split runs once per pipeline depth, and the answers do not change."""
+    from lightning_parcae.planning import measured as measured_mod
+
+    calls: list[int] = []
+    real = measured_mod.balanced_partition
+
+    def counting(weights: Any, parts: int) -> Any:
+        calls.append(parts)
+        return real(weights, parts)
+
+    monkeypatch.setattr(measured_mod, "balanced_partition", counting)
+    prior = PipelineThroughput([1.0, 2.0, 2.0, 2.0, 1.0], 48, 4)
+    model = MeasuredThroughput(prior, layer_bytes=[4e6] * 5, cores=2)
+    for _ in range(10):
+        model.record(2, 2, 50.0)
+    first = [model.throughput(d, p) for d in (1, 2, 3) for p in (1, 2, 3)]
+    after_first = len(calls)
+    for _ in range(50):
+        assert [model.throughput(d, p) for d in (1, 2, 3) for p in (1, 2, 3)] == first
+    assert len(calls) == after_first, f"stage splits recomputed when asked again: {calls[after_first:][:10]}"
+    assert after_first <= 2 * 3, f"more than the prior's and the fit's split per depth: {calls}"

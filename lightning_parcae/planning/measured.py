@@ -229,6 +229,7 @@ class MeasuredThroughput(ThroughputModel):
         # the terms of a shape depend only on the profile, which does not change: priced once per shape
         self._features: Dict[Shape, np.ndarray] = {}
         self._medians: Dict[Shape, float] = {}
+        self._stage_mb_cache: Dict[int, float] = {}
 
     # ------------------------------------------------------------------------------------------ measurements
     def record(self, d: int, p: int, step_ms: float) -> None:
@@ -262,8 +263,10 @@ class MeasuredThroughput(ThroughputModel):
     def _stage_mb(self, p: int) -> float:
         if self.layer_bytes is None:
             return 0.0
-        b = balanced_partition(self.prior.layer_ms, p)
-        return max(sum(self.layer_bytes[b[k]: b[k + 1]]) for k in range(p)) / 1e6
+        if p not in self._stage_mb_cache:
+            b = balanced_partition(self.prior.layer_ms, p)
+            self._stage_mb_cache[p] = max(sum(self.layer_bytes[b[k]: b[k + 1]]) for k in range(p)) / 1e6
+        return self._stage_mb_cache[p]
 
     def features(self, d: int, p: int) -> np.ndarray:
         """The fitted model's terms for (d, p) (see the class docstring), in the order of :data:`FEATURES`.
