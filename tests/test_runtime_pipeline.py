@@ -15,9 +15,11 @@ from torch import nn
 from lightning_parcae.errors import BatchSplitError, ConfigurationError
 from lightning_parcae.runtime.pipeline import (
     P2P,
+    SEND_WINDOW,
     StageBoundary,
     StageProxy,
     chunk_batch,
+    run_forward_only,
     run_train_schedule,
     schedule_ops,
     split_micro_batches,
@@ -87,6 +89,17 @@ def test_pipeline_proxy_modes_behave_if_swapped_in() -> None:
     assert proxy(None) is x
 
 
+def test_pipeline_proxy_keeps_no_last_stage_output_if_tail() -> None:
+    """Regression (issue 22): in ``tail`` mode the proxy kept the last stage's output in ``captured`` -- nobody reads
+    it there -- so one micro-batch's logits (32 MiB on the benchmark's head stage) stayed alive into the next
+    micro-batch's forward and across steps, the last stage's whole gap to torch.distributed.pipelining."""
+    stage = nn.Linear(2, 2)
+    proxy = StageProxy(stage)
+    proxy.mode, proxy.given = "tail", torch.randn(3, 2)
+    out = proxy(None)
+    assert proxy.captured is None and out.shape == (3, 2)
+
+
 def _worker(rank: int, port: int, kind: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -125,3 +138,93 @@ def test_pipeline_two_stage_gradients_match_single_process_if_scheduled(kind: st
                                                       for k, v in torch.load(f"{tmp_path}/grads1.pt").items()}}
     for name, p in full.named_parameters():
         assert torch.allclose(got[name], p.grad, rtol=1e-5, atol=1e-7), name
+
+
+class _CountedSend:
+    """A send's work, counted as outstanding from its post until its first wait."""
+
+    def __init__(self, work: object, book: dict[str, int]) -> None:
+        self.work, self.book, self.waited = work, book, False
+        book["live"] += 1
+        book["peak"] = max(book["peak"], book["live"])
+
+    def wait(self, *args: object) -> object:
+        result = self.work.wait(*args)  # type: ignore[attr-defined]
+        if not self.waited:
+            self.waited = True
+            self.book["live"] -= 1
+        return result
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()  # type: ignore[attr-defined]
+
+
+def _three_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _counting_worker(rank: int, port: int, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    book = {"live": 0, "peak": 0}
+    real_isend = dist.isend
+    dist.isend = lambda *a, **k: _CountedSend(real_isend(*a, **k), book)  # type: ignore[assignment]
+    full = _three_layers()
+    stage = nn.Sequential(*list(full)[[0, 2, 4][rank]:[2, 4, 5][rank]])
+    x, y = torch.randn(12, 4, generator=torch.Generator().manual_seed(1)), torch.arange(12) % 3
+    prev, nxt = (None if rank == 0 else rank - 1), (None if rank == 2 else rank + 1)
+
+    def head(mb):  # noqa: ANN001, ANN202
+        return stage(mb[0])
+
+    def tail(mb, act):  # noqa: ANN001, ANN202
+        return nn.functional.cross_entropy(stage(act), mb[1])
+
+    result: dict[str, object] = {}
+    for m in (6, 12):
+        stage.zero_grad(set_to_none=True)
+        book["peak"] = 0
+        run_train_schedule(schedule_ops("1f1b", rank, 3, m), split_micro_batches((x, y), m), stage,
+                           P2P(torch.device("cpu")), prev, nxt, head, tail, 1.0 / m)
+        result[f"train_peak_{m}"], result[f"live_after_{m}"] = book["peak"], book["live"]
+    result["grads"] = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    book["peak"] = 0
+    with torch.no_grad():
+        outs = run_forward_only(split_micro_batches((x, y), 12), stage, P2P(torch.device("cpu")), prev, nxt, head,
+                                tail=lambda mb, act: stage(act))
+    result["eval_peak"] = book["peak"]
+    result["eval_out"] = torch.cat(outs) if outs else None
+    torch.save(result, f"{out}/count{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_pipeline_outstanding_sends_do_not_grow_with_micro_batches_if_1f1b(tmp_path: object) -> None:
+    """Regression (issue 22): every isend was kept -- and its tensor with it -- until the end of the step, so under
+    1F1B a stage held all M micro-batches' sent activations and gradients (stage 0 of 3 at M=12: 24 sends
+    outstanding) although only ~P are in flight. Now an activation's send is waited when its gradient comes back
+    and gradients sent back are windowed, so the peak is the same at M=6 and M=12 and at most 2 x P (a header and a
+    payload per activation in flight); evaluation keeps at most SEND_WINDOW + 1 activations. The three-stage
+    result (pre-posted receives, windows, a middle stage) still equals one process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_counting_worker, args=(port, str(tmp_path)), nprocs=3, start_method="spawn")
+    got = [torch.load(f"{tmp_path}/count{r}.pt") for r in range(3)]
+    for rank, res in enumerate(got):
+        assert res["train_peak_12"] == res["train_peak_6"] <= 2 * 3, (rank, res["train_peak_6"], res["train_peak_12"])
+        assert res["live_after_6"] == res["live_after_12"] == 0, rank  # everything waited by the end of the step
+        assert res["eval_peak"] <= 2 * (SEND_WINDOW + 1), (rank, res["eval_peak"])
+    full = _three_layers()
+    x, y = torch.randn(12, 4, generator=torch.Generator().manual_seed(1)), torch.arange(12) % 3
+    nn.functional.cross_entropy(full(x), y).backward()
+    offset = {0: 0, 1: 2, 2: 4}
+    for rank, res in enumerate(got):
+        for name, grad in res["grads"].items():
+            i, rest = name.split(".", 1)
+            ref = full.get_parameter(f"{int(i) + offset[rank]}.{rest}").grad
+            assert torch.allclose(grad, ref, rtol=1e-5, atol=1e-7), (rank, name)
+    with torch.no_grad():
+        assert torch.allclose(got[2]["eval_out"], full(x), rtol=1e-5, atol=1e-6)

@@ -9,12 +9,35 @@ layer stack replaced by a :class:`StageProxy` that runs only the local stage and
 
 Transfer protocol between adjacent stages (same on gloo and NCCL): for micro-batch ``m`` the sender posts a small
 int64 header (ndim, dtype, shape) and then the activation; the gradient of that activation comes back with the
-shape already known. Sends are asynchronous (``isend``, waited at the end of the step); receives block. Tags
-``3m``, ``3m+1``, ``3m+2`` keep the three messages of a micro-batch apart on backends that honour tags.
+shape already known. Tags ``3m``, ``3m+1``, ``3m+2`` keep the three messages of a micro-batch apart on backends that
+honour tags.
+
+Sends are asynchronous (``isend``) and overlap the compute that follows them; a send's tensor must stay alive until
+its work is waited, and on gloo a send completes only once the peer has posted the matching receive (measured:
+``is_completed()`` stays False until ``wait()``, and a send to a peer that has not posted its receive does not
+finish). So a send cannot be polled, only waited, and waiting one too early can block on the peer. Each is therefore
+waited -- and its tensor released -- at the first point where the peer is *known* to have received it, so that a
+stage holds what the schedule keeps in flight, not all M micro-batches' messages (issue 22):
+
+* the activation of micro-batch ``m`` (and every earlier one) when the gradient of ``m`` comes back (the next
+  stage ran its forward of ``m`` first); under 1F1B at most ``P - stage`` are outstanding;
+* a gradient sent back: at most :data:`SEND_WINDOW` per peer stay outstanding; posting one more first waits the
+  oldest (the previous stage receives gradients in order and never waits on this stage to get there, so the wait
+  cannot deadlock);
+* in evaluation (forward only, data flows one way) the same window applies to activations;
+* whatever is left, at the end of the step.
+
+On gloo (CPU) the receives a stage is sure to need next are pre-posted -- the header of the next activation, the
+gradients of the next backwards -- so that the bytes move while the stage computes; NCCL matches point-to-point
+operations in issue order rather than by tag, so there every receive is posted when it is needed. A step that fails
+(a lost peer surfaces as :class:`~lightning_parcae.errors.PeerLostError` from the wait that notices it) hands its
+outstanding operations to :meth:`P2P.abandon`: an abandoned operation may still complete later and write into its
+buffers, so they are parked, never reused.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional
@@ -23,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parcae.runtime.liveness import guarded, guarded_post, guarded_wait
+from lightning_parcae.runtime.liveness import active, guarded, guarded_post, guarded_wait
 from lightning_parcae.runtime.torch_internals import children
 from lightning_parcae.errors import BatchSplitError, ConfigurationError, ModelLayoutError
 
@@ -40,6 +63,7 @@ __all__ = [
     "is_kv_cache",
     "without_caches",
     "P2P",
+    "SEND_WINDOW",
     "run_train_schedule",
     "run_forward_only",
 ]
@@ -50,6 +74,11 @@ _DTYPES = [
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 ]
 _MAX_NDIM = 8
+SEND_WINDOW = 2
+"""Sends per peer and kind that may be outstanding where no message from the peer tells that they arrived (gradients
+sent back, evaluation activations); posting one more first waits the oldest."""
+PREPOST_GRADIENTS = 2
+"""Gradient receives pre-posted ahead of the backwards that need them (gloo)."""
 
 
 # ---------------------------------------------------------------------------------------------------- schedules
@@ -186,8 +215,10 @@ class StageProxy(nn.Module):
         ``full``: run the local stage on the given input (P = 1: the local stage is the whole stack).
         ``head``: run the local stage on the input, keep the output in :attr:`captured`, raise
             :class:`StageBoundary` (first stage of a deeper pipeline).
-        ``tail``: ignore the input, run the local stage on :attr:`given` (the received activation), keep the
-            output in :attr:`captured` and return it (last stage).
+        ``tail``: ignore the input, run the local stage on :attr:`given` (the received activation) and return its
+            output (last stage). The output is not kept: on a language model it is the logits, the largest tensor
+            of the step, and a reference here would keep one micro-batch's logits alive into the next forward and
+            across steps (issue 22: 32 MiB on the benchmark's head stage).
         ``given``: ignore the input and return :attr:`given` unchanged (mirror of the last stage's output).
         ``capture``: keep the input in :attr:`captured` and raise :class:`StageBoundary` (profiling).
 
@@ -210,8 +241,8 @@ class StageProxy(nn.Module):
             return self.given
         inp = self.given if self.mode == "tail" else x
         out = self._stage(inp)  # type: ignore[operator]
-        self.captured = out
         if self.mode == "head":
+            self.captured = out
             raise StageBoundary
         return out
 
@@ -293,10 +324,9 @@ class _Block(_Entry):
         args, kwargs = without_caches(args, kwargs)
         out = self._block(x, *args, **kwargs)  # type: ignore[operator]
         proxy.arity = len(out) if isinstance(out, (tuple, list)) else 0
-        if self.last:
+        if self.last and proxy.mode in ("head", "middle"):  # kept only where it is read: see StageProxy's tail
             proxy.captured = hidden_of(out)
-            if proxy.mode in ("head", "middle"):
-                raise StageBoundary
+            raise StageBoundary
         return out
 
 
@@ -409,18 +439,39 @@ class BlockListProxy(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- transport
+_ACT, _GRAD = "activation", "gradient"
+
+
 class P2P:
     """Point-to-point tensor transfer with a shape header, plus a pipeline-group broadcast.
+
+    Sends are kept per ``(peer, kind)`` channel until waited (see the module docstring for when): a send's work
+    holds its tensor, so what is outstanding is what a stage keeps alive for the transport. Receives may be
+    pre-posted (:meth:`prepost_header`, :meth:`prepost_like`) and are then picked up by :meth:`recv` /
+    :meth:`recv_like` of the same source and tag.
 
     Args:
         device: device of the transferred tensors (CPU for gloo, this rank's GPU for NCCL).
         group: the pipeline group (for broadcasts).
+
+    Attributes:
+        preposting: whether receives are pre-posted: only where the backend matches point-to-point operations by
+            tag (gloo, i.e. a CPU device); NCCL matches them in issue order, so a receive posted early would hold
+            up the sends issued after it.
     """
 
     def __init__(self, device: torch.device, group: Any = None) -> None:
         self.device = device
         self.group = group
-        self._pending: list[Any] = []
+        self.preposting = torch.device(device).type == "cpu"
+        self._sends: dict[tuple[int, str], deque[tuple[int, list[Any]]]] = {}
+        self._recvs: dict[tuple[int, int], tuple[Any, Tensor]] = {}
+        self._abandoned: list[Any] = []
+
+    @property
+    def outstanding_sends(self) -> int:
+        """Posted send operations not yet waited (a header and its payload count as two)."""
+        return sum(len(works) for chan in self._sends.values() for _, works in chan)
 
     def _header(self, t: Tensor) -> Tensor:
         if t.ndim > _MAX_NDIM:
@@ -438,23 +489,80 @@ class P2P:
         vals = h.tolist()
         return [int(v) for v in vals[2 : 2 + int(vals[0])]], _DTYPES[int(vals[1])]
 
-    def send(self, t: Tensor, dst: int, tag: int, with_header: bool = True) -> None:
-        """Post an asynchronous send of ``t`` (and its header) to global rank ``dst``."""
+    def send(self, t: Tensor, dst: int, tag: int, with_header: bool = True, window: Optional[int] = None) -> None:
+        """Post an asynchronous send of ``t`` (and its header) to global rank ``dst``.
+
+        Args:
+            t: the tensor (a stage output, or the gradient of a received activation).
+            dst: global rank of the peer.
+            tag: the micro-batch index.
+            with_header: send the shape header first (activations; a gradient's shape is known to the peer).
+            window: if given, at most this many sends of this kind to ``dst`` stay outstanding: after posting,
+                the oldest beyond it are waited. Only where the peer receives this channel in order without
+                waiting on this stage (see the module docstring).
+        """
         if not isinstance(t, Tensor):
             raise ModelLayoutError(
                 f"a pipeline stage must return one tensor to pass to the next stage, got {type(t).__name__}"
             )
         data = t.detach().contiguous()
+        works = []
         if with_header:
             header = self._header(data)
-            self._pending.append(guarded_post(lambda: dist.isend(header, dst, tag=3 * tag), "pipeline send"))
-        self._pending.append(guarded_post(lambda: dist.isend(data, dst, tag=3 * tag + (1 if with_header else 2)),
-                                          "pipeline send"))
+            works.append(guarded_post(lambda: dist.isend(header, dst, tag=3 * tag), "pipeline send"))
+        works.append(guarded_post(lambda: dist.isend(data, dst, tag=3 * tag + (1 if with_header else 2)),
+                                  "pipeline send"))
+        chan = self._sends.setdefault((dst, _ACT if with_header else _GRAD), deque())
+        chan.append((tag, works))
+        if window is not None:
+            while len(chan) > window:
+                self._wait_one(chan)
+
+    def _wait_one(self, chan: deque[tuple[int, list[Any]]]) -> None:
+        _, works = chan[0]
+        while works:
+            guarded_wait(works[0], "pipeline send")
+            works.pop(0)
+        chan.popleft()
+
+    def release(self, dst: int, upto: int) -> None:
+        """Wait the activation sends to ``dst`` of micro-batches ``<= upto``: call it once ``dst`` is known to have
+        received them (its gradient of ``upto`` arrived), so the waits return at once and the tensors are freed."""
+        chan = self._sends.get((dst, _ACT))
+        while chan and chan[0][0] <= upto:
+            self._wait_one(chan)
+
+    def prepost_header(self, src: int, tag: int) -> None:
+        """Post the receive of micro-batch ``tag``'s activation header from ``src`` now (no-op if not
+        :attr:`preposting` or already posted); :meth:`recv` picks it up."""
+        key = (src, 3 * tag)
+        if self.preposting and key not in self._recvs:
+            h = torch.empty(2 + _MAX_NDIM, dtype=torch.int64, device=self.device)
+            self._recvs[key] = (guarded_post(lambda: dist.irecv(h, src, tag=3 * tag), "pipeline receive"), h)
+
+    def prepost_like(self, ref: Tensor, src: int, tag: int) -> None:
+        """Post the receive of micro-batch ``tag``'s gradient (shaped like ``ref``) from ``src`` now (no-op if not
+        :attr:`preposting` or already posted); :meth:`recv_like` picks it up."""
+        key = (src, 3 * tag + 2)
+        if self.preposting and key not in self._recvs:
+            t = torch.empty(ref.shape, dtype=ref.dtype, device=self.device)
+            self._recvs[key] = (guarded_post(lambda: dist.irecv(t, src, tag=3 * tag + 2),
+                                             "pipeline gradient receive"), t)
+
+    def _take(self, src: int, tag: int, what: str) -> Optional[Tensor]:
+        posted = self._recvs.pop((src, tag), None)
+        if posted is None:
+            return None
+        work, buf = posted
+        guarded_wait(work, what)
+        return buf
 
     def recv(self, src: int, tag: int) -> Tensor:
         """Receive a tensor with header from global rank ``src`` (blocking)."""
-        h = torch.empty(2 + _MAX_NDIM, dtype=torch.int64, device=self.device)
-        guarded(lambda: dist.irecv(h, src, tag=3 * tag), "pipeline receive")
+        h = self._take(src, 3 * tag, "pipeline receive")
+        if h is None:
+            h = torch.empty(2 + _MAX_NDIM, dtype=torch.int64, device=self.device)
+            guarded(lambda: dist.irecv(h, src, tag=3 * tag), "pipeline receive")
         shape, dtype = self._parse(h)
         t = torch.empty(shape, dtype=dtype, device=self.device)
         guarded(lambda: dist.irecv(t, src, tag=3 * tag + 1), "pipeline receive")
@@ -462,15 +570,36 @@ class P2P:
 
     def recv_like(self, ref: Tensor, src: int, tag: int) -> Tensor:
         """Receive a tensor shaped like ``ref`` (a gradient) from global rank ``src`` (blocking)."""
+        t = self._take(src, 3 * tag + 2, "pipeline gradient receive")
+        if t is not None:
+            return t
         t = torch.empty(ref.shape, dtype=ref.dtype, device=self.device)
         guarded(lambda: dist.irecv(t, src, tag=3 * tag + 2), "pipeline gradient receive")
         return t
 
     def wait_all(self) -> None:
-        """Wait for every posted send."""
-        pending, self._pending = self._pending, []
-        for work in pending:
-            guarded_wait(work, "pipeline send")
+        """Wait for every posted send (and every pre-posted receive, which a finished step has none of)."""
+        for chan in self._sends.values():
+            while chan:
+                self._wait_one(chan)
+        self._sends.clear()
+        recvs, self._recvs = self._recvs, {}
+        for work, _ in recvs.values():
+            guarded_wait(work, "pipeline receive")
+
+    def abandon(self) -> None:
+        """Give up every outstanding operation of a step that failed: never waited or reused again, and never
+        destroyed while it may still be pending (parked with the active liveness, else kept here)."""
+        works = [w for chan in self._sends.values() for _, ws in chan for w in ws]
+        works += [w for w, _ in self._recvs.values()]
+        self._sends.clear()
+        self._recvs.clear()
+        live = active()
+        for work in works:
+            if live is not None:
+                live.park(work)
+            else:
+                self._abandoned.append(work)
 
     def broadcast(self, t: Optional[Tensor], src: int) -> Tensor:
         """Broadcast a tensor of unknown shape from global rank ``src`` over the pipeline group."""
@@ -506,6 +635,9 @@ def run_train_schedule(
     """Run one stage's forward/backward operations for one training step.
 
     Gradients accumulate into the stage's parameters (``.grad``). The caller owns the data-parallel all-reduce.
+    What a micro-batch holds (its received activation, its output and graph, its outgoing messages) is released as
+    soon as its backward is done and the peer is known to have it (see the module docstring), so under 1F1B a stage
+    holds what the schedule keeps in flight, independently of M.
 
     Args:
         ops: from :func:`schedule_ops`.
@@ -525,16 +657,41 @@ def run_train_schedule(
 
     Returns:
         The (unscaled, detached) micro-batch losses on the last stage; empty elsewhere.
+
+    Raises:
+        PeerLostError: a neighbour was lost (from the wait that noticed it); the step's outstanding transfers are
+            abandoned (:meth:`P2P.abandon`).
     """
+    try:
+        return _train_schedule(ops, micro, stage_module, p2p, prev_rank, next_rank, head, tail, loss_scale,
+                               forward_context, middle)
+    except BaseException:
+        p2p.abandon()
+        raise
+
+
+def _train_schedule(
+    ops: Sequence[Op], micro: Sequence[Any], stage_module: nn.Module, p2p: P2P, prev_rank: Optional[int],
+    next_rank: Optional[int], head: Callable[[Any], Tensor], tail: Callable[[Any, Optional[Tensor]], Tensor],
+    loss_scale: float, forward_context: Callable[[], AbstractContextManager[Any]],
+    middle: Optional[Callable[[Any, Tensor], Tensor]],
+) -> list[Tensor]:
     first, last = prev_rank is None, next_rank is None
     saved: dict[int, tuple[Optional[Tensor], Tensor]] = {}
     losses: list[Tensor] = []
+    forwards = [m for kind, m in ops if kind == "F"]
+    backwards = [m for kind, m in ops if kind == "B"]
+    done_f = done_b = 0
+    if not first and forwards:
+        p2p.prepost_header(prev_rank, forwards[0])  # type: ignore[arg-type]
     for kind, m in ops:
         if kind == "F":
             act: Optional[Tensor] = None
             with forward_context():
                 if not first:
                     act = p2p.recv(prev_rank, m)  # type: ignore[arg-type]
+                    if done_f + 1 < len(forwards):  # the next activation's header moves while this one computes
+                        p2p.prepost_header(prev_rank, forwards[done_f + 1])  # type: ignore[arg-type]
                     if act.is_floating_point():
                         act.requires_grad_(True)
                 if last:
@@ -547,8 +704,9 @@ def run_train_schedule(
                 else:
                     out = stage_module(act)
             if not last:
-                p2p.send(out, next_rank, m)  # type: ignore[arg-type]
+                p2p.send(out, next_rank, m)  # type: ignore[arg-type]  # waited when its gradient comes back
             saved[m] = (act, out)
+            done_f += 1
         else:
             act, out = saved.pop(m)
             if last:
@@ -556,11 +714,20 @@ def run_train_schedule(
                     torch.autograd.backward(out * loss_scale)
             elif out.is_floating_point():
                 grad = p2p.recv_like(out, next_rank, m)  # type: ignore[arg-type]
+                p2p.release(next_rank, m)  # type: ignore[arg-type]  # the next stage has activations <= m
                 if out.requires_grad:
                     torch.autograd.backward(out, grad)
+                del grad
             if not first and act is not None and act.is_floating_point():
                 g = act.grad if act.grad is not None else torch.zeros_like(act)
-                p2p.send(g, prev_rank, m, with_header=False)  # type: ignore[arg-type]
+                p2p.send(g, prev_rank, m, with_header=False, window=SEND_WINDOW)  # type: ignore[arg-type]
+                del g
+            done_b += 1
+        del act, out  # nothing of a finished micro-batch outlives its backward here
+        if not last:  # the gradients of the next backwards move while this stage computes
+            for n in backwards[done_b:done_b + PREPOST_GRADIENTS]:
+                if n in saved and saved[n][1].is_floating_point():
+                    p2p.prepost_like(saved[n][1], next_rank, n)  # type: ignore[arg-type]
     p2p.wait_all()
     return losses
 
@@ -577,6 +744,9 @@ def run_forward_only(
 ) -> list[Tensor]:
     """Push micro-batches forward through one stage (evaluation); returns the stack outputs on the last stage.
 
+    At most :data:`SEND_WINDOW` sent activations stay outstanding (data flows one way, so waiting the oldest cannot
+    deadlock); the next activation's header is pre-posted while a micro-batch computes.
+
     Args:
         micro: micro-batches (same on every stage of the pipeline).
         stage_module: the local stage.
@@ -589,19 +759,30 @@ def run_forward_only(
 
     Returns:
         The last stage's outputs, one per micro-batch (empty list on other stages).
+
+    Raises:
+        PeerLostError: a neighbour was lost; the outstanding transfers are abandoned (:meth:`P2P.abandon`).
     """
     first, last = prev_rank is None, next_rank is None
     outs: list[Tensor] = []
-    for m, mb in enumerate(micro):
-        if first:
-            x = head(mb)
-        else:
-            act = p2p.recv(prev_rank, m)  # type: ignore[arg-type]
-            fn = tail if last else middle
-            x = fn(mb, act) if fn is not None else stage_module(act)
-        if last:
-            outs.append(x)
-        else:
-            p2p.send(x, next_rank, m)  # type: ignore[arg-type]
-    p2p.wait_all()
+    try:
+        for m, mb in enumerate(micro):
+            if first:
+                x = head(mb)
+            else:
+                act = p2p.recv(prev_rank, m)  # type: ignore[arg-type]
+                if m + 1 < len(micro):
+                    p2p.prepost_header(prev_rank, m + 1)  # type: ignore[arg-type]
+                fn = tail if last else middle
+                x = fn(mb, act) if fn is not None else stage_module(act)
+                del act
+            if last:
+                outs.append(x)
+            else:
+                p2p.send(x, next_rank, m, window=SEND_WINDOW)  # type: ignore[arg-type]
+            del x
+        p2p.wait_all()
+    except BaseException:
+        p2p.abandon()
+        raise
     return outs
