@@ -53,3 +53,16 @@ def test_zero_is_off_and_no_grad_sleeps_forward_only() -> None:
 def test_negative_time_is_a_clear_error(ms: float, factor: float) -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
         emulated_compute(torch.zeros(1), ms, factor)
+
+
+def test_profiled_backward_time_overrides_the_factor() -> None:
+    """A per-layer profile gives backward times that are not a fixed multiple of the forward (GPT-1.5B's head:
+    11.2 ms forward, 23.8 ms backward); the backward sleeps the given time per row, not ``factor * forward``."""
+    x = torch.randn(4, 3, requires_grad=True)
+    out: list[torch.Tensor] = []
+    fwd = _timed(lambda: out.append(emulated_compute(x * 1.0, 2.0, backward_factor=10.0, backward_ms_per_sample=15.0)))
+    bwd = _timed(lambda: out[0].sum().backward())
+    assert 0.008 <= fwd < 0.008 + 0.05, fwd
+    assert 0.060 <= bwd < 0.060 + 0.05, bwd  # 4 rows x 15 ms, not 4 x 2 x 10 ms
+    with pytest.raises(ValueError, match="must be >= 0"):
+        emulated_compute(x, 1.0, backward_ms_per_sample=-1.0)

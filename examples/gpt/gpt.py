@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import time
 from typing import Optional
 
 import pytorch_lightning as pl
@@ -27,6 +28,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
+from lightning_parcae.runtime.elastic import LIVE_CHECKPOINT
+from lightning_parcae.testing.emulated_cluster import EmulatedWorkload, install_modelled_link
 from lightning_parcae.testing.emulated_device import emulated_compute
 
 __all__ = ["GPT", "StdlibText", "stdlib_bytes"]
@@ -107,24 +110,27 @@ class StdlibText(pl.LightningDataModule):
 class Embed(nn.Module):
     """Token + learned position embedding."""
 
-    def __init__(self, d_model: int, seq_len: int, device_ms: float = 0.0) -> None:
+    def __init__(self, d_model: int, seq_len: int, device_ms: float = 0.0,
+                 device_backward_ms: Optional[float] = None) -> None:
         super().__init__()
-        self.device_ms = device_ms
+        self.device_ms, self.device_backward_ms = device_ms, device_backward_ms
         self.tok = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        return emulated_compute(self.tok(idx) + self.pos(torch.arange(t, device=idx.device))[None], self.device_ms)
+        return emulated_compute(self.tok(idx) + self.pos(torch.arange(t, device=idx.device))[None], self.device_ms,
+                                backward_ms_per_sample=self.device_backward_ms)
 
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: causal self-attention and an MLP, each with a residual."""
 
-    def __init__(self, d_model: int, n_heads: int, device_ms: float = 0.0) -> None:
+    def __init__(self, d_model: int, n_heads: int, device_ms: float = 0.0,
+                 device_backward_ms: Optional[float] = None) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.device_ms = device_ms
+        self.device_ms, self.device_backward_ms = device_ms, device_backward_ms
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
@@ -137,20 +143,21 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return emulated_compute(x + self.mlp(self.ln2(x)), self.device_ms)
+        return emulated_compute(x + self.mlp(self.ln2(x)), self.device_ms,
+                                backward_ms_per_sample=self.device_backward_ms)
 
 
 class Head(nn.Module):
     """Final LayerNorm and the projection to byte logits."""
 
-    def __init__(self, d_model: int, device_ms: float = 0.0) -> None:
+    def __init__(self, d_model: int, device_ms: float = 0.0, device_backward_ms: Optional[float] = None) -> None:
         super().__init__()
-        self.device_ms = device_ms
+        self.device_ms, self.device_backward_ms = device_ms, device_backward_ms
         self.ln = nn.LayerNorm(d_model)
         self.out = nn.Linear(d_model, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return emulated_compute(self.out(self.ln(x)), self.device_ms)
+        return emulated_compute(self.out(self.ln(x)), self.device_ms, backward_ms_per_sample=self.device_backward_ms)
 
 
 class GPT(pl.LightningModule):
@@ -168,24 +175,87 @@ class GPT(pl.LightningModule):
             quarter, the head half of a block's). 0 (default): the real CPU compute only. Used with
             ``parcae run --emulated-devices`` so that one small machine behaves like instances with an
             accelerator each.
+        emulate: An emulated cluster faithful to a profiled workload (:mod:`lightning_parcae.testing.emulated_cluster`):
+            ``"gpt-1.5b"`` (the Parcae artifact's GPT-1.5B on p3.2xlarge) or a workload JSON file. The embedding,
+            the ``n_blocks`` blocks and the head model the profile's embedding, its middle layers (grouped
+            contiguously when ``n_blocks`` is smaller than the profile's, one to one when equal) and its head:
+            each sleeps its layers' profiled forward and backward milliseconds per sample divided by
+            ``time_scale``, and every state transfer of a migration also sleeps the modelled 10 Gbps transfer time
+            of the layers it moves (installed in :meth:`setup`). Excludes ``device_ms_per_sample``. None (default):
+            no profile.
+        time_scale: Divides every modelled duration of ``emulate`` (30: a 3 s modelled step runs in 0.1 s).
     """
 
     def __init__(self, n_blocks: int = 8, d_model: int = 64, n_heads: int = 4, seq_len: int = 64,
-                 lr: float = 3e-3, weight_decay: float = 0.01, device_ms_per_sample: float = 0.0) -> None:
+                 lr: float = 3e-3, weight_decay: float = 0.01, device_ms_per_sample: float = 0.0,
+                 emulate: Optional[str] = None, time_scale: float = 30.0) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
         if device_ms_per_sample < 0:
             raise ValueError(f"device_ms_per_sample={device_ms_per_sample} must be >= 0 (0 turns the emulated "
                              "accelerator off)")
+        if emulate is not None and device_ms_per_sample > 0:
+            raise ValueError(f"emulate={emulate!r} and device_ms_per_sample={device_ms_per_sample} both set the "
+                             "emulated compute time: give one of them (emulate takes per-layer times from a profile)")
         self.save_hyperparameters()
         ms = float(device_ms_per_sample)
-        self.layers = nn.Sequential(Embed(d_model, seq_len, 0.25 * ms),
-                                    *[Block(d_model, n_heads, ms) for _ in range(n_blocks)], Head(d_model, 0.5 * ms))
+        fwd: list[float] = [0.25 * ms] + [ms] * n_blocks + [0.5 * ms]
+        bwd: list[Optional[float]] = [None] * (n_blocks + 2)  # backward_factor (2x) of emulated_compute
+        self.workload: Optional[EmulatedWorkload] = None
+        if emulate is not None:
+            self.workload = EmulatedWorkload.named(emulate, time_scale=time_scale).coarsened(n_blocks)
+            fwd = [self.workload.forward_ms_per_sample(i) for i in range(n_blocks + 2)]
+            bwd = [self.workload.backward_ms_per_sample(i) for i in range(n_blocks + 2)]
+        self.layers = nn.Sequential(Embed(d_model, seq_len, fwd[0], bwd[0]),
+                                    *[Block(d_model, n_heads, fwd[1 + i], bwd[1 + i]) for i in range(n_blocks)],
+                                    Head(d_model, fwd[-1], bwd[-1]))
         self.val_ppl = Perplexity()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.layers(idx)
+
+    def setup(self, stage: str) -> None:
+        """With ``emulate``: every state transfer of this process also takes the workload's modelled time."""
+        if self.workload is not None:
+            install_modelled_link(self.workload)
+
+    def teardown(self, stage: str) -> None:
+        """Remove the modelled link installed by :meth:`setup`."""
+        if self.workload is not None:
+            install_modelled_link(None)
+
+    def held_layers(self) -> list[int]:
+        """Indices of the layers this process holds under the current layout (all of them before one exists)."""
+        try:
+            strategy = self.trainer.strategy
+        except RuntimeError:  # not attached to a Trainer
+            strategy = None
+        partition = list(getattr(strategy, "partition", None) or [])
+        groups = getattr(strategy, "groups", None)
+        if not partition or groups is None or sum(partition) != len(self.layers):
+            return list(range(len(self.layers)))
+        stage = groups.coords.stage
+        start = sum(partition[:stage])
+        return list(range(start, start + partition[stage]))
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """With ``emulate``: a restore also takes the modelled time to read this process's layers' state.
+
+        Every process reads its own stage in parallel, so each sleeps for its layers at the workload's checkpoint
+        read bandwidth. Writes are not charged: the runtime writes checkpoints in the background, off the critical
+        path of a step (what a restart pays is the read). A joiner's restore from live peers
+        (:data:`~lightning_parcae.runtime.elastic.LIVE_CHECKPOINT`) reads no checkpoint: its state came over the
+        modelled link, already charged.
+        """
+        if self.workload is None:
+            return
+        try:
+            path = self.trainer.ckpt_path
+        except RuntimeError:  # not attached to a Trainer
+            path = None
+        if str(path) != LIVE_CHECKPOINT:
+            time.sleep(self.workload.checkpoint_read_s(self.held_layers()))
 
     def _logits_targets(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self(batch[:, :-1]), batch[:, 1:]

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import yaml  # noqa: E402
 from pytorch_lightning.cli import LightningCLI  # noqa: E402
 
 from gpt import GPT, StdlibText  # noqa: E402
+from lightning_parcae.contract import JOIN_ENV  # noqa: E402
+from lightning_parcae.testing.emulated_cluster import EmulatedWorkload  # noqa: E402
 from lightning_parcae.training.callbacks import resume_path  # noqa: E402
 
 
@@ -41,9 +45,36 @@ def _env_defaults(argv: list[str]) -> list[str]:
     return extra + argv
 
 
+def _boot_emulated_instance(args: list[str]) -> None:
+    """Under ``model.emulate``, a joining instance (``PARCAE_JOIN=1``) first sleeps the workload's modelled boot
+    time (scaled), as a fresh instance would boot before its process can register as a standby. A member fenced
+    and restarted as a standby also pays it (the emulation cannot tell a new instance from a restarted process)."""
+    if os.environ.get(JOIN_ENV) != "1":
+        return
+    cfg = _config_model(args)
+    emulate = cfg.get("emulate")
+    if emulate:
+        workload = EmulatedWorkload.named(str(emulate), time_scale=float(cfg.get("time_scale", 30.0)))
+        time.sleep(workload.boot_scaled_s())
+
+
+def _config_model(args: list[str]) -> dict:
+    """``model:`` options of the ``--config`` file, with ``--model.emulate`` / ``--model.time_scale`` overrides."""
+    out: dict = {}
+    if "--config" in args:
+        with open(args[args.index("--config") + 1]) as f:
+            out.update((yaml.safe_load(f) or {}).get("model") or {})
+    for key in ("emulate", "time_scale"):
+        flag = f"--model.{key}"
+        if flag in args and args.index(flag) + 1 < len(args):
+            out[key] = args[args.index(flag) + 1]
+    return out
+
+
 def main() -> None:
     argv = list(sys.argv)
     args = _env_defaults(argv[1:])
+    _boot_emulated_instance(args)
     sys.argv = argv[:1]  # the options are passed as ``args`` (LightningCLI warns if both are given)
     cli = LightningCLI(GPT, StdlibText, run=False, save_config_callback=None, args=args)
     # Regression: without a launcher, ParcaeStrategy starts the other ranks by re-running ``sys.argv`` (like

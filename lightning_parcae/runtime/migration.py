@@ -13,14 +13,21 @@ and plain containers only, nothing unpickled. Sizes go first, then all blobs are
 ``irecv``) so transfers run in parallel, and every wait is guarded (:mod:`lightning_parcae.runtime.liveness`). The
 transition world always uses gloo over CPU tensors, which works on CPU and GPU machines alike (a GPU job pays one
 device-to-host copy per moved layer).
+
+Modelled network (emulated clusters only): the moved state of a small emulated model is tiny, so its transfer costs
+nothing like the real model's would. :func:`set_modelled_link` installs a :class:`LinkModel` whose
+``charge(layer_indices)`` says how many seconds one process's link would need for those layers' state; every
+:func:`exchange` then also sleeps ``max(charge(sent), charge(received))`` after the real transfer. The default is
+no link (nothing is added); :mod:`lightning_parcae.testing.emulated_cluster` installs one from a workload profile.
 """
 
 from __future__ import annotations
 
 import io
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +36,52 @@ from torch.optim import Optimizer
 
 from lightning_parcae.runtime.liveness import guarded_post, guarded_wait
 
-__all__ = ["pack", "unpack", "layer_payload", "exchange", "load_layer_payload", "rebind_optimizer"]
+__all__ = ["pack", "unpack", "layer_payload", "exchange", "load_layer_payload", "rebind_optimizer", "LinkModel",
+           "set_modelled_link"]
+
+
+class LinkModel(Protocol):
+    """A modelled network link: the seconds one process's link needs to move the given layers' state."""
+
+    def charge(self, layers: Sequence[int]) -> float:
+        """Seconds to move the state of ``layers`` (indices into the model's layer list) over one link."""
+        ...
+
+
+_modelled_link: Optional[LinkModel] = None
+
+
+def set_modelled_link(link: Optional[LinkModel]) -> Optional[LinkModel]:
+    """Install (or, with None, remove) the modelled link every :func:`exchange` of this process charges.
+
+    Returns:
+        The link installed before.
+    """
+    global _modelled_link
+    previous, _modelled_link = _modelled_link, link
+    return previous
+
+
+def _moved_layers(objs: Any) -> list[int]:
+    """Layer indices carried by transfer blobs of the form ``{"layers": {index: payload}, ...}`` (others: none)."""
+    out: list[int] = []
+    for obj in objs:
+        layers = obj.get("layers") if isinstance(obj, Mapping) else None
+        if isinstance(layers, Mapping):
+            out += [int(i) for i in layers]
+    return out
+
+
+def _charge_modelled_link(sent: Any, received: Any) -> float:
+    """Sleep the modelled link time of this process's sent and received layers (both directions share a link
+    pair in parallel: the longer one counts). Returns the seconds slept (0 without a link)."""
+    link = _modelled_link
+    if link is None:
+        return 0.0
+    seconds = max(link.charge(_moved_layers(sent)), link.charge(_moved_layers(received)))
+    if seconds > 0:
+        time.sleep(seconds)
+    return seconds
 
 
 def pack(obj: Any) -> Tensor:
@@ -74,13 +126,17 @@ def exchange(sends: Mapping[int, Any], recv_from: Sequence[int], what: str = "st
 
     Returns:
         ``{source rank: object}``.
+
+    With a modelled link installed (:func:`set_modelled_link`), also sleeps its charge for the layers moved.
     """
     blobs = {dst: pack(obj) for dst, obj in sends.items()}
     sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in recv_from}
     _send_recv({dst: torch.tensor([b.numel()], dtype=torch.int64) for dst, b in blobs.items()}, sizes_in, 1, what)
     inbox = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes_in.items()}
     _send_recv(blobs, inbox, 2, what)
-    return {src: unpack(t) for src, t in inbox.items()}
+    received = {src: unpack(t) for src, t in inbox.items()}
+    _charge_modelled_link(sends.values(), received.values())
+    return received
 
 
 def _send_recv(outgoing: Mapping[int, Tensor], incoming: Mapping[int, Tensor], tag: int, what: str) -> None:
