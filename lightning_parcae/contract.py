@@ -25,7 +25,7 @@ from typing import Optional, Union
 __all__ = [
     "worker_contract",
     "ENV_PREFIX", "RUN_DIR_ENV", "RESUME_ENV", "CHECKPOINT_DIR_ENV", "MAX_INSTANCES_ENV", "STORE_ENV", "JOB_TOKEN_ENV", "MEMBER_ENV", "JOIN_ENV",
-    "GENERATION_ENV", "GENERATION_BASE_ENV", "PIPELINE_ENV", "INTERVAL_ENV", "MODE_ENV", "ELASTIC_ENV", "STALL_ENV",
+    "GENERATION_ENV", "GENERATION_BASE_ENV", "ROSTER_ENV", "PIPELINE_ENV", "INTERVAL_ENV", "MODE_ENV", "ELASTIC_ENV", "STALL_ENV",
     "SHARED_CORES_ENV", "WRONG_TOKEN_EXIT", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT",
 ]
 
@@ -53,6 +53,12 @@ GENERATION_ENV = "PARCAE_GENERATION"
 """The launch number (a restart from the checkpoint is a new launch)."""
 GENERATION_BASE_ENV = "PARCAE_GENERATION_BASE"
 """First generation number of this launch (generations of different launches never collide)."""
+ROSTER_ENV = "PARCAE_ROSTER"
+"""Set: this worker is a *start-up candidate* of a ``parcae run`` launch. Once it has imported and connected it
+reports its arrival and waits for the launch's roster under this store key
+(:mod:`lightning_parcae.runtime.startup`): a member takes its rank from it (``RANK`` / ``WORLD_SIZE`` are only
+0 / 1 placeholders), anyone else starts as a standby. Unset: ``RANK`` / ``WORLD_SIZE`` are given (``parcae agent``,
+torchrun, a joiner)."""
 PIPELINE_ENV = "PARCAE_PIPELINE_STAGES"
 """The first pipeline depth P (``auto``: the strategy chooses)."""
 INTERVAL_ENV = "PARCAE_INTERVAL_S"
@@ -74,7 +80,8 @@ def worker_contract(*, store: str, token: Optional[str], elastic: bool, run_dir:
                     interval_s: Optional[float] = None, stall_s: Optional[float] = None,
                     shared_cores: Optional[int] = None,
                     resume: Union[str, PathLike[str], None] = None,
-                    checkpoint_dir: Optional[str] = None, max_instances: Optional[int] = None) -> dict[str, str]:
+                    checkpoint_dir: Optional[str] = None, max_instances: Optional[int] = None,
+                    roster: Optional[str] = None) -> dict[str, str]:
     """The ``PARCAE_*`` variables of one worker; a variable whose argument is None (or a falsy token / stall) is
     left out, so the worker's default applies.
 
@@ -94,6 +101,7 @@ def worker_contract(*, store: str, token: Optional[str], elastic: bool, run_dir:
         resume: :data:`RESUME_ENV`.
         checkpoint_dir: :data:`CHECKPOINT_DIR_ENV`.
         max_instances: :data:`MAX_INSTANCES_ENV`.
+        roster: :data:`ROSTER_ENV` (the store key of the launch's start-up roster).
     """
     env = {ELASTIC_ENV: "1" if elastic else "0", STORE_ENV: store}
     if token:
@@ -122,6 +130,8 @@ def worker_contract(*, store: str, token: Optional[str], elastic: bool, run_dir:
         env[CHECKPOINT_DIR_ENV] = checkpoint_dir
     if max_instances is not None:
         env[MAX_INSTANCES_ENV] = str(max_instances)
+    if roster is not None:
+        env[ROSTER_ENV] = roster
     return env
 
 

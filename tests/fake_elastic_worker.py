@@ -4,6 +4,9 @@ It lets the launcher's tests script exact situations (a member released with exi
 member exits 75, a standby that waits until the job ends) and check what the launcher does, deterministically and
 fast. It writes what the real runtime writes to ``run_dir/events.jsonl``:
 
+* a start-up candidate (``PARCAE_ROSTER`` set): an elastic ``arrived`` event, then it waits for the launcher's
+  ``roster`` event of its launch (the real worker reads the signed roster from the store; this one has no torch to
+  reach it) and takes its rank from it -- or, left out of it, behaves as a joiner;
 * an initial member: an elastic ``phase`` event (starting -> training), then, as rank 0, worker ``progress`` events
   every ``--step-s`` (one step each), a ``checkpoint`` event (and a ``ckpt/last.ckpt`` file) every 5 steps, and
   ``end`` at ``--steps`` (then it marks the job finished in ``run_dir/finished`` and exits 0);
@@ -12,7 +15,10 @@ fast. It writes what the real runtime writes to ``run_dir/events.jsonl``:
 
 ``--release MEMBER@STEP[:CODE],...`` makes MEMBER exit 76 (or CODE, e.g. 77: fenced) once the job reaches STEP;
 ``--fallback-at STEP`` makes every member of the first launch exit 75 at STEP; ``--startup-s S`` makes the first
-launch's members take S seconds to start. Each process records its environment in ``run_dir/env_<member>.json``.
+launch's candidates take S seconds to arrive (``--slow MEMBER@S,...``: that member S seconds instead);
+``--formation-s S`` makes the first launch's roster members take S seconds from the roster to their first phase
+(generation 0 forming). Each process records its environment (and, as a candidate, the rank and world the roster
+gave it) in ``run_dir/env_<member>.json``.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ def main() -> None:
     ap.add_argument("--release", default="")
     ap.add_argument("--fallback-at", type=int, default=0)
     ap.add_argument("--startup-s", type=float, default=0.0,
-                    help="initial members of the first launch take this long to start (a rendezvous that waits)")
+                    help="candidates of the first launch take this long to arrive (imports, as in a real start-up)")
+    ap.add_argument("--slow", default="", help="MEMBER@S,...: that candidate of the first launch takes S seconds")
+    ap.add_argument("--formation-s", type=float, default=0.0,
+                    help="first-launch members take this long from the roster to their first phase")
     args = ap.parse_args()
     run = os.environ["PARCAE_RUN_DIR"]
     member = os.environ["PARCAE_MEMBER"]
@@ -42,9 +51,15 @@ def main() -> None:
     launch = int(os.environ.get("PARCAE_GENERATION", "0"))
     base = int(os.environ["PARCAE_GENERATION_BASE"])
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PARCAE_JOIN", "PARCAE_ELASTIC",
-            "PARCAE_GENERATION_BASE", "PARCAE_RESUME_CKPT", "PARCAE_INTERVAL_S", "PARCAE_STORE", "PARCAE_MEMBER")
-    with open(os.path.join(run, f"env_{member}.json"), "w") as f:
-        json.dump({k: os.environ.get(k) for k in keys}, f)
+            "PARCAE_GENERATION_BASE", "PARCAE_RESUME_CKPT", "PARCAE_INTERVAL_S", "PARCAE_STORE", "PARCAE_MEMBER",
+            "PARCAE_ROSTER")
+    recorded = {k: os.environ.get(k) for k in keys}
+
+    def record_env() -> None:
+        with open(os.path.join(run, f"env_{member}.json"), "w") as f:
+            json.dump(recorded, f)
+
+    record_env()
 
     def event(**e: object) -> None:
         line = (json.dumps({"time": time.time(), **e}) + "\n").encode()
@@ -59,14 +74,26 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_term)
     finished = os.path.join(run, "finished")
     step_file = os.path.join(run, "step")
+    slow = {m: float(s) for m, s in (x.split("@") for x in args.slow.split(",") if x)}
+    if os.environ.get("PARCAE_ROSTER") and not joiner:
+        if launch == 0 and (args.startup_s or member in slow):
+            time.sleep(slow.get(member, args.startup_s))  # importing: nothing of it reaches the launcher meanwhile
+        event(source="elastic", event="arrived", member=member, generation=-1, roster=os.environ["PARCAE_ROSTER"])
+        roster = wait_roster(run, launch)
+        if member in roster["members"]:
+            rank, world = roster["members"].index(member), len(roster["members"])
+            if launch == 0 and args.formation_s:
+                time.sleep(args.formation_s)  # generation 0 forming: groups, partition, the boot record
+        else:
+            joiner = True
+        recorded.update(roster_rank=rank if not joiner else None, roster_world=world if not joiner else None)
+        record_env()
     if joiner:
         event(source="elastic", event="phase", member=member, generation=-1, old="starting", new="standby")
         while not os.path.exists(finished):
             time.sleep(0.05)
         event(source="elastic", event="standby_exit", member=member, generation=-1, reason="job finished")
         sys.exit(0)
-    if launch == 0 and args.startup_s:
-        time.sleep(args.startup_s)  # nothing of this member's reaches the launcher meanwhile, as in a real start-up
     event(source="elastic", event="phase", member=member, generation=base, old="starting", new="training",
           D=world, P=1)
     step = 0
@@ -106,6 +133,24 @@ def main() -> None:
                 event(source="worker", event="end", generation=launch, step=step, samples=64 * step, D=world, P=1)
                 open(finished, "w").close()
             sys.exit(0)
+
+
+def wait_roster(run: str, launch: int) -> dict:
+    """The launcher's ``roster`` event of ``launch`` (polled from the event log)."""
+    path = os.path.join(run, "events.jsonl")
+    while True:
+        try:
+            with open(path) as f:
+                for line in f:
+                    try:
+                        e = json.loads(line)
+                    except ValueError:
+                        continue
+                    if e.get("source") == "launcher" and e.get("event") == "roster" and e.get("launch") == launch:
+                        return e
+        except OSError:
+            pass
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The ``--elastic`` instance manager (``lightning_parcae.launch.fleet``) with fakes of its collaborators.
 
 Problem it guards: which instances a trace's drop removes (``parcae run --victims``), how a removed instance is told
-(a notice with grace, or SIGKILL for a waiting standby), what an exit status makes the launcher do (a standby in
-the released one's place, a fallback, a failed run), and when the launcher itself starts a fallback. The processes
-are fakes: no worker is started.
+(a notice with grace, or SIGKILL for a waiting standby or a start-up candidate), how a launch's first generation is
+formed from the candidates that arrived (the start-up roster), what an exit status makes the launcher do (a
+standby in the released one's place, a candidate left out of the roster, a fallback, a failed run), and when the
+launcher itself starts a fallback. The processes are fakes: no worker is started.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from lightning_parcae.contract import (
     JOIN_ENV,
     MEMBER_ENV,
     RELEASED_EXIT,
+    ROSTER_ENV,
     SHARED_CORES_ENV,
 )
 from lightning_parcae.launch import fleet as fleet_mod
 from lightning_parcae.launch.fleet import MEMBERS_GONE_S, Fleet, shared_units
 from lightning_parcae.launch.processes import RunFailed
 from lightning_parcae.launch.relaunch import Relaunch
+from lightning_parcae.launch.startup import SETTLE_MIN_S
 from lightning_parcae.launch.run import _config
 from lightning_parcae.launch.state import Phase
 from launch_fakes import FakeProc, config, parts, worker
@@ -52,11 +55,22 @@ def _fleet(victims: str, seed: int = 0, standbys: tuple[int, ...] = ()) -> Fleet
     return f
 
 
-def _launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int = 3, **cfg: Any) -> tuple[Fleet, dict]:
+def _launched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int = 3, seat: bool = True,
+              **cfg: Any) -> tuple[Fleet, dict]:
+    """A launch of ``n`` instances; ``seat``: every candidate arrived and the roster is written."""
     f, p = _parts_fleet(tmp_path, monkeypatch, **cfg)
     f.add_instances(n)
     f.launch_instances()
+    if seat:
+        _arrive(f, p, *[f"i{k}" for k in range(n)])
+        assert f.form_roster() is not None
     return f, p
+
+
+def _arrive(f: Fleet, p: dict, *members: str, at: float | None = None) -> None:
+    """``members`` reported their arrival (at wall time ``at``, default now)."""
+    for m in members:
+        p["reports"].arrived[m] = time.time() if at is None else at
 
 
 def test_newest_removes_standbys_then_the_newest_members() -> None:
@@ -88,16 +102,96 @@ def test_victims_option_is_parsed_and_bad_values_rejected(capsys) -> None:
     assert "invalid choice: 'oldest'" in capsys.readouterr().err
 
 
-def test_a_launch_starts_power_of_two_members_and_the_rest_as_standbys(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    f, p = _launched(tmp_path, monkeypatch, n=3)
+def test_a_launch_starts_candidates_and_the_roster_makes_power_of_two_members_and_standbys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f, p = _launched(tmp_path, monkeypatch, n=3, seat=False)
     st = p["state"]
     assert (st.phase, st.launch, st.generation) == (Phase.STARTING, 0, 0)
-    assert [(e[MEMBER_ENV], e[JOIN_ENV], e["RANK"], e["WORLD_SIZE"]) for e in p["started"]] == \
-        [("i0", "0", "0", "2"), ("i1", "0", "1", "2"), ("i2", "1", "0", "1")]
+    # every instance starts as a candidate: RANK / WORLD_SIZE are placeholders, the roster gives the rank
+    assert [(e[MEMBER_ENV], e[JOIN_ENV], e["RANK"], e["WORLD_SIZE"], e[ROSTER_ENV]) for e in p["started"]] == \
+        [(f"i{k}", "0", "0", "1", "parcae/startup/0/roster") for k in range(3)]
     assert p["started"][0][GENERATION_BASE_ENV] == "0" and p["started"][0][SHARED_CORES_ENV] == "3"
     assert [e["LOCAL_RANK"] for e in p["started"]] == ["0", "1", "2"]  # one device slot per instance
-    assert p["events"].of("launch")[0]["standbys"] == ["i2"]
+    assert p["events"].of("launch")[0]["candidates"] == ["i0", "i1", "i2"]
+    assert f.form_roster() is None and p["store"].published == []  # nobody arrived yet
+    _arrive(f, p, "i2", "i0", "i1")
+    roster = f.form_roster()
+    assert roster is not None and roster.members == ("i0", "i1") and roster.standbys == ("i2",)
+    assert p["store"].published == [("parcae/startup/0/roster", roster.record())]
+    w0, w1, w2 = p["pool"].workers
+    assert (w0.rank, w1.rank, w0.candidate, w1.joiner, w2.joiner, w2.candidate) == (0, 1, False, False, True, False)
+    assert p["events"].of("roster")[0]["members"] == ["i0", "i1"] and p["events"].of("roster")[0]["standbys"] == ["i2"]
+    assert f.form_roster() is None  # written once
+
+
+def test_a_candidate_lost_before_the_roster_is_left_out_while_a_member_lost_after_it_relaunches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 20): an initial member lost during start-up made the launcher relaunch everyone, although
+    nobody held any state yet (`parcae run --instances 16 --trace hh_55_65` lost 120 s of a 400 s run). A
+    candidate lost before its launch's roster is now simply not in it -- a fresh standby takes its instance -- and
+    only a member of the roster lost before the first generation trained still starts the start-up fallback."""
+    f, p = _launched(tmp_path, monkeypatch, n=3, seat=False)
+    st = p["state"]
+    p["pool"].workers[1].proc.returncode = -signal.SIGKILL  # nobody here sent it
+    f.reap()
+    assert st.phase is Phase.STARTING and st.fallback is None and "fallback" not in p["events"].kinds()
+    assert p["events"].of("left_out")[0]["member"] == "i1" and p["events"].of("lost")[0]["member"] == "i1"
+    assert f.instances[1].member == "i1.1" and p["started"][-1][JOIN_ENV] == "1"  # a standby, not a candidate
+    _arrive(f, p, "i0", "i2")
+    roster = f.form_roster()
+    assert roster is not None and roster.members == ("i0", "i2") and roster.left_out == ("i1",)
+    p["pool"].workers[2].proc.returncode = -signal.SIGKILL  # i2: in the roster, generation 0 not formed yet
+    f.reap()
+    assert st.phase is Phase.FALLBACK and st.fallback["startup"]
+    assert "initial member i2 lost during start-up (in the roster" in st.fallback["reason"]
+
+
+def test_a_candidate_noticed_before_the_roster_is_stopped_at_once_and_left_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A noticed worker whose SIGTERM handler was not installed yet was only SIGKILLed at the end of its grace; a
+    candidate holds no state, so it is stopped at once and the roster forms without it."""
+    f, p = _launched(tmp_path, monkeypatch, n=3, seat=False)
+    f.change(2)  # newest first: i2
+    assert p["events"].of("remove")[0]["victims"] == [{"instance": 2, "member": "i2", "action": "candidate stopped"}]
+    assert p["pool"].signals == [("i2", signal.SIGKILL)] and p["store"].published == []  # no notice, no SIGTERM
+    f.reap()
+    assert p["state"].fallback is None and p["events"].of("left_out")[0]["reason"] == "noticed"
+    _arrive(f, p, "i0", "i1")
+    roster = f.form_roster()
+    assert roster is not None and roster.members == ("i0", "i1") and roster.left_out == ("i2",)
+
+
+def test_a_member_that_arrived_gets_its_notice_as_sigterm_before_it_reports_a_phase(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its handler is installed before it reports its arrival: SIGTERM is a notice it can act on, not a kill at the
+    end of the grace period."""
+    f, p = _launched(tmp_path, monkeypatch, n=2)
+    assert p["reports"].phases == {}
+    f.change(1)
+    assert ("i1", signal.SIGTERM) in p["pool"].signals and p["pool"].workers[1].sigterm_sent
+
+
+def test_a_fixed_pipeline_that_loses_too_many_candidates_relaunches(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    f, p = _launched(tmp_path, monkeypatch, n=2, seat=False, pipeline_stages="2")
+    assert p["started"][0]["PARCAE_PIPELINE_STAGES"] == "2"
+    p["pool"].workers[0].proc.returncode = -signal.SIGKILL
+    f.reap()
+    _arrive(f, p, "i1")
+    f.form_roster()
+    st = p["state"]
+    assert st.phase is Phase.FALLBACK and "no first generation can form" in st.fallback["reason"]
+
+
+def test_a_silent_candidate_is_left_for_a_standby_once_the_arrivals_settled(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    f, p = _launched(tmp_path, monkeypatch, n=4, seat=False)
+    t0 = p["state"].started_at
+    _arrive(f, p, "i0", "i1", "i2", at=t0 + 2.0)
+    assert f.form_roster(now=t0 + 3.0) is None  # 3 of 4: 2 members now, 4 if i3 comes
+    roster = f.form_roster(now=t0 + 2.0 + SETTLE_MIN_S + 0.1)
+    assert roster is not None and roster.members == ("i0", "i1") and roster.standbys == ("i2", "i3")
+    assert p["pool"].workers[3].joiner and not p["pool"].workers[3].candidate
 
 
 def test_shared_units_are_cores_on_a_cpu_machine_and_none_with_emulated_devices(tmp_path: Path) -> None:
@@ -118,7 +212,7 @@ def test_a_drop_notices_a_member_with_grace_and_stops_a_waiting_standby(tmp_path
     victims = p["events"].of("remove")[0]["victims"]
     assert [(v["member"], v["action"]) for v in victims] == [("i2", "standby stopped"), ("i1", "notice")]
     assert ("i2", signal.SIGKILL) in p["pool"].signals and ("i1", signal.SIGTERM) in p["pool"].signals
-    assert p["store"].published[0][0].endswith("i1") and p["pool"].workers[1].deadline is not None
+    assert p["store"].published[-1][0].endswith("i1") and p["pool"].workers[1].deadline is not None
     assert p["state"].n == 1 and p["state"].changes[-1]["new_N"] == 1 and p["state"].timeline[-1]["N"] == 1
 
 
@@ -157,7 +251,7 @@ def test_exit_75_starts_the_fallback_and_a_script_error_fails_the_run(tmp_path: 
     assert p["pool"].killed_all == 1
 
 
-def test_an_initial_member_lost_before_the_first_generation_starts_a_start_up_fallback(
+def test_a_roster_member_lost_before_the_first_generation_starts_a_start_up_fallback(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f, p = _launched(tmp_path, monkeypatch, n=2)
     p["pool"].workers[0].proc.returncode = -signal.SIGKILL  # nobody here sent it
@@ -206,3 +300,12 @@ def test_a_noticed_member_is_killed_when_its_grace_ends(tmp_path: Path, monkeypa
     w.deadline = time.time() - 1
     f.enforce_deadlines()
     assert w.killed and p["pool"].signals[-1] == ("i0", signal.SIGKILL) and len(p["state"].kill_times) == 1
+
+
+def test_a_drop_after_the_roster_takes_standbys_before_members_still_forming_generation_0(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Roster members report no phase until generation 0 trains; with `--victims random` they were as likely to be
+    removed as the roster's standbys, and a member removed then is a loss in the start-up window (a relaunch)."""
+    for seed in range(5):
+        f, p = _launched(tmp_path / str(seed), monkeypatch, n=3, victims="random", seed=seed)
+        assert f.removal_order([0, 1, 2])[0] == 2  # i2: the roster's standby

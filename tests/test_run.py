@@ -248,7 +248,9 @@ def test_elastic_notices_newest_and_starts_joiners_if_trace_changes(tmp_path: Pa
     _assert_nothing_left(launcher)
     assert report["mode"] == "elastic" and report["final_step"] == 50 and report["num_restarts"] == 0
     launches = _launcher_events(report, "launch")
-    assert len(launches) == 1 and launches[0]["members"] == ["i0", "i1"] and launches[0]["standbys"] == ["i2"]
+    assert len(launches) == 1 and launches[0]["candidates"] == ["i0", "i1", "i2"]
+    rosters = _launcher_events(report, "roster")
+    assert len(rosters) == 1 and rosters[0]["members"] == ["i0", "i1"] and rosters[0]["standbys"] == ["i2"]
     changes = [(c["old_N"], c["new_N"], c.get("removed"), c.get("added")) for c in report["changes"]]
     assert changes == [
         (3, 2, [{"instance": 2, "member": "i2", "action": "standby stopped"}], None),  # newest first: the standby
@@ -262,8 +264,11 @@ def test_elastic_notices_newest_and_starts_joiners_if_trace_changes(tmp_path: Pa
     assert [e["member"] for e in report["events"] if e.get("event") == "left"] == ["i1"]
     member, joiner = _env(run_dir, "i0"), _env(run_dir, "i3")
     # LOCAL_WORLD_SIZE: the machine's device slots (--max-instances, the trace's peak here)
+    # a start-up candidate: RANK / WORLD_SIZE are placeholders, its rank comes from the launch's roster
     assert (member["RANK"], member["WORLD_SIZE"], member["LOCAL_WORLD_SIZE"], member["PARCAE_JOIN"]) == \
-        ("0", "2", "3", "0")
+        ("0", "1", "3", "0")
+    assert (member["roster_rank"], member["roster_world"], member["PARCAE_ROSTER"]) == (0, 2, "parcae/startup/0/roster")
+    assert _env(run_dir, "i2")["roster_rank"] is None  # left out of the roster: a standby
     assert member["PARCAE_ELASTIC"] == "1" and member["PARCAE_INTERVAL_S"] == "1" and member["PARCAE_STORE"]
     assert member["PARCAE_GENERATION_BASE"] == "0" and member["PARCAE_RESUME_CKPT"] is None
     # regression: every joiner got LOCAL_RANK=0 (on a multi-GPU machine: cuda:0, next to member i0). A device
@@ -284,10 +289,10 @@ def test_elastic_restarts_released_and_fenced_as_standby_and_relaunches_from_che
     assert exits["i1"]["rc"] == 76 and exits["i0"]["rc"] == 75 and exits["i1.2"]["rc"] == 77
     assert exits["i1.1"]["killed"]  # the standby that replaced the released member: stopped for the relaunch
     assert _env(tmp_path, "i1.1")["PARCAE_JOIN"] == "1"
-    launches = _launcher_events(report, "launch")
-    assert [x["members"] for x in launches] == [["i0", "i1"], ["i0.1", "i1.2"]]
+    rosters = _launcher_events(report, "roster")
+    assert [x["members"] for x in rosters] == [["i0", "i1"], ["i0.1", "i1.2"]]
     again = _env(tmp_path, "i1.2")
-    assert (again["RANK"], again["WORLD_SIZE"], again["PARCAE_JOIN"]) == ("1", "2", "0")
+    assert (again["roster_rank"], again["roster_world"], again["PARCAE_JOIN"]) == (1, 2, "0")
     assert again["PARCAE_GENERATION_BASE"] == "1000" and again["PARCAE_RESUME_CKPT"].endswith("ckpt/last.ckpt")
     assert report["num_restarts"] == 1 and report["num_migrations"] == 0
     r = report["restarts"][0]
@@ -395,25 +400,88 @@ def test_elastic_restarts_a_standby_if_a_worker_is_sigkilled_from_outside(tmp_pa
 
 
 @pytest.mark.timeout(60)
-def test_elastic_relaunches_at_once_if_an_initial_member_is_lost_during_start_up(tmp_path: Path) -> None:
-    """Regression: an initial member killed during start-up (before the first generation formed) started the
-    fallback, and the launcher then waited the 10 s checkpoint grace for the other member -- stuck in a rendezvous
-    that can never complete, holding no state -- before killing it; reaping that straggler after the fallback had
-    ended started a second fallback ("initial member i0 lost during start-up", for a process parcae run itself
-    had killed). Now the straggler is stopped at once and the relaunch is the only one."""
+def test_elastic_leaves_a_candidate_lost_before_the_roster_out_without_a_relaunch(tmp_path: Path) -> None:
+    """Regression (issue 20): an initial member killed during start-up (while the others imported torch) made the
+    launcher relaunch everyone. It is now a start-up candidate that never made it into the roster: the first
+    generation forms without it, a fresh standby takes its instance, and nothing is relaunched."""
     import signal
     import time
 
     cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--",
-                   sys.executable, FAKE, "--steps", "20", "--step-s", "0.05", "--startup-s", "30"])
+                   sys.executable, FAKE, "--steps", "20", "--step-s", "0.05", "--slow", "i1@30"])
     launcher = Launcher(cfg, out=open(os.devnull, "w"))
     _kill_when(tmp_path, "i1", signal.SIGKILL, after_s=0.5)
     t0 = time.time()
     report = launcher.run()
     _assert_nothing_left(launcher)
+    assert report["final_step"] == 20 and report["num_restarts"] == 0
+    assert _launcher_events(report, "fallback") == [] and report["launches"] == 1
+    rosters = _launcher_events(report, "roster")
+    assert [(r["members"], r["left_out"]) for r in rosters] == [(["i0"], ["i1"])], rosters
+    assert [e["member"] for e in _launcher_events(report, "left_out")] == ["i1"]
+    assert _env(tmp_path, "i1.1")["PARCAE_JOIN"] == "1"  # a fresh standby for the lost instance
+    assert time.time() - t0 < 20.0
+
+
+def _kill_after_roster(run_dir: Path, member: str, sig: int) -> None:
+    """Send ``sig`` to ``member`` once the launcher wrote a start-up roster with it as a member (the window
+    between the roster and the first generation)."""
+    import threading
+    import time
+
+    def go() -> None:
+        t_end = time.time() + 60
+        while time.time() < t_end:
+            try:
+                lines = (run_dir / "events.jsonl").read_text().splitlines()
+            except OSError:
+                lines = []
+            rosters = [json.loads(x) for x in lines if '"roster"' in x and '"launcher"' in x]
+            if any(member in r.get("members", []) for r in rosters):
+                pid = _pid_of(run_dir, member)
+                if pid:
+                    os.kill(pid, sig)
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=go, daemon=True).start()
+
+
+def _pid_of(run_dir: Path, member: str) -> int | None:
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"PARCAE_MEMBER={member}\0".encode() in env and str(run_dir).encode() in env:
+            return int(d.name)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_elastic_relaunches_at_once_if_a_roster_member_is_lost_before_the_first_generation(tmp_path: Path) -> None:
+    """The window that remains (docs/run.md): a member lost after the roster was written but before generation 0
+    formed -- the others are building generation 0's groups with it -- still relaunches. Regression: the launcher
+    then waited the 10 s checkpoint grace for the other member -- stuck in a rendezvous that can never complete,
+    holding no state -- before killing it; reaping that straggler after the fallback had ended started a second
+    fallback ("initial member i0 lost during start-up", for a process parcae run itself had killed). Now the
+    straggler is stopped at once and the relaunch is the only one."""
+    import signal
+    import time
+
+    cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--",
+                   sys.executable, FAKE, "--steps", "20", "--step-s", "0.05", "--formation-s", "30"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    _kill_after_roster(tmp_path, "i1", signal.SIGKILL)
+    t0 = time.time()
+    report = launcher.run()
+    _assert_nothing_left(launcher)
     assert report["final_step"] == 20 and report["num_restarts"] == 1
     fallbacks = _launcher_events(report, "fallback")
-    assert [f["reason"] for f in fallbacks] == ["initial member i1 lost during start-up"], fallbacks
+    assert [f["reason"] for f in fallbacks] == [
+        "initial member i1 lost during start-up (in the roster, before the first generation formed)"], fallbacks
     stopped = _launcher_events(report, "stopped")
     assert len(stopped) == 1 and stopped[0]["stop_s"] < 3.0, stopped
     assert time.time() - t0 < 20.0
@@ -518,3 +586,39 @@ def test_restart_fallback_relaunches_at_a_splitting_d_if_the_trace_leaves_three(
     assert report["final_step"] == 400 and report["num_restarts"] >= 1
     launches = _launcher_events(report, "launch")
     assert [(e["N"], e["D"]) for e in launches][-1] == (3, 2)
+
+
+@pytest.mark.slow  # ~30-60 s on 2 cores: four real workers import torch while one of them is noticed
+@pytest.mark.timeout(300)
+def test_a_notice_during_start_up_leaves_the_candidate_out_without_a_relaunch(tmp_path: Path) -> None:
+    """Issue 20, end to end: a real job of 4 instances whose trace removes one 2 s after the launch, while every
+    worker is still importing torch. The noticed candidate is stopped at once (not SIGKILLed at the end of its
+    grace), the first generation forms from the others, nothing is relaunched, and every step trains exactly one
+    global batch."""
+    from chaos_harness import _steps
+    from elastic_harness import check_samples_once
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,4\n2000,3\n")
+    run_dir, out = tmp_path / "run", tmp_path / "job"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_parcae.launch.run", "--instances", "4", "--trace", str(trace), "--interval",
+         "1", "--time-scale", "1", "--grace", "20", "--run-dir", str(run_dir), "--no-plot", "--progress-every", "10",
+         "--oversubscribe", "--startup-timeout", "240", "--", sys.executable, str(ROOT / "tests" / "elastic_job.py"),
+         "--out", str(out), "--max-steps", "30", "--delay", "0.05"],
+        env=env, capture_output=True, text=True, timeout=280, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["num_restarts"] == 0 and report["launches"] == 1 and _launcher_events(report, "fallback") == []
+    removed = report["changes"][0]["removed"]
+    assert removed == [{"instance": 3, "member": "i3", "action": "candidate stopped"}], proc.stdout
+    [roster] = _launcher_events(report, "roster")
+    assert roster["left_out"] == ["i3"] and roster["members"] in (["i0", "i1"], ["i0", "i2"], ["i1", "i2"]), roster
+    exits = {e["member"]: e for e in _launcher_events(report, "exit")}
+    remove_t = _launcher_events(report, "remove")[0]["time"]
+    assert exits["i3"]["killed"] and exits["i3"]["time"] - remove_t < 2.0  # at once, not after the 20 s grace
+    assert all(e["rc"] == 0 and not e["killed"] for m, e in exits.items() if m != "i3"), exits
+    assert report["final_step"] == 30
+    check_samples_once(_steps(out), 30, 16)  # every step trained once, one global batch each

@@ -83,3 +83,50 @@ def test_a_joiner_takes_the_admitted_layout_and_groups_into_the_one_stage_state(
     assert state.layer_names == ["a", "b"] and state.layer_times == [0.5, 0.5]
     setup.use_timeout(timedelta(seconds=3))
     assert setup.timeout == timedelta(seconds=3) and timeouts == [timedelta(seconds=3)]
+
+
+def test_a_start_up_candidate_takes_its_rank_from_the_roster_and_a_left_out_one_takes_none() -> None:
+    """Issue 20: a candidate of `parcae run` starts with RANK=0 / WORLD_SIZE=1 placeholders; the launch's roster
+    makes it rank r of the first generation, or (not in it) leaves its ranks alone: it joins as a standby."""
+    from lightning_parcae.runtime.startup import StartupRoster
+
+    roster = StartupRoster(0, ("i0", "i2"), ("i1",))
+
+    class _Env:
+        def __init__(self) -> None:
+            self.rank, self.world = 0, 1
+
+        def set_global_rank(self, r: int) -> None:
+            self.rank = r
+
+        def set_world_size(self, w: int) -> None:
+            self.world = w
+
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    before = getattr(rank_zero_only, "rank", 0)
+    for member, want in (("i2", (1, 2)), ("i1", (0, 1))):
+        er = types.SimpleNamespace(member=member, take_seat=lambda: roster)
+        options = types.SimpleNamespace(process_group_backend="gloo", timeout=timedelta(seconds=5))
+        strategy = types.SimpleNamespace(elastic_runtime=er, cluster_environment=_Env(), options=options)
+        setup = ProcessSetup(strategy, options, StageLayout(StageState(), options, strategy, None),  # type: ignore[arg-type]
+                             "pytorch_lightning")
+        setup._take_seat()
+        assert (strategy.cluster_environment.rank, strategy.cluster_environment.world) == want
+    assert rank_zero_only.rank == 1  # the member's rank-zero logging follows its roster rank
+    rank_zero_only.rank = before
+
+
+def test_a_fixed_shape_strategy_refuses_to_run_as_a_start_up_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `parcae run --elastic` every worker's rank comes from the roster, which only the live-reconfiguration
+    runtime reads: ParcaeStrategy(elastic=False) would train alone as RANK 0 of WORLD_SIZE 1. It says so instead."""
+    from lightning_parcae.contract import ROSTER_ENV
+    from lightning_parcae.errors import ConfigurationError
+
+    monkeypatch.setenv(ROSTER_ENV, "parcae/startup/0/roster")
+    options = types.SimpleNamespace(process_group_backend="gloo", timeout=timedelta(seconds=5), elastic=False)
+    strategy = types.SimpleNamespace(elastic_runtime=None, cluster_environment=None, options=options)
+    setup = ProcessSetup(strategy, options, StageLayout(StageState(), options, strategy, None),  # type: ignore[arg-type]
+                         "pytorch_lightning")
+    with pytest.raises(ConfigurationError, match=r"elastic=False\) under `parcae run --elastic`.*--restart-fallback"):
+        setup.setup_environment()

@@ -85,7 +85,9 @@ class Console:
         member = str(ev.get("member", ""))
         kind = ev.get("event")
         t = float(ev.get("time", time.time())) - self.state.t0
-        if kind == "phase":
+        if kind == "arrived":
+            rep.arrived.setdefault(member, float(ev.get("time", time.time())))
+        elif kind == "phase":
             rep.phases[member] = str(ev.get("new"))
             g = int(ev.get("generation", -1))
             if ev.get("new") == "recovering":

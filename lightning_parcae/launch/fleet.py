@@ -2,6 +2,8 @@
 
 Problem: under ``--elastic`` the launcher plays the cloud. It keeps one worker process per instance, starts added
 instances as warm standbys (joiners), delivers preemption notices with a grace period and kills what outlives it,
+forms each launch's first generation from the start-up candidates that arrived (:meth:`Fleet.form_roster`; one
+noticed, lost or silent before it is left out, not a reason to relaunch),
 treats a worker that dies from outside as a lost instance (and starts a fresh standby in its place, up to
 ``--max-restarts``), restarts members the runtime released or fenced as standbys, relaunches everything from the
 checkpoint when a stage lost every replica, and fails the job -- with the worker's log -- when the user's code
@@ -17,6 +19,7 @@ import os
 import random
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -32,15 +35,36 @@ from lightning_parcae.launch.processes import (
     worker_environment,
 )
 from lightning_parcae.launch.relaunch import Relaunch
+from lightning_parcae.launch.startup import Candidate, decide_roster
 from lightning_parcae.launch.state import EventSink, Phase, RunState, WorkerReports
+from lightning_parcae.runtime.startup import StartupRoster, roster_key
 
-__all__ = ["Fleet", "shared_units"]
+__all__ = ["Fleet", "StartupRound", "shared_units"]
 
 MEMBERS_GONE_S = 3.0
 """How long every training member must be gone (standbys waiting) before the launcher starts the fallback itself:
 phase events reach the launcher with a delay."""
 FINISHED_DRAIN_S = 15.0
 """After the job reported its end, processes still alive this long (e.g. a standby that never heard) get SIGKILL."""
+
+
+@dataclass
+class StartupRound:
+    """The start-up of one launch: its candidates wait for the roster (:meth:`Fleet.form_roster`).
+
+    Attributes:
+        launch: The launch number.
+        p: The P its workers were started with (0: ``auto``).
+        launched_at: Wall time of the launch.
+        roster: The roster once written (None while the candidates are arriving).
+        left_out: Candidates noticed or lost before the roster.
+    """
+
+    launch: int
+    p: int
+    launched_at: float
+    roster: Optional[StartupRoster] = None
+    left_out: list[str] = field(default_factory=list)
 
 
 def shared_units(cfg: RunConfig, host_capacity: Callable[[], int]) -> int:
@@ -84,6 +108,8 @@ class Fleet:
         self._lost: dict[int, int] = {}  # instance -> how often its process died by a signal nobody here sent
         self._no_members_since: Optional[float] = None
         self._victim_rng = random.Random(int(cfg.seed))  # --victims random
+        self.startup: Optional[StartupRound] = None
+        """The current launch's start-up (its roster once written); owned by this part."""
 
     @functools.cached_property
     def shared_units(self) -> int:
@@ -122,9 +148,10 @@ class Fleet:
         return free[0]
 
     def spawn(self, instance: int, *, join: bool, rank: int = 0, world: int = 1, p: int = 1,
-              resume: Optional[Union[str, Path]] = None) -> Worker:
-        """Start one worker process for ``instance``: an initial member of a (re)launch (resuming from ``resume``, a
-        path or URL resolved once for the whole launch), or a joiner."""
+              resume: Optional[Union[str, Path]] = None, candidate: bool = False) -> Worker:
+        """Start one worker process for ``instance``: a start-up candidate of a (re)launch (``candidate``: its rank
+        comes from the launch's roster; resuming from ``resume``, a path or URL resolved once for the whole launch),
+        an initial member with a fixed ``rank`` of ``world``, or a joiner."""
         cfg, st = self.cfg, self.state
         member = self.member_name(instance)
         slot = self.device_slot(instance)
@@ -134,16 +161,18 @@ class Fleet:
             interval_s=cfg.wall_interval_s, stall_s=cfg.stall_timeout_s,
             # every instance of this one-machine cluster shares its cores (the measured model's contention term)
             shared_cores=self.shared_units, resume=resume, checkpoint_dir=cfg.checkpoint_dir,
-            max_instances=cfg.max_instances,
+            max_instances=cfg.max_instances, roster=roster_key(st.launch) if candidate else None,
         )
+        if candidate:
+            rank, world = 0, 1  # placeholders: the roster says
         env = worker_environment(os.environ, rank=rank, world=world, local_rank=slot,
                                  local_world=max(cfg.max_instances, slot + 1), master_port=free_port(), parcae=parcae)
         logs = cfg.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{member}.log"
         proc = start_worker_process(cfg.command, env, log_path)
-        w = Worker(rank if not join else -1, proc, log_path, member=member, instance=instance, joiner=join,
-                   launch=st.launch, started=time.time())
+        w = Worker(rank if not (join or candidate) else -1, proc, log_path, member=member, instance=instance,
+                   joiner=join, candidate=candidate and not join, launch=st.launch, started=time.time())
         self.pool.workers.append(w)
         self.instances[instance] = w
         return w
@@ -156,35 +185,85 @@ class Fleet:
         self.state.n = n
 
     def launch_instances(self) -> None:
-        """(Re)launch: the oldest instances as the initial members (D a power of two), the others as joiners."""
+        """(Re)launch: every instance starts as a start-up candidate; the first generation is formed from those
+        that arrive (:meth:`form_roster`: the oldest arrived as members, D a power of two; the others standbys)."""
         cfg, st = self.cfg, self.state
         ids = sorted(self.instances)
-        m, p = initial_members(len(ids), cfg.pipeline_stages)
+        _, p = initial_members(len(ids), cfg.pipeline_stages)
         launch = st.launch + 1
         ckpt, ckpt_step = cfg.resume_checkpoint() if launch > 0 else (None, None)
         resume = ckpt is not None
         st.launched(generation=launch, launch=launch,
                     resume_step=(st.last_ckpt_step if ckpt_step is None else ckpt_step) if resume else 0,
                     instances=len(ids), now=time.time())
-        for r, k in enumerate(ids[:m]):
-            self.spawn(k, join=False, rank=r, world=m, p=p, resume=ckpt)
-        for k in ids[m:]:
-            self.spawn(k, join=True)
+        for k in ids:
+            self.spawn(k, join=False, candidate=True, p=p, resume=ckpt)
         st.started_at = time.time()
-        members = [self.instances[k].member for k in ids[:m]]  # type: ignore[union-attr]
-        standbys = [self.instances[k].member for k in ids[m:]]  # type: ignore[union-attr]
-        self.events("launch", launch=launch, generation=launch, N=len(ids), members=members,
-                    standbys=standbys, P=p or "auto", resume_ckpt=str(ckpt) if resume else None,
-                    resume_step=st.resume_step)
+        self.startup = StartupRound(launch=launch, p=p, launched_at=st.started_at)
+        candidates = [self.instances[k].member for k in ids]  # type: ignore[union-attr]
+        self.events("launch", launch=launch, generation=launch, N=len(ids), candidates=candidates,
+                    P=p or "auto", resume_ckpt=str(ckpt) if resume else None, resume_step=st.resume_step)
         what = f"relaunch from {'last.ckpt' if cfg.checkpoint_dir is None else ckpt}" if resume else "launch"
-        self.say(f"{what} #{launch}: {len(ids)} instances, members {members}"
-                 + (f", warm standbys {standbys}" if standbys else "") + f" (P={p or 'auto'})")
+        self.say(f"{what} #{launch}: {len(ids)} instances, start-up candidates {candidates} (P={p or 'auto'}); the "
+                 "first generation forms from those that arrive")
+
+    def form_roster(self, now: Optional[float] = None) -> Optional[StartupRoster]:
+        """Write the current launch's start-up roster once its candidates have arrived (the rule:
+        :func:`~.startup.decide_roster`), and make each live candidate a member (its rank) or a standby.
+
+        Candidates noticed or lost before it are not in it (they were stopped, or a fresh standby took their
+        instance: :meth:`notice`, :meth:`reap`); when too few are left for any first generation, the launch falls
+        back to a relaunch.
+
+        Returns:
+            The roster written now, or None (not yet, already written, or no start-up in progress).
+        """
+        rnd, st = self.startup, self.state
+        if rnd is None or rnd.roster is not None or rnd.launch != st.launch or st.phase is not Phase.STARTING:
+            return None
+        now = time.time() if now is None else now
+        live = {w.member: w for w in self.pool.workers if w.candidate and w.launch == rnd.launch and w.alive()
+                and self.instances.get(w.instance) is w}
+        decision = decide_roster([Candidate(m, w.instance, self.reports.arrived.get(m)) for m, w in live.items()],
+                                 launched_at=rnd.launched_at, now=now, pipeline_stages=self.cfg.pipeline_stages,
+                                 launch_p=rnd.p)
+        if decision is None:
+            return None
+        if not decision.feasible:
+            self.relaunch.start_fallback(f"no first generation can form: {decision.why}", startup=True)
+            return None
+        roster = StartupRoster(rnd.launch, decision.members, decision.standbys, tuple(rnd.left_out), rnd.p,
+                               decision.why)
+        try:
+            self.store.publish(roster_key(rnd.launch), roster.record())
+        except Exception as exc:  # noqa: BLE001 -- a store hiccup: the candidates keep waiting, tried again next poll
+            self.events("store_error", error=str(exc))
+            return None
+        rnd.roster = roster
+        for r, m in enumerate(roster.members):
+            live[m].candidate, live[m].rank = False, r
+        for m in roster.standbys:
+            live[m].candidate, live[m].joiner = False, True
+        self.events("roster", launch=rnd.launch, generation=rnd.launch, members=list(roster.members),
+                    standbys=list(roster.standbys), left_out=list(roster.left_out), P=rnd.p or "auto",
+                    why=roster.why, after_s=round(now - rnd.launched_at, 3))
+        self.say(f"start-up roster #{rnd.launch} after {now - rnd.launched_at:.1f} s: members {list(roster.members)}"
+                 + (f", warm standbys {list(roster.standbys)}" if roster.standbys else "")
+                 + (f", left out {list(roster.left_out)}" if roster.left_out else "") + f" ({roster.why})")
+        return roster
 
     def notice(self, w: Worker) -> str:
-        """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it is a waiting standby."""
+        """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it holds no state -- a
+        waiting standby, or a start-up candidate whose launch has no roster yet (it is left out of it)."""
         from lightning_parcae.runtime.liveness import notice_key, notice_record  # noqa: PLC0415
 
         now = time.time()
+        if w.candidate:
+            self.pool.signal(w, signal.SIGKILL)
+            w.killed, w.noticed_at = True, now
+            if self.startup is not None and self.startup.launch == w.launch:
+                self.startup.left_out.append(w.member)
+            return "candidate stopped"
         if self.reports.waiting(w) or self.state.fallback is not None and w.joiner:
             self.pool.signal(w, signal.SIGKILL)
             w.killed = True
@@ -195,10 +274,15 @@ class Fleet:
             self.store.publish(notice_key(w.member), notice_record(w.member, source="replay", deadline=w.deadline))
         except Exception as exc:  # noqa: BLE001 -- a store hiccup must not stop the notice itself
             self.events("store_error", error=str(exc))
-        if w.member in self.reports.phases:  # its handler is installed: SIGTERM is a notice, not a kill
+        if self._handler_installed(w):  # SIGTERM is a notice, not a kill
             self.pool.signal(w, signal.SIGTERM)
             w.sigterm_sent = True
         return "notice"
+
+    def _handler_installed(self, w: Worker) -> bool:
+        """Whether ``w``'s SIGTERM handler is installed: it reported a phase, or its arrival as a start-up
+        candidate (the runtime installs it when it connects, before either)."""
+        return w.member in self.reports.phases or w.member in self.reports.arrived
 
     def removal_order(self, ids: list[int]) -> list[int]:
         """Instances in the order the trace removes them: those not training in the job (standbys, including
@@ -211,11 +295,19 @@ class Fleet:
         number, so "newest first" noticed an older training member while the restarted standby (still importing,
         not yet counted by the leader) stayed -- the job found no shape for 1 instance and fell back to the
         checkpoint.
+
+        Members of a launch's start-up roster count as members while they form generation 0: standbys and
+        candidates still importing go first (removing a roster member then is a loss in the start-up window).
         """
 
         def member(k: int) -> bool:
             w = self.instances.get(k)
-            return w is not None and self.reports.trains(w)
+            if w is None:
+                return False
+            # a member of the start-up roster that is still forming generation 0 holds no state yet, but the
+            # others are building its groups with it: remove standbys and candidates before it
+            forming = not (w.joiner or w.candidate) and self.reports.phases.get(w.member) in (None, "starting")
+            return self.reports.trains(w) or forming
 
         if self.cfg.victims == "random":
             shuffled = sorted(ids)
@@ -301,10 +393,15 @@ class Fleet:
             if lost:
                 self._count_lost(w, rc)
             if rc == 0 or ours or lost:
-                if (not w.joiner and w.launch == st.launch and w.member not in self.reports.phases
+                if w.candidate:
+                    # gone before its launch's roster: it is simply not in it (nobody waits for it)
+                    self._left_out(w, rc, lost=lost, current=current)
+                elif (not w.joiner and w.launch == st.launch and w.member not in self.reports.phases
                         and st.phase in (Phase.PENDING, Phase.STARTING, Phase.RUNNING)):
-                    # lost before the first generation formed: the other initial members cannot go on without it
-                    self.relaunch.start_fallback(f"initial member {w.member} lost during start-up", startup=True)
+                    # a roster member lost before the first generation formed: the others wait for it while they
+                    # build generation 0's groups and cannot go on without it
+                    self.relaunch.start_fallback(f"initial member {w.member} lost during start-up (in the roster, "
+                                                 "before the first generation formed)", startup=True)
                 elif lost and current and st.training:
                     self.spawn(w.instance, join=True)  # the survivors recover in place; a fresh standby for it
                     self.say(f"{w.member} died by signal {-rc} (not sent by parcae run): a lost instance; the "
@@ -333,6 +430,19 @@ class Fleet:
             self._no_members_since = None
             self.relaunch.start_fallback("every training member was lost (no live process holds the model)")
 
+    def _left_out(self, w: Worker, rc: int, *, lost: bool, current: bool) -> None:
+        """A start-up candidate exited before its launch's roster: record it; a lost one's instance gets a fresh
+        warm standby (admitted at a later planning interval), a noticed one's instance is gone already."""
+        rnd = self.startup
+        if rnd is not None and rnd.launch == w.launch and w.member not in rnd.left_out:
+            rnd.left_out.append(w.member)
+        why = "noticed" if w.noticed_at is not None else "stopped" if w.killed else "lost" if lost else "exited"
+        self.events("left_out", member=w.member, instance=w.instance, launch=w.launch, rc=rc, reason=why)
+        if lost and current and self.state.training:
+            new = self.spawn(w.instance, join=True)
+            self.say(f"start-up candidate {w.member} died by signal {-rc} before the roster: left out of the first "
+                     f"generation; warm standby {new.member} takes its instance")
+
     def _count_lost(self, w: Worker, rc: int) -> None:
         """Count one unrequested death by signal of ``w``'s instance; past ``--max-restarts`` the run fails."""
         n = self._lost[w.instance] = self._lost.get(w.instance, 0) + 1
@@ -349,7 +459,7 @@ class Fleet:
         for w in self.pool.workers:
             if not w.alive() or w.noticed_at is None:
                 continue
-            if not w.sigterm_sent and w.member in self.reports.phases:
+            if not w.sigterm_sent and self._handler_installed(w):
                 self.pool.signal(w, signal.SIGTERM)
                 w.sigterm_sent = True
             if not w.killed and w.deadline is not None and now >= w.deadline:

@@ -104,6 +104,9 @@ class Worker:
     member: str = ""
     instance: int = -1
     joiner: bool = False
+    candidate: bool = False
+    """A start-up candidate of its launch whose roster is not written yet (``--elastic``): neither a member nor a
+    standby so far; the roster makes it one or the other (``rank`` / ``joiner``)."""
     launch: int = 0
     started: float = 0.0
     noticed_at: Optional[float] = None

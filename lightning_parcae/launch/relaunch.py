@@ -200,8 +200,8 @@ class Relaunch:
         self.say(f"FALLBACK: {st.fallback_reason or 'some stage lost every replica'}; waiting for every worker "
                  f"to exit, then relaunching from {self.cfg.checkpoint_dir or 'last.ckpt'}"
                  + (" (its newest complete checkpoint)" if self.cfg.checkpoint_dir else ""))
-        for w in self.pool.workers:  # standbys hold no state: stop them now
-            if w.alive() and w.joiner and reports.waiting(w):
+        for w in self.pool.workers:  # standbys and start-up candidates hold no state: stop them now
+            if w.alive() and (w.candidate or w.joiner and reports.waiting(w)):
                 self.pool.signal(w, signal.SIGKILL)
                 w.killed = True
 

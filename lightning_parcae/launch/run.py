@@ -9,7 +9,9 @@ preemption notices, killing instances after the grace period, and adding new one
 Two ways to handle a membership change:
 
 * ``--elastic`` (the default): *live reconfiguration in place* (:mod:`lightning_parcae.runtime.elastic`). Workers
-  run with ``PARCAE_ELASTIC=1``. A removed instance gets a notice (SIGTERM, and a ``parcae/notice/<member>`` key in
+  run with ``PARCAE_ELASTIC=1``. Every instance of a launch starts as a start-up candidate; the first generation is
+  formed by a roster the launcher writes once the candidates have imported and connected
+  (:mod:`lightning_parcae.launch.startup`), so one noticed, lost or silent before it is simply left out. A removed instance gets a notice (SIGTERM, and a ``parcae/notice/<member>`` key in
   the store), hands its state to the others and exits 0 by itself; if it is still alive when the (scaled) grace
   period ends it gets SIGKILL and the others recover from a sudden loss. An added instance is a *joiner*
   (``PARCAE_JOIN=1``): a warm standby the leader admits at a planning interval. The others keep running. A worker
@@ -394,6 +396,7 @@ class Launcher:
             self._read_events()
             fleet.reap()
             fleet.enforce_deadlines()
+            fleet.form_roster()
             if st.fallback is not None and self.relaunch.stop_stragglers():
                 # reap while the fallback is still in progress: the stragglers just killed are not new losses
                 # (regression: reaped after it ended, a straggler of a start-up loss started a second fallback,

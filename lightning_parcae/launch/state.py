@@ -229,6 +229,9 @@ class WorkerReports:
     """(global batch, micro-batches) as the workers report them (None until the first report)."""
     phases: dict[str, str] = field(default_factory=dict)
     """``--elastic``: member -> its runtime phase (``starting``, ``standby``, ``training``, ...)."""
+    arrived: dict[str, float] = field(default_factory=dict)
+    """``--elastic``: start-up candidate -> wall time of its ``arrived`` event (it imported, connected to the store
+    and installed its SIGTERM handler; it waits for the launch's roster)."""
     migrations: dict[int, dict[str, Any]] = field(default_factory=dict)
     """``--elastic``: generation -> the migration (or recovery) that entered it, merged over its members' reports."""
     decision: dict[str, Any] = field(default_factory=dict)

@@ -45,6 +45,9 @@ class RuntimeConfig:
         run_dir: The run directory of ``parcae run`` (events, profile), or None.
         max_instances: Upper bound of the forecasts.
         shared_cores: Cores this machine's workers share (the measured model's contention term), or None.
+        roster_key: A start-up candidate of ``parcae run``: the store key of its launch's roster, which says whether
+            it is a member of the first generation (and its rank) or a standby (:mod:`.startup`); None: the rank
+            was given.
 
     Raises:
         ConfigurationError: ``stall_after_s`` is not positive or ``throughput`` is unknown.
@@ -65,6 +68,7 @@ class RuntimeConfig:
     run_dir: Optional[str] = None
     max_instances: int = 64
     shared_cores: Optional[int] = None
+    roster_key: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.stall_after_s > 0:

@@ -67,11 +67,12 @@ from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.joining import Admission
-from lightning_parcae.runtime.lifecycle import Lifecycle, Phase
+from lightning_parcae.runtime.lifecycle import Lifecycle, Phase, exit_now
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded
 from lightning_parcae.runtime.part import PartContext
 from lightning_parcae.runtime.recovery import Recovery
 from lightning_parcae.runtime.shape_choice import ShapeChooser
+from lightning_parcae.runtime.startup import StartupRoster, await_roster
 from lightning_parcae.runtime.switching import GenerationNotEntered, Switch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -243,6 +244,24 @@ class ElasticRuntime:
                 log.warning("could not write event: %s", exc)
 
     # ============================================================================================ boot
+    def take_seat(self) -> StartupRoster:
+        """A start-up candidate (``config.roster_key``): report the arrival, wait for the launch's roster
+        (:mod:`.startup`). A member takes its rank from the roster; a candidate not in it becomes a standby
+        (:attr:`joining`; the caller goes on to :meth:`join_wait`). A notice while waiting ends the process at once
+        (exit 0: it holds no state yet)."""
+        assert self.coord is not None and self.live is not None and self.config.roster_key
+        self.event("arrived", roster=self.config.roster_key)
+        roster = await_roster(self.coord, self.config.roster_key, noticed=self.live.noticed.is_set)
+        if roster is None:
+            log.warning("%s: preemption notice before the start-up roster; leaving", self.member)
+            self.event("candidate_exit", reason="notice")
+            self.life.to(Phase.STOPPED)
+            exit_now(0)
+        assert roster is not None
+        if roster.rank_of(self.member) is None:
+            self.joining, self.admitted = True, False
+        return roster
+
     def boot_register(self, generation: int, rank: int) -> None:
         """Initial members: publish this process's member id under its boot rank (before groups are used)."""
         assert self.store is not None

@@ -38,6 +38,7 @@ from lightning_parcae.contract import (
     JOIN_ENV,
     MEMBER_ENV,
     PIPELINE_ENV,
+    ROSTER_ENV,
     RESUME_ENV,
     RUN_DIR_ENV,
     SHARED_CORES_ENV,
@@ -52,6 +53,7 @@ __all__ = [
     "under_launcher",
     "launcher_interval_s",
     "launcher_pipeline_stages",
+    "launcher_roster_key",
     "launcher_resume_path",
     "launcher_checkpoint_dir",
     "launcher_member",
@@ -97,6 +99,11 @@ def launcher_resume_path() -> Optional[str]:
     return path if path and ("://" in path or os.path.isfile(path)) else None
 
 
+def launcher_roster_key() -> Optional[str]:
+    """The start-up roster this worker waits for (``PARCAE_ROSTER``: a candidate of ``parcae run``), or None."""
+    return os.environ.get(ROSTER_ENV) or None
+
+
 def launcher_checkpoint_dir() -> Optional[str]:
     """The launcher's checkpoint directory (``--checkpoint-dir``: a path or fsspec URL), or None."""
     return os.environ.get(CHECKPOINT_DIR_ENV) or None
@@ -126,7 +133,8 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
     """The elastic runtime's configuration: the strategy's planning options and the launcher's contract.
 
     Reads ``PARCAE_STORE`` / ``PARCAE_JOB_TOKEN`` / ``PARCAE_MEMBER`` / ``PARCAE_JOIN`` / ``PARCAE_RUN_DIR``,
-    ``PARCAE_STALL_S`` (overrides ``stall_after_s``), ``PARCAE_SHARED_CORES`` and :data:`MAX_INSTANCES_ENV`.
+    ``PARCAE_STALL_S`` (overrides ``stall_after_s``), ``PARCAE_SHARED_CORES``, :data:`MAX_INSTANCES_ENV` and
+    :data:`ROSTER_ENV` (a start-up candidate).
 
     Args:
         planning: The strategy's planning options (``StrategyOptions.elastic_options``: ``interval_s``,
@@ -160,6 +168,7 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
         throughput=planning["throughput"],
         max_instances=int(raw_max) if raw_max.isdigit() and int(raw_max) >= 1 else _DEFAULT_MAX_INSTANCES,
         shared_cores=int(env.get(SHARED_CORES_ENV) or 0) or None,
+        roster_key=launcher_roster_key(),
     )
 
 

@@ -1,7 +1,9 @@
 """Process setup: how one worker process becomes a rank of the job, for every Trainer stage it runs.
 
-Problem: a worker may be started by Lightning itself, by ``parcae run`` / ``parcae agent`` or torchrun (ranks taken
-as given), or join a job that is already training (its rank and shape come from the generation that admits it);
+Problem: a worker may be started by Lightning itself, by ``parcae agent`` or torchrun (ranks taken as given), by
+``parcae run`` as a start-up candidate (its rank comes from the launch's roster, written once the candidates have
+arrived; one left out of it becomes a standby: :mod:`lightning_parcae.runtime.startup`), or join a job that is
+already training (its rank and shape come from the generation that admits it);
 and a script may run several Trainer stages (``fit`` then ``validate``...) whose process groups must not collide
 with the fit's, which may have migrated. This part sets the global rank and world size, creates the coordination
 store, builds the process groups of a fresh generation (or waits as a joiner and builds the admitting
@@ -225,6 +227,12 @@ class ProcessSetup:
             # validate/test/predict after fit: the job runs on the generation fit ended in (its members, ranks and
             # groups); the launch's RANK / WORLD_SIZE and a rebuilt "generation 1" would be stale after any change
             return
+        if not self.options.elastic and launcher_env.launcher_roster_key():
+            raise ConfigurationError(
+                "ParcaeStrategy(elastic=False) under `parcae run --elastic`: the launcher starts every worker as a "
+                "start-up candidate whose rank comes from the launch's roster (PARCAE_ROSTER), which only the live-"
+                "reconfiguration runtime reads; leave elastic at its default under the launcher, or run the job with "
+                "`parcae run --restart-fallback` (fixed ranks, every change a restart)")
         s.set_world_ranks()
         world = s.world_size
         self.backend = self.backend or ("nccl" if s.root_device.type == "cuda" else "gloo")
@@ -234,6 +242,9 @@ class ProcessSetup:
             s.elastic_runtime = ElasticRuntime(s, launcher_env.runtime_config(s.options.elastic_options))
             self.store = s.elastic_runtime.connect()
             self.timeout = min(self.timeout, timedelta(minutes=5))
+            if s.elastic_runtime.config.roster_key and not s.elastic_runtime.joining:
+                self._take_seat()
+                world = s.world_size
             if s.elastic_runtime.joining:  # its shape comes from the generation that admits it
                 self.timeout = s.elastic_runtime.stall_timeout  # everyone it meets is already running
                 self._join()
@@ -273,6 +284,16 @@ class ProcessSetup:
         self.layout.use_groups(self.build_groups(generation, s.global_rank, world, world // p, p))
         if er is not None and not after_fit:
             er.boot_register(generation, s.global_rank)
+
+    def _take_seat(self) -> None:
+        """A start-up candidate of ``parcae run``: its rank comes from the launch's roster, written once the
+        candidates arrived (:mod:`lightning_parcae.runtime.startup`); one left out of it becomes a standby (the
+        runtime's ``joining``) and the caller takes the join path."""
+        er = self.host.elastic_runtime
+        roster = er.take_seat()
+        rank = roster.rank_of(er.member)
+        if rank is not None:
+            self.set_ranks(rank, roster.world)
 
     def _join(self) -> None:
         """A joiner: wait as a standby until admitted, receive state, build the admitting generation's groups."""
