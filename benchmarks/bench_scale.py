@@ -123,9 +123,11 @@ class HeartbeatProbe:
     def _members(self) -> list[str]:
         names: list[str] = []
         for e in read_events(self.run_dir):
-            if e.get("source") == "launcher" and e.get("event") in ("launch", "add"):
-                names += [m for m in [*(e.get("members") or []), *(e.get("standbys") or []), *(e.get("joiners") or [])]
-                          if m not in names]
+            # a launch names its start-up candidates (the roster event then says who became a member); older runs
+            # named members and standbys in the launch event itself
+            if e.get("source") == "launcher" and e.get("event") in ("launch", "roster", "add"):
+                names += [m for m in [*(e.get("candidates") or []), *(e.get("members") or []),
+                                      *(e.get("standbys") or []), *(e.get("joiners") or [])] if m not in names]
         return names
 
     def _run(self) -> None:
