@@ -189,3 +189,45 @@ def test_a_new_standby_costs_the_leader_no_wait_and_a_still_heartbeat_is_never_c
     store.set("parcae/hb/b", '{"phase": "standby", "c": 2}')
     store.set("parcae/hb/c", '{"phase": "joining", "c": 1}')  # moved, but no longer waiting as a standby
     assert chooser._fresh_standbys() == ["b"]
+
+
+def test_a_shape_is_not_left_within_two_intervals_of_entering_it_unless_measured_slower() -> None:
+    """Regression (issue 21, bench_scale N=16, no trace): the leader explored 3x3 and left it for 2x4 3.4 s later
+    (under two planning intervals), before 3x3 had a single measurement. Here a 1x4 job whose fit prefers 2x2:
+    right after entering 1x4 the leader keeps it ("settle"), two intervals later it moves; a measurement saying
+    1x4 is slower moves it at once, and so does a change of the instance count."""
+    import time
+
+    def chooser(events: list) -> ShapeChooser:
+        host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
+        ch = _chooser(host, _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10),
+                      _config(look_ahead=12, interval_s=0.05, max_instances=4), events,
+                      coord=Coordinator(dist.HashStore()))
+        model = ch.model()
+        assert model is not None
+        for _ in range(10):
+            model.record(1, 4, model.prior.step_ms(1, 4))
+        return ch
+
+    events: list = []
+    ch = chooser(events)
+    assert ch.choose(4, 4, observe=True) == (2, 2)  # not just entered: the fit's choice stands
+    events.clear()
+    ch = chooser(events)
+    ch.mark_step(0, 7)  # generation 0's first step boundary: just entered
+    assert ch.choose(4, 4, observe=True) == (1, 4)
+    assert [e[0] for e in events] == ["settle"] and events[0][1]["chosen"] == [2, 2]
+    time.sleep(0.12)  # two planning intervals of 0.05 s
+    assert ch.choose(4, 4, observe=True) == (2, 2)
+
+    ch = chooser([])
+    ch.mark_step(0, 7)
+    model = ch.model()
+    assert model is not None
+    for _ in range(10):
+        model.record(2, 2, 0.5 * model.prior.step_ms(1, 4))  # 2x2 measured twice as fast as 1x4
+    assert ch.choose(4, 4, observe=True) == (2, 2)
+
+    ch = chooser([])
+    ch.mark_step(0, 7)
+    assert ch.choose(4, 3, observe=True) != (1, 4)  # one instance fewer: the count changed, no settling

@@ -255,6 +255,11 @@ class MeasuredThroughput(ThroughputModel):
         ms = self.measured_ms(d, p)
         return None if ms is None else self.global_batch / (ms / 1000.0)
 
+    def measured_faster(self, shape: Shape, than: Shape) -> bool:
+        """Whether both shapes are measured and ``shape`` measured more samples/s than ``than``."""
+        a, b = self.measured(*shape), self.measured(*than)
+        return a is not None and b is not None and a > b
+
     def measured_shapes(self) -> List[Shape]:
         """Shapes with a measurement (at least ``min_samples`` steps)."""
         return sorted(s for s in self.samples if self.measured_ms(*s) is not None)

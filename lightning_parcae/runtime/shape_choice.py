@@ -97,12 +97,14 @@ class ShapeChooser:
         self._step_mark: Optional[tuple[int, int, float, bool]] = None
         self._warmup = 0
         self._profile_saved: Optional[tuple[float, int]] = None  # (when, migrations then) of the last save_profile
+        self._entered: Optional[tuple[int, float]] = None  # (generation, when its first step boundary came)
 
     def mark_step(self, generation: int, step: int) -> None:
         """A step boundary's work is done: the next step is timed from here (planning, agreement and migrations
         are not step time); the first steps of a new shape are marked as warm-up."""
         if self._step_mark is None or self._step_mark[0] != generation:
             self._warmup = 2  # a new shape: new process groups and joiners warm up during its first steps
+            self._entered = (generation, time.monotonic())
         fresh = self._warmup > 0
         self._warmup -= 1
         self._step_mark = (generation, step, time.monotonic(), fresh)
@@ -188,7 +190,15 @@ class ShapeChooser:
             self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
                        measured_chosen=measured.measured(*shape))
             shape = cur
-        if by_measurement and shape == cur and observe:
+        young = self._young(n_next)
+        if by_measurement and observe and young and shape != cur and not measured.measured_faster(shape, cur):
+            # never leave a shape within two planning intervals of entering it, with the same instance count,
+            # unless it is measured slower than the chosen one (issue 21: bench_scale's N=16 run explored 3x3 and
+            # left it for 2x4 after 3.4 s, before 3x3 had a single measurement)
+            self.event("settle", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
+                       measured_chosen=measured.measured(*shape))
+            shape = cur
+        if by_measurement and shape == cur and observe and not young:
             # an exploration pays back over the intervals the forecast keeps this count, not just the next one.
             # Also after a veto: the veto refuses to move on an unsure fit, the try is what measures it
             # (regression: with ``elif`` here a job launched as 1x2 on 3 instances was vetoed from 1x3, fitted
@@ -202,6 +212,16 @@ class ShapeChooser:
         self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
                                     "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
         return shape
+
+    def _young(self, n_next: int) -> bool:
+        """Whether the current generation was entered less than two planning intervals ago and the next interval
+        keeps its instance count (no standby to admit, no one leaving): then only a measurement may move it."""
+        entered = self._entered
+        if entered is None or entered[0] != self.state.generation or self.state.layout is None:
+            return False
+        if n_next != len(self.state.layout.members):
+            return False
+        return time.monotonic() - entered[1] < 2.0 * max(self.config.interval_s, 1e-3)
 
     def _move_cost_s(self) -> float:
         """Typical in-place migration time of this job so far (0.5 s before the first one)."""
