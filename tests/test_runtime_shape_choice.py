@@ -231,3 +231,21 @@ def test_a_shape_is_not_left_within_two_intervals_of_entering_it_unless_measured
     ch = chooser([])
     ch.mark_step(0, 7)
     assert ch.choose(4, 3, observe=True) != (1, 4)  # one instance fewer: the count changed, no settling
+
+
+def test_standbys_noted_at_step_boundaries_are_counted_together_at_the_next_interval() -> None:
+    """Regression (the README's main job, slow suite): two standbys that registered between two planning intervals
+    were counted one interval apart (a first sighting was only noted at an interval), so the job admitted them in
+    two repartitions instead of one change. Noted at step boundaries, both count at the next interval."""
+    store = dist.HashStore()
+    coord = Coordinator(store)
+    host = _host([0.01] * 4, batch=16, micro=1)
+    chooser = _chooser(host, _state(("a",), (4,), 4), _config(heartbeat_s=0.0), [], coord=coord, store=store)
+    assert chooser._fresh_standbys() == []  # a planning interval with no standby
+    for name in ("b", "c"):
+        coord.register_standby(name)
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 0}')
+        chooser.note_standbys()  # a step boundary after each registration
+    for name in ("b", "c"):
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 1}')
+    assert chooser._fresh_standbys() == ["b", "c"]

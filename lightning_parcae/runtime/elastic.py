@@ -345,6 +345,8 @@ class ElasticRuntime:
         self.live.step = step
         with steptime.span("boundary.chooser"):
             self.chooser.record_step(step)
+            if self.is_leader:
+                self.chooser.note_standbys()
         try:
             with steptime.span("boundary"):
                 self._boundary(trainer, step)

@@ -98,6 +98,7 @@ class ShapeChooser:
         self._warmup = 0
         self._profile_saved: Optional[tuple[float, int]] = None  # (when, migrations then) of the last save_profile
         self._entered: Optional[tuple[int, float]] = None  # (generation, when its first step boundary came)
+        self._noted_at = float("-inf")  # when note_standbys last read the standbys' heartbeats
 
     def mark_step(self, generation: int, step: int) -> None:
         """A step boundary's work is done: the next step is timed from here (planning, agreement and migrations
@@ -323,8 +324,9 @@ class ShapeChooser:
     def _fresh_standbys(self) -> list[str]:
         """Registered standbys whose heartbeat moved since the previous planning interval and says ``standby``.
 
-        A standby seen for the first time is only noted (its heartbeat now); it is counted at the next planning
-        interval if its heartbeat moved by then. The leader never waits here.
+        A standby seen for the first time (here or at a step boundary, :meth:`note_standbys`) is only noted (its
+        heartbeat then); it is counted at the next planning interval if its heartbeat moved by then. The leader
+        never waits here.
 
         Regression (issue 21): a first sighting used to be watched for 2.5 heartbeats *inside* the decision --
         0.5 s during which every member waited in the step agreement -- and at N=16, where shape changes keep
@@ -344,6 +346,27 @@ class ShapeChooser:
                 alive.append(m)
         self._standby_seen = {m: b for m, b in now.items() if b is not None}
         return alive
+
+    def note_standbys(self) -> None:
+        """Leader, at every step boundary (at most once a heartbeat period): note standbys seen for the first time,
+        so that the next planning interval counts every standby whose heartbeat moved since -- not only those
+        already seen at the interval before.
+
+        Regression (the README's main job in the slow suite): with first sightings noted only at planning
+        intervals, two instances that came back together were admitted one interval apart -- two repartitions
+        where one intra-stage change (1x2 -> 2x2) had been.
+        """
+        now = time.monotonic()
+        if self.coord is None or self.store is None or self.state.layout is None or \
+                now - self._noted_at < self.config.heartbeat_s:
+            return
+        self._noted_at = now
+        store = self.store
+        for m in dict.fromkeys(self.coord.standbys()):
+            if m in self._standby_seen or m in self.state.layout.members:
+                continue
+            if store.check([hb_key(m)]):
+                self._standby_seen[m] = bytes(store.get(hb_key(m)))
 
     def partition_for(self, p: int) -> list[int]:
         s = self.host
