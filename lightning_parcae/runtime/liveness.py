@@ -49,7 +49,7 @@ from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.store import TamperedRecordError, decode_record, encode_record
 
 __all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key",
-           "notice_record", "encode_notice", "decode_notice", "write_notice", "read_notice"]
+           "read_beats", "notice_record", "encode_notice", "decode_notice", "write_notice", "read_notice"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 def hb_key(member: str) -> str:
     """Store key of ``member``'s heartbeat."""
     return f"parcae/hb/{member}"
+
+
+def read_beats(store: dist.Store, members: Sequence[str]) -> dict[str, Optional[bytes]]:
+    """Each member's current heartbeat record (``None``: it has written none), one ``check`` + ``get`` each."""
+    return {m: bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else None for m in members}
 
 
 def abort_key(generation: int) -> str:
@@ -380,7 +385,7 @@ class Liveness:
                 if not self.noticed.is_set() and store.check([notice_key(self.member)]):
                     if self._notice_valid(bytes(store.get(notice_key(self.member)))):
                         self.noticed.set()
-                raws = {m: bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else b"" for m in watch}
+                raws = {m: b or b"" for m, b in read_beats(store, watch).items()}
                 now = time.monotonic()  # after the reads: a store that stalled them is blind time, not silence
                 dead: list[tuple[str, float]] = []
                 with self._lock:

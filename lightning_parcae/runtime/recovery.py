@@ -25,7 +25,7 @@ from lightning_parcae.planning.migration_plan import StageLostError, plan_migrat
 from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import Phase, exit_now
-from lightning_parcae.runtime.liveness import SilenceClock, hb_key
+from lightning_parcae.runtime.liveness import SilenceClock, read_beats
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.part import PartContext
@@ -148,8 +148,7 @@ class Recovery:
         deadline = time.monotonic() + 4 * self.dead_after_s + 10.0
         while True:
             alive = [m for m in old.members if ctx.coord.survivor(g, m) is not None]
-            raws = {m: bytes(ctx.store.get(hb_key(m))) if ctx.store.check([hb_key(m)]) else None
-                    for m in old.members if m not in alive}
+            raws = read_beats(ctx.store, [m for m in old.members if m not in alive])
             now = time.monotonic()
             clock.tick(now)
             pending = [m for m, raw in raws.items() if clock.silent_for(m, raw, now) <= self.dead_after_s]

@@ -31,7 +31,7 @@ from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
-from lightning_parcae.runtime.liveness import hb_key
+from lightning_parcae.runtime.liveness import read_beats
 from lightning_parcae.runtime.part import EventSink
 from lightning_parcae.runtime.torch_internals import child
 
@@ -334,9 +334,8 @@ class ShapeChooser:
         49x growth from N=4.
         """
         assert self.coord is not None and self.state.layout is not None and self.store is not None
-        store = self.store
-        cands = [m for m in dict.fromkeys(self.coord.standbys()) if m not in self.state.layout.members]
-        now = {m: bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else None for m in cands}
+        cands = self._standby_candidates()
+        now = read_beats(self.store, cands)
         alive = []
         for m in cands:
             b = now[m]
@@ -361,12 +360,13 @@ class ShapeChooser:
                 now - self._noted_at < self.config.heartbeat_s:
             return
         self._noted_at = now
-        store = self.store
-        for m in dict.fromkeys(self.coord.standbys()):
-            if m in self._standby_seen or m in self.state.layout.members:
-                continue
-            if store.check([hb_key(m)]):
-                self._standby_seen[m] = bytes(store.get(hb_key(m)))
+        new = [m for m in self._standby_candidates() if m not in self._standby_seen]
+        self._standby_seen.update({m: b for m, b in read_beats(self.store, new).items() if b is not None})
+
+    def _standby_candidates(self) -> list[str]:
+        """Registered standbys that are not members of the current generation (registry order, once each)."""
+        assert self.coord is not None and self.state.layout is not None
+        return [m for m in dict.fromkeys(self.coord.standbys()) if m not in self.state.layout.members]
 
     def partition_for(self, p: int) -> list[int]:
         s = self.host
