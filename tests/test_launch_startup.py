@@ -14,6 +14,7 @@ from lightning_parcae.launch.startup import (
     SETTLE_CAP,
     SETTLE_FRACTION,
     SETTLE_MIN_S,
+    SEAT_GRACE_S,
     Candidate,
     decide_roster,
     settle_bound,
@@ -51,6 +52,20 @@ def test_the_roster_is_written_once_the_others_could_not_add_a_member() -> None:
     assert _decide(_cands(15, {k: v for k, v in arrived.items() if k < 7}), now=T0 + 61) is None  # 7: only 4 now
 
 
+def test_members_are_the_oldest_instances_when_a_younger_one_overtook_an_older_one_by_less_than_the_grace() -> None:
+    """Regression (stop 27): of 3 live candidates 2 are members, and the roster was written at the 2nd arrival,
+    whoever it was. Which instances became members -- and so which stage the README job's victims held, and which
+    migration kinds it showed -- depended on how fast each one imported torch. Now the roster waits a short grace
+    for the oldest ones, and only a straggler slower than that loses its seat."""
+    arrived = {2: T0 + 10.0, 1: T0 + 10.2}  # i0 (the oldest) 0.5 s behind
+    assert _decide(_cands(3, arrived), now=T0 + 10.3) is None
+    d = _decide(_cands(3, {**arrived, 0: T0 + 10.7}), now=T0 + 10.7)
+    assert d is not None and d.members == ("i0", "i1") and d.standbys == ("i2",)
+    assert _decide(_cands(3, arrived), now=T0 + 10.2 + SEAT_GRACE_S - 0.05) is None
+    d = _decide(_cands(3, arrived), now=T0 + 10.2 + SEAT_GRACE_S)  # i0 too slow: the arrivals as they are
+    assert d is not None and d.members == ("i1", "i2") and d.standbys == ("i0",)
+
+
 def test_a_silent_candidate_is_left_out_after_the_bounded_settle_time() -> None:
     arrived = {0: T0 + 8.0, 1: T0 + 8.5, 2: T0 + 9.0}  # i3 silent
     assert settle_bound(T0, T0 + 8.0) == SETTLE_MIN_S
@@ -75,7 +90,8 @@ def test_the_settle_time_scales_with_how_long_start_up_takes_and_is_capped() -> 
 def test_a_fixed_pipeline_needs_its_p_members_and_falls_back_when_fewer_are_left() -> None:
     arrived = {0: T0 + 5.0}
     assert _decide(_cands(3, arrived), now=T0 + 500, p="2", launch_p=2) is None  # 1 < P = 2 arrived: wait
-    d = _decide(_cands(3, {0: T0 + 5.0, 2: T0 + 6.0}), now=T0 + 6.0, p="2", launch_p=2)
+    assert _decide(_cands(3, {0: T0 + 5.0, 2: T0 + 6.0}), now=T0 + 6.0, p="2", launch_p=2) is None  # i1's grace
+    d = _decide(_cands(3, {0: T0 + 5.0, 2: T0 + 6.0}), now=T0 + 6.0 + SEAT_GRACE_S, p="2", launch_p=2)
     assert d is not None and d.members == ("i0", "i2") and d.standbys == ("i1",)  # 2 of 3: D x P = 1 x 2 either way
     never = _decide(_cands(1, arrived), now=T0 + 6.0, p="2", launch_p=2)
     assert never is not None and not never.feasible and "fewer than the 2 pipeline stages" in never.why

@@ -13,8 +13,12 @@ The rule (:func:`decide_roster`), over the live candidates of the launch:
 * nobody arrived yet: wait (the run's ``--startup-timeout`` bounds it);
 * write as soon as every live candidate arrived -- or as soon as the arrivals already give the member count that
   the others could not raise: the first generation's size is the largest ``D * P`` with D a power of two
-  (:func:`~.processes.initial_members`), so of 15 live candidates 8 are members, and the roster is written at the
-  8th arrival while the other 7 are still starting (they become standbys);
+  (:func:`~.processes.initial_members`), so of 15 live candidates 8 are members, and the roster is written once the
+  8 *oldest* live candidates arrived, while the other 7 are still starting (they become standbys). When younger
+  ones overtook an older one, the roster waits for it at most :data:`SEAT_GRACE_S` after the last arrival, then
+  takes the arrivals as they are: a start-up a few hundred milliseconds out of order keeps the seating (and with
+  it which stage each instance holds) of the instance order, so a run is reproducible, and a straggler costs at
+  most that grace;
 * otherwise write once the arrivals have *settled*: no new arrival for ``settle_s`` (:func:`settle_bound`: a quarter
   of the time the first arrival took, at least :data:`SETTLE_MIN_S`), or :data:`SETTLE_CAP` times that after the
   first arrival, whichever comes first. Candidates still missing then are *silent*: each starts as a standby when
@@ -34,7 +38,7 @@ from typing import Optional, Sequence
 from lightning_parcae.launch.processes import initial_members
 
 __all__ = ["Candidate", "RosterDecision", "decide_roster", "settle_bound", "SETTLE_MIN_S", "SETTLE_FRACTION",
-           "SETTLE_CAP"]
+           "SETTLE_CAP", "SEAT_GRACE_S"]
 
 SETTLE_MIN_S = 5.0
 """The shortest quiet time (wall seconds, no new arrival) after which a roster is written without the candidates
@@ -44,6 +48,9 @@ SETTLE_FRACTION = 0.25
 start-up takes 70 s, a candidate 10 s behind the others is slow, not silent."""
 SETTLE_CAP = 3.0
 """At most this many quiet times after the first arrival, the roster is written whatever still trickles in."""
+SEAT_GRACE_S = 3.0
+"""When the arrivals already give the full member count but an older live candidate is not among them, the roster
+waits this long after the last arrival for it (so members are the oldest instances, as with fixed ranks)."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,7 @@ def decide_roster(candidates: Sequence[Candidate], *, launched_at: float, now: f
     settle = settle_bound(launched_at, min(times))
     if len(arrived) == len(candidates):
         why = f"every live candidate arrived ({len(arrived)})"
-    elif now_members >= total:
+    elif now_members >= total and (_oldest_arrived(candidates, total) or now - max(times) >= SEAT_GRACE_S):
         why = (f"{len(arrived)} of {len(candidates)} live candidates arrived, enough for the {total} members that "
                f"{len(candidates)} allow; the others start as standbys")
     elif now_members and now - max(times) >= settle:
@@ -130,3 +137,8 @@ def decide_roster(candidates: Sequence[Candidate], *, launched_at: float, now: f
     members = tuple(c.member for c in arrived[:now_members])
     standbys = tuple(c.member for c in sorted(candidates, key=lambda c: c.instance) if c.member not in members)
     return RosterDecision(members, standbys, why)
+
+
+def _oldest_arrived(candidates: Sequence[Candidate], count: int) -> bool:
+    """Whether the ``count`` oldest live candidates (instance order) have all arrived."""
+    return all(c.arrived_at is not None for c in sorted(candidates, key=lambda c: c.instance)[:count])
