@@ -213,6 +213,8 @@ def test_a_drop_notices_a_member_with_grace_and_stops_a_waiting_standby(tmp_path
     assert [(v["member"], v["action"]) for v in victims] == [("i2", "standby stopped"), ("i1", "notice")]
     assert ("i2", signal.SIGKILL) in p["pool"].signals and ("i1", signal.SIGTERM) in p["pool"].signals
     assert p["store"].published[-1][0].endswith("i1") and p["pool"].workers[1].deadline is not None
+    # the standby's notice is written too, before it is stopped: a leader planning now must not admit it
+    assert [k for k, _ in p["store"].published if "notice" in k] == ["parcae/notice/i2", "parcae/notice/i1"]
     assert p["state"].n == 1 and p["state"].changes[-1]["new_N"] == 1 and p["state"].timeline[-1]["N"] == 1
 
 

@@ -249,3 +249,22 @@ def test_standbys_noted_at_step_boundaries_are_counted_together_at_the_next_inte
     for name in ("b", "c"):
         store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 1}')
     assert chooser._fresh_standbys() == ["b", "c"]
+
+
+def test_a_standby_with_a_preemption_notice_is_never_admitted() -> None:
+    """Regression (the README's main job, slow suite): the trace removed a waiting standby 0.4 s before a planning
+    interval; its last heartbeat had moved since it was last seen, so the leader admitted it, the transition world
+    waited for a process that was gone and the job fell back to the checkpoint. The launcher writes a removed
+    standby's notice before stopping it, and a standby with a notice is not counted, however fresh its beat."""
+    store = dist.HashStore()
+    coord = Coordinator(store)
+    host = _host([0.01] * 4, batch=16, micro=1)
+    chooser = _chooser(host, _state(("a",), (4,), 4), _config(heartbeat_s=0.0), [], coord=coord, store=store)
+    for name in ("b", "c"):
+        coord.register_standby(name)
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 0}')
+    chooser.note_standbys()
+    for name in ("b", "c"):
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 1}')  # both beat since the sighting
+    store.set("parcae/notice/c", "removed by the trace")
+    assert chooser._fresh_standbys() == ["b"]

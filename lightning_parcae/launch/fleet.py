@@ -254,9 +254,8 @@ class Fleet:
 
     def notice(self, w: Worker) -> str:
         """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it holds no state -- a
-        waiting standby, or a start-up candidate whose launch has no roster yet (it is left out of it)."""
-        from lightning_parcae.runtime.liveness import notice_key, notice_record  # noqa: PLC0415
-
+        waiting standby (its notice key is written first, so no leader admits it), or a start-up candidate whose
+        launch has no roster yet (it is left out of it)."""
         now = time.time()
         if w.candidate:
             self.pool.signal(w, signal.SIGKILL)
@@ -265,19 +264,27 @@ class Fleet:
                 self.startup.left_out.append(w.member)
             return "candidate stopped"
         if self.reports.waiting(w) or self.state.fallback is not None and w.joiner:
+            # its notice first, so that a leader planning now does not admit it (it is stopped at once: no state)
+            self._publish_notice(w, now)
             self.pool.signal(w, signal.SIGKILL)
             w.killed = True
             return "standby stopped"
         w.noticed_at, w.deadline = now, now + self.cfg.wall_grace_s
-        try:
-            # the one notice format (runtime.liveness), signed with the job token by the store's encode_record
-            self.store.publish(notice_key(w.member), notice_record(w.member, source="replay", deadline=w.deadline))
-        except Exception as exc:  # noqa: BLE001 -- a store hiccup must not stop the notice itself
-            self.events("store_error", error=str(exc))
+        self._publish_notice(w, w.deadline)
         if self._handler_installed(w):  # SIGTERM is a notice, not a kill
             self.pool.signal(w, signal.SIGTERM)
             w.sigterm_sent = True
         return "notice"
+
+    def _publish_notice(self, w: Worker, deadline: float) -> None:
+        """Write ``w``'s notice key (the one notice format of :mod:`~lightning_parcae.runtime.liveness`, signed with
+        the job token by the store's ``encode_record``); a store hiccup is an event, not a stop."""
+        from lightning_parcae.runtime.liveness import notice_key, notice_record  # noqa: PLC0415
+
+        try:
+            self.store.publish(notice_key(w.member), notice_record(w.member, source="replay", deadline=deadline))
+        except Exception as exc:  # noqa: BLE001 -- a store hiccup must not stop the notice itself
+            self.events("store_error", error=str(exc))
 
     def _handler_installed(self, w: Worker) -> bool:
         """Whether ``w``'s SIGTERM handler is installed: it reported a phase, or its arrival as a start-up

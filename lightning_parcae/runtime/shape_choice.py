@@ -31,7 +31,7 @@ from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
-from lightning_parcae.runtime.liveness import read_beats
+from lightning_parcae.runtime.liveness import notice_key, read_beats
 from lightning_parcae.runtime.part import EventSink
 from lightning_parcae.runtime.torch_internals import child
 
@@ -364,9 +364,18 @@ class ShapeChooser:
         self._standby_seen.update({m: b for m, b in read_beats(self.store, new).items() if b is not None})
 
     def _standby_candidates(self) -> list[str]:
-        """Registered standbys that are not members of the current generation (registry order, once each)."""
-        assert self.coord is not None and self.state.layout is not None
-        return [m for m in dict.fromkeys(self.coord.standbys()) if m not in self.state.layout.members]
+        """Registered standbys that are not members of the current generation and have no preemption notice
+        (registry order, once each).
+
+        Regression (the README's main job, slow suite): the trace removed a waiting standby (the launcher stops
+        one at once: it holds no state) 0.4 s before a planning interval; its last heartbeat had moved since the
+        previous sighting, so the leader admitted it, the transition world waited for it, declared it dead after
+        3 s and the job fell back to the checkpoint. A removed standby's notice key is written before it is
+        stopped, and a standby with a notice is never admitted.
+        """
+        assert self.coord is not None and self.state.layout is not None and self.store is not None
+        return [m for m in dict.fromkeys(self.coord.standbys())
+                if m not in self.state.layout.members and not self.store.check([notice_key(m)])]
 
     def partition_for(self, p: int) -> list[int]:
         s = self.host
