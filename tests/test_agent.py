@@ -61,7 +61,7 @@ out, env = sys.argv[1], dict(os.environ)
 member = env["PARCAE_MEMBER"]
 with open(os.path.join(out, f"env_{member}.json"), "w") as f:
     json.dump({k: env.get(k) for k in ("RANK", "WORLD_SIZE", "PARCAE_JOIN", "PARCAE_GENERATION_BASE",
-                                       "PARCAE_RESUME_CKPT", "PARCAE_RUN_DIR")}, f)
+                                       "PARCAE_RESUME_CKPT", "PARCAE_RUN_DIR", "PARCAE_ROSTER")}, f)
 if env.get("PARCAE_GENERATION_BASE", "0") != "0":
     sys.exit(0)                      # the relaunch trains to the end
 if env["PARCAE_JOIN"] == "1":
@@ -106,12 +106,15 @@ def test_agents_without_ranks_relaunch_the_job_from_the_checkpoint_by_themselves
 
     envs = {f.stem[4:]: json.loads(f.read_text()) for f in tmp_path.glob("env_*.json")}
     first = {m: e for m, e in envs.items() if "." not in m}
-    assert sorted((e["RANK"], e["WORLD_SIZE"]) for m, e in first.items() if m != "c") == [("0", "2"), ("1", "2")]
+    # the rendezvous' members start as start-up candidates: their ranks come from the roster of those that arrive
+    assert {m: e["PARCAE_ROSTER"] for m, e in first.items()} == {"a": "parcae/startup/0/roster",
+                                                                  "b": "parcae/startup/0/roster", "c": None}
+    assert all((e["RANK"], e["WORLD_SIZE"]) == ("0", "1") for e in first.values())
     assert first["c"]["PARCAE_JOIN"] == "1" and first["a"]["PARCAE_GENERATION_BASE"] is None
     again = {m: e for m, e in envs.items() if m.endswith(".1")}
     assert sorted(again) == ["a.1", "b.1", "c.1"], logs  # every live agent took part in round 1
     members = [e for e in again.values() if e["PARCAE_JOIN"] == "0"]
-    assert sorted(e["RANK"] for e in members) == ["0", "1"] and {e["WORLD_SIZE"] for e in members} == {"2"}
+    assert len(members) == 2 and {e["PARCAE_ROSTER"] for e in members} == {"parcae/startup/1/roster"}
     assert {e["PARCAE_GENERATION_BASE"] for e in again.values()} == {"1000"}
     assert {e["PARCAE_RESUME_CKPT"] for e in members} == {str(tmp_path / "ckpt" / "last.ckpt")}
     assert "declared relaunch round 1" in logs and "stopping this standby worker" in logs
@@ -248,5 +251,61 @@ def test_agents_with_nodes_min_max_relaunch_from_the_checkpoint_by_themselves_if
     finals = {f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")}
     final = merged_final(finals)
     assert set(final) == set(ref)
+    for k in ref:
+        assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_agents_leave_a_machine_noticed_during_start_up_out_of_the_first_generation_without_a_relaunch(
+        tmp_path: Path) -> None:
+    """Regression (issue 20): three agents with ``--nodes 3`` agree on three members; one machine is noticed
+    (SIGTERM to its agent) while the workers still import torch. Before, the two others built generation 0 with a
+    rank that never came, failed, and every agent relaunched from the checkpoint (round 1). Now the rendezvous'
+    members start as candidates and the agents' start-up roster holds only the workers that arrived: the noticed
+    one's worker leaves at once, the other two train to the end in round 0, every step once, with the parameters of
+    an undisturbed run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    token = new_token()
+    server = host_store("tcp://127.0.0.1:0", token=token)
+    url = f"tcp://127.0.0.1:{server.port}"
+    args = ["--max-steps", "20", "--pipeline-stages", "1", "--interval-steps", "0", "--delay", "0.1", "--batch-size",
+            "24", "--samples", "480"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PARCAE_JOB_TOKEN=token, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+
+    def log(name: str) -> str:
+        return (out / f"agent_{name}.txt").read_text(errors="replace")
+
+    for name in ("a0", "a1", "a2"):
+        agents[name] = subprocess.Popen(
+            [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name,
+             "--notices", "none", "--run-dir", str(out), "--nodes", "3", "--settle", "0.5", "--", sys.executable,
+             JOB, "--out", str(out), *args],
+            env=env, stdout=open(out / f"agent_{name}.txt", "wb"), stderr=subprocess.STDOUT)
+    try:
+        t_end = time.time() + 120
+        while "round 0: rank" not in log("a2"):
+            assert time.time() < t_end and agents["a2"].poll() is None, log("a2")
+            time.sleep(0.05)
+        agents["a2"].send_signal(signal.SIGTERM)  # its worker is still importing torch
+        codes = {n: p.wait(timeout=200) for n, p in agents.items()}
+    finally:
+        for p in agents.values():
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join(log(n)[-2500:] for n in agents)
+    assert codes == {"a0": 0, "a1": 0, "a2": 0}, logs
+    assert "relaunch round" not in logs, logs
+    assert "start-up roster ['a0', 'a1']" in logs and "left out ['a2']" in logs, logs
+    steps = [json.loads(line) for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()]
+    assert {r["member"] for r in steps} == {"a0", "a1"} and max(r["step"] for r in steps) == 20
+    check_samples_once(steps, 20, 24)
+    import torch
+
+    ref = reference(tmp_path / "ref", args)
+    final = merged_final({f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")})
     for k in ref:
         assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k

@@ -5,7 +5,10 @@ Problem: on real spot instances there is no single launcher that sees every mach
 its own, (1) find the job's shared store (etcd, or a TCPStore on a stable controller host) and prove it holds the
 job token, (2) agree with the other agents on who starts the job in which rank -- ``--nodes MIN:MAX`` (a
 rendezvous through the store, :mod:`lightning_parcae.launch.rendezvous`: once MIN agents are there and a short
-settle time has passed, or MAX are there, the first arrivals are ranks ``0..W-1`` and the others warm standbys),
+settle time has passed, or MAX are there, the first arrivals are the round's members and the others warm standbys;
+the members' workers start as start-up candidates, and the round's first generation is composed from the workers
+that arrived, :mod:`lightning_parcae.launch.agent_startup`, so a machine noticed or silent while the workers import
+is left out instead of relaunching everyone),
 ``--nodes N --node-rank R`` (fixed ranks, torchrun style) or ``--join`` (a machine added to a running job: a
 standby until a planning interval admits it), (3) turn the cloud's preemption notice into the job's notice (the
 store key the worker's heartbeat thread reads, plus SIGTERM to the worker), (4) restart its worker as a warm
@@ -45,8 +48,10 @@ from lightning_parcae.contract import (
     worker_contract,
 )
 from lightning_parcae.errors import ConfigurationError, ParcaeError
+from lightning_parcae.launch.agent_startup import StartupComposer
 from lightning_parcae.launch.processes import worker_environment
 from lightning_parcae.launch.rendezvous import Relaunch, Rendezvous, RendezvousCancelled, Seat, parse_nodes
+from lightning_parcae.runtime.startup import StartupRoster
 
 __all__ = ["main", "build_parser", "worker_env", "Agent"]
 
@@ -98,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def worker_env(base: dict[str, str], *, store: str, token: Optional[str], member: str, join: bool,
                rank: int, world: int, run_dir: Optional[str], generation: Optional[int] = None,
-               resume: Optional[str] = None, checkpoint_dir: Optional[str] = None) -> dict[str, str]:
+               resume: Optional[str] = None, checkpoint_dir: Optional[str] = None,
+               roster: Optional[str] = None) -> dict[str, str]:
     """The environment of this machine's worker (one process, one device).
 
     Args:
@@ -115,12 +121,15 @@ def worker_env(base: dict[str, str], *, store: str, token: Optional[str], member
         resume: The checkpoint a relaunch's initial member resumes from (None: the agent's own
             ``PARCAE_RESUME_CKPT``, if any, passes through).
         checkpoint_dir: ``--checkpoint-dir``.
+        roster: The store key of the round's start-up roster: the worker starts as a candidate whose rank comes
+            from it (:mod:`~lightning_parcae.launch.agent_startup`; ``rank`` / ``world`` are then ignored).
     """
     parcae = worker_contract(elastic=True, store=store, token=token, member=member, join=join,
                              run_dir=run_dir or None, generation=generation, resume=resume,
-                             checkpoint_dir=checkpoint_dir)
-    return worker_environment(base, rank=0 if join else rank, world=1 if join else world, local_rank=0,
-                              local_world=1, node_rank=0 if join else rank,
+                             checkpoint_dir=checkpoint_dir, roster=None if join else roster)
+    placeholder = join or roster is not None  # a joiner's or a candidate's rank comes later
+    return worker_environment(base, rank=0 if placeholder else rank, world=1 if placeholder else world, local_rank=0,
+                              local_world=1, node_rank=0 if placeholder else rank,
                               master_addr=base.get("MASTER_ADDR", "127.0.0.1"),
                               master_port=base.get("MASTER_PORT", "29500"), parcae=parcae, keep=(RESUME_ENV,),
                               shared_machine=False)
@@ -235,25 +244,49 @@ class Agent:
             self.say(f"could not read the store: {exc}")
             return False
 
-    def _wait_worker(self, rdv: Rendezvous, k: int, standby: bool) -> tuple[int, bool]:
-        """Wait for the worker; stop it if a relaunch after round ``k`` is declared meanwhile (a standby at once,
-        a member after :data:`MEMBER_GRACE_S`). Returns (exit status, whether a relaunch was seen)."""
+    def _wait_worker(self, rdv: Rendezvous, k: int, standby: bool,
+                     composer: Optional[StartupComposer] = None) -> tuple[int, bool]:
+        """Wait for the worker; stop it if a relaunch after round ``k`` is declared meanwhile (a standby or a
+        start-up candidate at once, a member after :data:`MEMBER_GRACE_S`). While ``composer`` has no roster, take
+        part in the round's start-up roster (and declare the next round when none can form). Returns (exit status,
+        whether a relaunch was seen)."""
         assert self.proc is not None
         deadline: Optional[float] = None
+        roster: Optional[StartupRoster] = None
         while True:
             try:
-                return self.proc.wait(timeout=1.0), deadline is not None
+                return self.proc.wait(timeout=1.0 if composer is None or roster is not None else 0.25), \
+                    deadline is not None
             except subprocess.TimeoutExpired:
                 pass
             if self.noticed:
                 continue
+            if composer is not None and roster is None and deadline is None:
+                roster = self._compose(rdv, k, composer)
             if deadline is None:
                 if self._declared(rdv, k + 1):
                     self.say(f"relaunch round {k + 1} declared; stopping this "
-                             + ("standby" if standby else "member") + " worker for it")
-                    deadline = time.monotonic() + (0.0 if standby else MEMBER_GRACE_S)
+                             + ("standby" if standby else "member" if roster is not None or composer is None
+                                else "start-up candidate") + " worker for it")
+                    holds_state = not standby and (composer is None or roster is not None)
+                    deadline = time.monotonic() + (MEMBER_GRACE_S if holds_state else 0.0)
             if deadline is not None and time.monotonic() >= deadline and self.proc.poll() is None:
                 self.proc.kill()
+
+    def _compose(self, rdv: Rendezvous, k: int, composer: StartupComposer) -> Optional[StartupRoster]:
+        """One poll of the round's start-up roster; says who is in it once written."""
+        try:
+            roster = composer.poll()
+        except Exception as exc:  # noqa: BLE001 -- a store hiccup must not stop the agent; poll again
+            self.say(f"could not read the store: {exc}")
+            return None
+        if roster is not None:
+            self.say(f"round {k}: start-up roster {list(roster.members)}"
+                     + (f", standbys {list(roster.standbys)}" if roster.standbys else "")
+                     + (f", left out {list(roster.left_out)}" if roster.left_out else "") + f" ({roster.why})")
+        elif composer.infeasible is not None:
+            self._relaunch_round(rdv, k, f"no start-up roster can form: {composer.infeasible.why}")
+        return roster
 
     def run(self) -> int:
         """Start the worker, forward notices, restart it as a standby when released, relaunch the job from its
@@ -273,6 +306,7 @@ class Agent:
             seat = self._first_seat(rdv)
             k = seat.round if seat is not None else 0
             join = bool(args.join) if seat is None else seat.standby
+            seat_used = False  # a seat's start-up roster is composed once; a restart as a standby joins
             while True:
                 if seat is None:
                     rank, world, resume = args.node_rank or 0, args.nodes_range[0], None
@@ -282,16 +316,24 @@ class Agent:
                 if resume and "://" not in resume and not os.path.exists(resume):
                     self.say(f"the checkpoint {resume} is not on this machine: put --run-dir on storage every "
                              "machine sees, or use --checkpoint-dir")
+                # a member of the round's rendezvous starts as a start-up candidate (agent_startup): its rank
+                # comes from the workers that arrive, so one noticed or silent before that is simply left out
+                composer = (StartupComposer(rdv.records, self.member, k, seat.roster.members)
+                            if seat is not None and not join and not seat_used else None)
+                seat_used = True
                 env = worker_env(dict(os.environ), store=args.store, token=self.token, member=self.worker_member,
                                  join=join, rank=rank, world=world, run_dir=args.run_dir,
                                  generation=k if k >= 1 else None, resume=None if join else resume,
-                                 checkpoint_dir=args.checkpoint_dir)
+                                 checkpoint_dir=args.checkpoint_dir,
+                                 roster=composer.key if composer is not None else None)
                 if self.noticed:
                     return 0
                 self.proc = subprocess.Popen(args.command, env=env)
-                code, relaunch_seen = self._wait_worker(rdv, k, join)
+                code, relaunch_seen = self._wait_worker(rdv, k, join, composer)
                 if self.noticed:
-                    return code
+                    # a worker still importing when the notice came has no SIGTERM handler yet: the signal ended it,
+                    # and it held no state -- the hand-over the notice asks for is complete
+                    return 0 if code == -signal.SIGTERM else code
                 if code in (RELEASED_EXIT, FENCED_EXIT) and not relaunch_seen and restarts < args.max_restarts:
                     restarts += 1
                     why = "released by the new shape" if code == RELEASED_EXIT else "fenced after a silence"
@@ -306,7 +348,7 @@ class Agent:
                     relaunches += 1
                     k = self._relaunch_round(rdv, k, "a stage lost every replica (worker exit 75)")
                     seat = self._take_seat(rdv, k)
-                    join = seat.standby
+                    join, seat_used = seat.standby, False
                     continue
                 return code
         except RendezvousCancelled as exc:

@@ -43,7 +43,8 @@ from lightning_parcae.errors import CoordinationError
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.launch.processes import initial_members
 
-__all__ = ["Rendezvous", "Roster", "Relaunch", "Seat", "RendezvousTimeout", "RendezvousCancelled", "parse_nodes", "DEAD_AFTER_S"]
+__all__ = ["Rendezvous", "Roster", "Relaunch", "Seat", "RendezvousTimeout", "RendezvousCancelled", "parse_nodes", "DEAD_AFTER_S",
+           "BeatWatch"]
 
 DEAD_AFTER_S = 3.0
 """An arrival whose beat counter has not moved for this long (seen by the agent composing the roster) is dead."""
@@ -270,7 +271,7 @@ class Rendezvous:
             return Seat(round_, existing, existing.rank_of(self.agent))
         slot = int(self.store.add(self.key(round_, "count"), 1)) - 1
         self.records.put(self.key(round_, "arrival", slot), {"agent": self.agent, "slot": slot})
-        watch = _BeatWatch(self.clock)
+        watch = BeatWatch(self.clock)
         start = last_report = self.clock()
         enough_since: Optional[float] = None
         while True:
@@ -330,7 +331,7 @@ class Rendezvous:
 ALIVE, UNKNOWN, DEAD = "alive", "unknown", "dead"
 
 
-class _BeatWatch:
+class BeatWatch:
     """Which arrivals are alive, judged by whether their beat counters move. No clocks are compared across
     machines: only this agent's own clock measures how long a counter stood still. A counter not yet seen moving
     is ``unknown`` (a live waiter moves it within a poll), one that stood still for :data:`DEAD_AFTER_S` ``dead``."""

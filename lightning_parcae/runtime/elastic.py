@@ -72,7 +72,7 @@ from lightning_parcae.runtime.liveness import Liveness, activate, guarded
 from lightning_parcae.runtime.part import PartContext
 from lightning_parcae.runtime.recovery import Recovery
 from lightning_parcae.runtime.shape_choice import ShapeChooser
-from lightning_parcae.runtime.startup import StartupRoster, await_roster
+from lightning_parcae.runtime.startup import StartupRoster, arrival_key, await_roster
 from lightning_parcae.runtime.switching import GenerationNotEntered, Switch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -244,13 +244,16 @@ class ElasticRuntime:
                 log.warning("could not write event: %s", exc)
 
     # ============================================================================================ boot
-    def take_seat(self) -> StartupRoster:
-        """A start-up candidate (``config.roster_key``): report the arrival, wait for the launch's roster
-        (:mod:`.startup`). A member takes its rank from the roster; a candidate not in it becomes a standby
-        (:attr:`joining`; the caller goes on to :meth:`join_wait`). A notice while waiting ends the process at once
-        (exit 0: it holds no state yet)."""
+    def take_seat(self, pipeline_stages: int = 0) -> StartupRoster:
+        """A start-up candidate (``config.roster_key``): report the arrival (an event for ``parcae run``'s
+        launcher, a store record for ``parcae agent``'s machines, with the script's ``pipeline_stages``, 0 for the
+        strategy's choice), wait for the launch's roster (:mod:`.startup`). A member takes its rank from the
+        roster; a candidate not in it becomes a standby (:attr:`joining`; the caller goes on to :meth:`join_wait`).
+        A notice while waiting ends the process at once (exit 0: it holds no state yet)."""
         assert self.coord is not None and self.live is not None and self.config.roster_key
         self.event("arrived", roster=self.config.roster_key)
+        self.coord.put(arrival_key(self.config.roster_key, self.member),
+                       {"member": self.member, "P": int(pipeline_stages or 0)})
         roster = await_roster(self.coord, self.config.roster_key, noticed=self.live.noticed.is_set)
         if roster is None:
             log.warning("%s: preemption notice before the start-up roster; leaving", self.member)

@@ -19,6 +19,9 @@ Key (one record, written once by the launcher, signed with the job token like ev
 ``parcae/startup/<launch>/roster``
     ``members`` in rank order, ``standbys`` (the live candidates left out), ``left_out`` (candidates noticed or lost
     before it), the launch's ``P`` and why it was written when it was.
+``parcae/startup/<launch>/arrived/<member>``
+    Each candidate's arrival (its member id and the P its script configures, 0 for the strategy's choice), for
+    writers that do not see its event log: ``parcae agent``'s machines (:mod:`lightning_parcae.launch.agent_startup`).
 
 This module owns the key and the record's format (the launcher encodes it with :meth:`StartupRoster.record`, the
 worker decodes it with :meth:`StartupRoster.from_record`) and the worker's wait. It imports no torch: the launcher
@@ -33,7 +36,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from lightning_parcae.errors import CoordinationError
 
-__all__ = ["StartupRoster", "RosterTimeout", "roster_key", "await_roster", "ROSTER_WAIT_S"]
+__all__ = ["StartupRoster", "RosterTimeout", "roster_key", "arrival_key", "await_roster", "ROSTER_WAIT_S"]
 
 ROSTER_WAIT_S = 900.0
 """How long a candidate waits for its launch's roster before it gives up (the launcher's ``--startup-timeout``
@@ -44,6 +47,11 @@ _PREFIX = "parcae/startup"
 def roster_key(launch: int) -> str:
     """Store key of launch ``launch``'s start-up roster."""
     return f"{_PREFIX}/{int(launch)}/roster"
+
+
+def arrival_key(roster: str, member: str) -> str:
+    """Store key of ``member``'s arrival among the candidates of the roster under key ``roster``."""
+    return f"{roster.rsplit('/', 1)[0]}/arrived/{member}"
 
 
 class RecordReader(Protocol):

@@ -290,7 +290,8 @@ class ProcessSetup:
         candidates arrived (:mod:`lightning_parcae.runtime.startup`); one left out of it becomes a standby (the
         runtime's ``joining``) and the caller takes the join path."""
         er = self.host.elastic_runtime
-        roster = er.take_seat()
+        stage = self.layout.state
+        roster = er.take_seat(len(stage.partition) if stage.partition else (self.options.pipeline_stages or 0))
         rank = roster.rank_of(er.member)
         if rank is not None:
             self.set_ranks(rank, roster.world)
