@@ -309,3 +309,60 @@ def test_agents_leave_a_machine_noticed_during_start_up_out_of_the_first_generat
     final = merged_final({f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")})
     for k in ref:
         assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_agents_leave_a_machine_that_goes_silent_during_start_up_out_of_the_first_generation(tmp_path: Path) -> None:
+    """Issue 20, silence instead of a notice: three agents with ``--nodes 3``; right after the rendezvous one
+    machine stops answering (its agent and worker SIGSTOPped: no exit, no reset, no notice). Its agent's counter
+    stands still, the other agents leave it out of the start-up roster after the silence bound, and the two others
+    train to the end in round 0 with the undisturbed run's parameters."""
+    out = tmp_path / "out"
+    out.mkdir()
+    token = new_token()
+    server = host_store("tcp://127.0.0.1:0", token=token)
+    url = f"tcp://127.0.0.1:{server.port}"
+    args = ["--max-steps", "20", "--pipeline-stages", "1", "--interval-steps", "0", "--delay", "0.1", "--batch-size",
+            "24", "--samples", "480"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PARCAE_JOB_TOKEN=token, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+
+    def log(name: str) -> str:
+        return (out / f"agent_{name}.txt").read_text(errors="replace")
+
+    for name in ("a0", "a1", "a2"):
+        agents[name] = subprocess.Popen(
+            [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--member", name,
+             "--notices", "none", "--run-dir", str(out), "--nodes", "3", "--settle", "0.5", "--", sys.executable,
+             JOB, "--out", str(out), *args],
+            env=env, stdout=open(out / f"agent_{name}.txt", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t_end = time.time() + 120
+        while "round 0: rank" not in log("a2"):
+            assert time.time() < t_end and agents["a2"].poll() is None, log("a2")
+            time.sleep(0.05)
+        time.sleep(0.5)  # its worker has started importing
+        os.killpg(agents["a2"].pid, signal.SIGSTOP)  # the machine goes silent
+        codes = {n: agents[n].wait(timeout=240) for n in ("a0", "a1")}
+    finally:
+        for p in agents.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    logs = "\n".join(log(n)[-2500:] for n in agents)
+    assert codes == {"a0": 0, "a1": 0}, logs
+    assert "relaunch round" not in logs and "left out ['a2']" in logs, logs
+    steps = [json.loads(line) for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()]
+    assert {r["member"] for r in steps} == {"a0", "a1"} and max(r["step"] for r in steps) == 20
+    check_samples_once(steps, 20, 24)
+    import torch
+
+    ref = reference(tmp_path / "ref", args)
+    final = merged_final({f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")})
+    for k in ref:
+        assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
