@@ -191,7 +191,10 @@ class _FakeSwitch:
 
         self.calls.append(("switch", rec["generation"], loop))
         if self.fail:
-            raise GenerationNotEntered(self.fail)
+            intact = self.fail.startswith("intact:")
+            self.fail = "" if intact else self.fail  # the survivors' generation then forms
+            raise GenerationNotEntered(rec.get("reason", "") or "failed", intact=intact) if intact else \
+                GenerationNotEntered(self.fail)
         plan = plan_migration(Layout(("a", "b"), (2,)), ["a", "b"], (1, 2), [1, 1], [1, 1], senders=["a", "b"])
         return Moved(plan=plan, joiners=[], t_groups=0.0, t_transfer=0.0, bytes_received=0)
 
@@ -268,6 +271,18 @@ def test_the_runtime_falls_back_if_the_generation_cannot_be_entered() -> None:
         er.switch(_Trainer(9), {"generation": 5, "kind": "intra-stage", "layout": {}})
     assert calls[-1] == ("fallback", "process groups of generation 5 could not be built: timeout")
     assert er.generation == 4  # nothing of the new generation was entered
+
+
+def test_an_old_member_recovers_with_the_survivors_if_a_lost_joiner_kept_the_generation_from_forming() -> None:
+    """Regression (the README's main job, slow suite): a standby admitted by generation 5 was stopped as it was
+    admitted; the transition world waited for it, declared it dead, and every old member fell back to the
+    checkpoint, although none had applied anything. An old member whose state is intact now recovers: it leaves
+    the groups, the survivors agree on their generation, and it switches to that one."""
+    er, calls = _orchestrated(fail="intact:")
+    er.switch(_Trainer(9), {"generation": 5, "kind": "repartition", "reason": "interval", "layout": {}})
+    assert ("fallback", "failed") not in calls and not any(c[0] == "fallback" for c in calls)
+    assert calls[-4:] == [("begin",), ("teardown", True), ("survivors", "b died", 9), ("switch", 5, None)]
+    assert er.generation == 5 and "recovery_s" in er.migrations[-1]
 
 
 def test_a_fallback_record_stops_before_anything_moves() -> None:

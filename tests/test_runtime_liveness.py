@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from lightning_parcae.errors import PeerLostError
-from lightning_parcae.runtime.liveness import Liveness, SilenceClock, abort_key, hb_key, activate, guarded_wait, notice_key
+from lightning_parcae.runtime.liveness import Liveness, SilenceClock, abort_key, dead_key, hb_key, activate, guarded_wait, notice_key
 from lightning_parcae.runtime.store import connect_store, host_store
 
 
@@ -55,6 +55,7 @@ def test_liveness_declares_a_member_dead_if_its_heartbeat_stops(url: str) -> Non
         assert "b missed heartbeats" in a.reason
         store = connect_store(url, token=None)
         assert bytes(store.get(abort_key(7))).decode() == a.reason
+        assert bytes(store.get(dead_key(7, "b"))).decode() == a.reason  # who, for recovery (a lost joiner)
     finally:
         a.stop()
         b.stop()

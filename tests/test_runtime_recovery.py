@@ -11,7 +11,7 @@ from lightning_parcae.planning.migration_plan import Layout
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.lifecycle import Lifecycle
-from lightning_parcae.runtime.liveness import Liveness
+from lightning_parcae.runtime.liveness import Liveness, dead_key
 from lightning_parcae.runtime.part import PartContext
 from lightning_parcae.runtime.recovery import Recovery
 
@@ -67,6 +67,23 @@ def test_survivors_skip_a_planned_generation_that_names_a_dead_member() -> None:
     # a second survivor reaches the same verdict and the same generation 2
     assert rec_b.abandoned(rec_b._survivors_generation(1, 4, alive, dead, "peer lost"), dead)
     assert rec_b._survivors_generation(2, 4, alive, dead, "peer lost") == ours
+
+
+def test_survivors_skip_a_planned_generation_whose_joiner_was_declared_dead_while_it_formed() -> None:
+    """Regression (the README's main job, slow suite): generation 1 admitted the standby ``j``, which was gone
+    before the transition world formed. Every old member is alive and announces itself, so the old rule (abandon
+    when a *dead old member* is in the record) kept the record and the survivors would wait for ``j`` again. The
+    heartbeat thread that declared ``j`` dead left its key; the planned record is abandoned and the survivors'
+    generation 2 holds the old members only. Without that key (``j`` alive) the record is kept."""
+    store = dist.HashStore()
+    rec = _recovery(store, [])
+    planned = _planned(rec.ctx.coord, [*OLD, "j"])
+    assert rec.lost_joiners(planned) == []
+    store.set(dead_key(1, "j"), "j missed heartbeats for 3.0 s (declared dead by i2)")
+    assert rec.lost_joiners(planned) == ["j"]
+    assert rec.abandoned(planned, [] + rec.lost_joiners(planned))
+    ours = rec._survivors_generation(2, 4, list(OLD), [], "peer lost")
+    assert ours["generation"] == 2 and ours["transition"] == list(OLD) and "j" not in ours["layout"]["members"]
 
 
 def test_survivors_obey_the_first_verdict_if_their_views_of_the_dead_differ() -> None:

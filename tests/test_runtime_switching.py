@@ -66,6 +66,10 @@ class _Host:
 
     def apply_layout(self, trainer: Any, layout: Layout, generation: int, received: Any, group_of: Any) -> None:
         if self.fail_apply:
+            if self.fail_apply.startswith("lost:"):  # a peer lost while the new groups were built
+                from lightning_parcae.errors import PeerLostError
+
+                raise PeerLostError(self.fail_apply)
             raise RuntimeError(self.fail_apply)
         self.applied.append((layout, generation, dict(received), group_of))
 
@@ -215,16 +219,23 @@ def test_an_intra_stage_change_that_moves_nothing_meets_no_transition_world(monk
     assert ctx.live.generation == 4 and "b" in ctx.live._watch
 
 
-@pytest.mark.parametrize("where", ["rendezvous", "apply"])
-def test_a_generation_that_cannot_form_raises_for_the_fallback(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    """A failed transition world or rebuild is not the job's end: the switch says so (the runtime falls back)."""
+@pytest.mark.parametrize("where, intact", [("rendezvous", True), ("apply", False), ("apply-lost", True)])
+def test_a_generation_that_cannot_form_raises_saying_whether_the_old_state_is_intact(
+        monkeypatch: pytest.MonkeyPatch, where: str, intact: bool) -> None:
+    """A failed transition world or rebuild is not the job's end: the switch says so, and whether this process
+    still holds exactly its old state -- a lost peer while the processes met, or while the new groups were built,
+    leaves it intact (an old member then recovers with the survivors); any other failure of the rebuild may have
+    installed part of the new layout (the runtime falls back to the checkpoint)."""
     _World(monkeypatch, fail_meet="Connection closed by peer" if where == "rendezvous" else None)
     events: list = []
     sw, host, state, _ = _setup("a", Layout(("a",), (2,)), events)
     if where == "apply":
         host.fail_apply = "new_group timed out"
+    elif where == "apply-lost":
+        host.fail_apply = "lost: j missed heartbeats for 3.1 s"
     rec = _rec(host, state, ["a", "j"], (2, 1))
     with pytest.raises(GenerationNotEntered) as exc:
         sw.switch(types.SimpleNamespace(global_step=9), rec, loop=None)
     assert "process groups of generation 4 could not be built" in exc.value.reason
-    assert events == [("rendezvous_failed", {"reason": exc.value.reason})]
+    assert exc.value.intact is intact
+    assert events == [("rendezvous_failed", {"reason": exc.value.reason, "intact": intact})]

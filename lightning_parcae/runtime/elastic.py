@@ -428,6 +428,12 @@ class ElasticRuntime:
         try:
             moved = self.switching.switch(trainer, rec, loop)
         except GenerationNotEntered as exc:
+            if exc.intact and self.layout is not None and self.member in self.layout.members:
+                # an old member that applied nothing of the new generation (a joiner or a mover was lost while
+                # they met): recover with the other survivors from the generation it still holds
+                self.event("switch_abandoned", generation=rec["generation"], reason=exc.reason)
+                self.recover(trainer)
+                return
             self.recovery.fallback(trainer, {"reason": exc.reason})
             raise  # not reached: the fallback exits
         self.state.enter(rec)

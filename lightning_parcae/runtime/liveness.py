@@ -69,6 +69,12 @@ def abort_key(generation: int) -> str:
     return f"parcae/abort/{generation}"
 
 
+def dead_key(generation: int, member: str) -> str:
+    """Store key whose presence says ``member`` was declared dead while ``generation`` formed or ran (value: the
+    reason). Recovery reads it for processes that are not old members -- a joiner lost while it was admitted."""
+    return f"parcae/dead/{generation}/{member}"
+
+
 def notice_key(member: str) -> str:
     """Store key of a preemption notice for ``member`` (written by a launcher/agent: :func:`write_notice`)."""
     return f"parcae/notice/{member}"
@@ -398,7 +404,9 @@ class Liveness:
                             dead.append((m, silent))
                 for m, silent in dead[:1]:
                     if not self.aborted.is_set():
-                        self.abort(f"{m} missed heartbeats for {silent:.1f} s (declared dead by {self.member})", g)
+                        why = f"{m} missed heartbeats for {silent:.1f} s (declared dead by {self.member})"
+                        store.set(dead_key(g, m), why)
+                        self.abort(why, g)
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
                 log.warning("heartbeat of %s: %s", self.member, exc)
 

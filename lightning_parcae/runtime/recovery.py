@@ -25,7 +25,7 @@ from lightning_parcae.planning.migration_plan import StageLostError, plan_migrat
 from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.lifecycle import Phase, exit_now
-from lightning_parcae.runtime.liveness import SilenceClock, read_beats
+from lightning_parcae.runtime.liveness import SilenceClock, dead_key, read_beats
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.part import PartContext
@@ -158,7 +158,7 @@ class Recovery:
         dead = [m for m in old.members if m not in alive]
         ctx.event("recovering", survivors=alive, dead=dead, reason=reason, wait_s=time.monotonic() - t0)
         rec = self._survivors_generation(g + 1, step, alive, dead, reason)
-        if self.abandoned(rec, dead):
+        if self.abandoned(rec, dead + self.lost_joiners(rec)):
             # Regression (chaos seed 44): a member was SIGKILLed at the step where the leader had just proposed
             # the interval's planned generation g+1 (6 members, 2x3 -> 6x1). The survivors adopted that record --
             # the dead member in it -- waited 15 s for its process-group key and fell back to the checkpoint,
@@ -195,6 +195,24 @@ class Recovery:
             return self.propose_fallback(step, f"{reason}: {exc}", generation=target)
         return self.ctx.coord.propose(self.records.record(target, plan.new, plan, plan.kind.value, step, alive=alive,
                                                           reason=f"recovery: {reason}", dead=dead))
+
+    def lost_joiners(self, rec: dict[str, Any]) -> list[str]:
+        """The processes of ``rec``'s transition that are not old members and were declared dead while it formed.
+
+        Regression (the README's main job, slow suite): the trace removed a waiting standby just as the leader
+        admitted it. The transition world waited for it, declared it dead, and every old member fell back to the
+        checkpoint -- although none of them had applied anything of the new generation and every stage still had
+        its replicas. The old members now recover instead (:meth:`~.elastic.ElasticRuntime.switch`), and the
+        planned record naming the lost joiner is abandoned like one naming a dead old member. The joiner is not an
+        old member, so it never announces itself; its death is read from the key the heartbeat thread that declared
+        it wrote (:func:`~.liveness.dead_key`).
+        """
+        assert self.state.layout is not None
+        if rec.get("kind") == "fallback" or "dead" in rec:
+            return []
+        old = set(self.state.layout.members)
+        g = int(rec["generation"])
+        return [m for m in rec.get("transition", ()) if m not in old and self.ctx.store.check([dead_key(g, m)])]
 
     def abandoned(self, rec: dict[str, Any], dead: list[str]) -> bool:
         """Whether the survivors skip ``rec``, a *planned* generation whose transition names a member now dead.

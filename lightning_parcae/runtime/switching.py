@@ -5,8 +5,11 @@ restarting, (1) leave generation g's process groups (destroy them, or abandon th
 shutdown would block on an operation stuck on a dead peer), (2) meet in a *transition world* that includes the
 members leaving and the ones joining, (3) send and receive exactly the layers (and, for joiners, the loop state)
 the migration plan names, (4) leave if the new generation does not include it, else rebuild its groups, stage and
-optimizers for the new layout. When the new groups cannot be built, :meth:`Switch.switch` raises
-:class:`GenerationNotEntered` and the runtime falls back to the checkpoint. The switch reads the current generation
+optimizers for the new layout. When the new generation cannot be formed, :meth:`Switch.switch` raises
+:class:`GenerationNotEntered`, saying whether this process's old state is intact (a peer lost while the processes
+met, moved state or built the new groups: nothing of the new layout was installed). An old member whose state is
+intact recovers with the other survivors from the old generation; otherwise the runtime falls back to the
+checkpoint. The switch reads the current generation
 (:class:`~.generation.GenerationState`) and returns what it moved (:class:`Moved`); the
 :class:`~lightning_parcae.runtime.elastic.ElasticRuntime` then enters the new generation.
 """
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch.distributed as dist
 
 from lightning_parcae.contract import RELEASED_EXIT
+from lightning_parcae.errors import PeerLostError, RendezvousError
 from lightning_parcae.planning.migration_plan import MigrationPlan
 from lightning_parcae.runtime.generation import GenerationState
 from lightning_parcae.runtime.groups import init_transition_world
@@ -40,11 +44,16 @@ class GenerationNotEntered(Exception):
 
     Attributes:
         reason: What failed, for the fallback's message.
+        intact: Whether this process still holds exactly the old generation's state: the failure came from a
+            lost or silent peer while the processes met, moved state or built the new groups -- before anything of
+            the new layout was installed here. An old member that fails so can recover with the other survivors
+            instead of falling back to the checkpoint.
     """
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, intact: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.intact = intact
 
 
 def movers(rec: dict[str, Any]) -> list[str]:
@@ -163,7 +172,9 @@ class Switch:
         try:
             s.apply_layout(trainer, new, int(rec["generation"]), received, self.state.group_of)
         except RuntimeError as exc:
-            raise self._rendezvous_failed(rec, exc) from exc
+            # a lost peer can only surface while the groups are built, before the layout is installed
+            raise self._rendezvous_failed(rec, exc, intact=isinstance(exc, (PeerLostError, RendezvousError))) \
+                from exc
         s.reset_eval_loaders(trainer)
         return Moved(plan=plan, joiners=joiners, t_groups=t_groups, t_transfer=t_transfer,
                      bytes_received=int(sum(t.nbytes for t in plan.receives(ctx.member))))
@@ -175,7 +186,7 @@ class Switch:
         try:
             meet_transition(ctx.store, rec, ctx.member, self.stall_timeout, ctx.live.abort_reason)
         except RuntimeError as exc:
-            raise self._rendezvous_failed(rec, exc) from exc
+            raise self._rendezvous_failed(rec, exc, intact=True) from exc
         module = s.lightning_module
         assert module is not None
         opts = s.torch_optimizers()
@@ -193,17 +204,18 @@ class Switch:
             # Regression (chaos seed 41): a member was declared dead while a generation that admitted a standby
             # was being entered; the transfer raised out of the switch and the job failed. Nothing of the new
             # generation has been applied here, but its members cannot agree in place which state each holds:
-            # fall back to the checkpoint, as for a failed rendezvous.
-            raise self._rendezvous_failed(rec, exc) from exc
+            # fall back to the checkpoint, as for a failed rendezvous -- unless this is an old member, which
+            # still holds all its old state (nothing was applied) and recovers with the other survivors.
+            raise self._rendezvous_failed(rec, exc, intact=True) from exc
         dist.destroy_process_group()
         return inbox
 
-    def _rendezvous_failed(self, rec: dict[str, Any], exc: BaseException) -> GenerationNotEntered:
+    def _rendezvous_failed(self, rec: dict[str, Any], exc: BaseException, intact: bool = False) -> GenerationNotEntered:
         """Building a new generation's groups failed (a peer lost or stalled during the rendezvous). The race
         that also ended here ("Connection closed by peer" with every peer alive: chaos seeds 14, 22, 26, 28, 94 and
         CI) was a peer tearing a world down before the other's connect was done; :func:`~.groups.await_connected`
         closes it. The generation cannot be entered consistently; rather than fail the job, the runtime falls
         back: exit 75 and let the launcher restart from the last checkpoint (at most the steps since it are lost)."""
         reason = f"process groups of generation {rec['generation']} could not be built: {str(exc).splitlines()[0][:160]}"
-        self.ctx.event("rendezvous_failed", reason=reason)
-        return GenerationNotEntered(reason)
+        self.ctx.event("rendezvous_failed", reason=reason, intact=intact)
+        return GenerationNotEntered(reason, intact=intact)
