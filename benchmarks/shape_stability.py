@@ -13,7 +13,15 @@ unless measured slower". This script reads a ``parcae run`` run directory (``eve
   of being entered, unless (a) the instance count changed in between (a ``remove`` / ``add``), (b) the leaving
   decision was for a notice, a loss or an operator's request, or (c) the leaving decision moved to a shape
   *measured* faster than the current one (the decision's ``throughput.measured`` against ``throughput.current``).
-  Each is listed with its times, shapes and the decision's reason.
+  Each is listed with its times, shapes and the decision's reason;
+* ``exploration``: the issue's "bound the share of time spent exploring" -- tries started (``explore`` events),
+  tries the cap refused (``explore_refused``), and the share of wall time spent in tries. The share is the
+  leader's own accounting (``explored_s`` over ``elapsed_s``: each try's migrations and trial time, against the
+  time since its first step boundary), which ``explore``, ``explore_refused``, ``explore_done`` and ``decision``
+  events carry; the latest report is extended to the run's last event (``share``: no try starts without an
+  ``explore`` event, so the time after it explored nothing new). A run logged before that accounting existed
+  reports ``share`` None (its ``explore`` events say when a try started, not how long it lasted). After a change
+  of leader the new leader's account starts from zero.
 
 Everything it reads is what the run logged (real). ``python benchmarks/shape_stability.py RUN_DIR [RUN_DIR ...]``
 prints one line per run; ``--json`` the whole report.
@@ -27,9 +35,39 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["stability", "main"]
+__all__ = ["stability", "exploration", "main"]
 
 _FORCED = ("notice", "lost", "recovery", "operator requested", "fallback")
+
+
+def exploration(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tries, refused tries and the share of wall time spent exploring in one run's events (module docstring).
+
+    Args:
+        events: The run's events (``events.jsonl``), in any order.
+
+    Returns:
+        ``tries``, ``refused``, and from the leader's latest accounting ``max_share``, ``explored_s``,
+        ``elapsed_s`` and ``share`` (all None when no event carries the accounting).
+    """
+    reports = []
+    for e in events:
+        if e.get("event") in ("explore", "explore_refused", "explore_done") and "explored_s" in e:
+            reports.append((float(e["time"]), e))
+        elif e.get("event") == "decision" and isinstance(e.get("exploration"), dict):
+            reports.append((float(e["time"]), e["exploration"]))
+    out: dict[str, Any] = {"tries": sum(1 for e in events if e.get("event") == "explore"),
+                           "refused": sum(1 for e in events if e.get("event") == "explore_refused"),
+                           "max_share": None, "explored_s": None, "elapsed_s": None, "share": None}
+    if not reports:
+        return out
+    at, last = max(reports, key=lambda r: r[0])
+    end = max(float(e["time"]) for e in events if "time" in e)
+    elapsed = float(last["elapsed_s"]) + max(0.0, end - at)
+    explored = float(last["explored_s"])
+    out.update(max_share=last.get("max_share"), explored_s=round(explored, 3), elapsed_s=round(elapsed, 3),
+               share=round(explored / elapsed, 4) if elapsed > 0 else 0.0)
+    return out
 
 
 def stability(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -71,7 +109,7 @@ def stability(events: list[dict[str, Any]]) -> dict[str, Any]:
     return {"interval_s": interval, "count_changes": len(changes), "generations": n_gen,
             "in_place": len(gens), "relaunches": max(0, len(launches) - 1),
             "per_change": round(n_gen / max(1, len(changes)), 2),
-            "shapes": [[g["D"], g["P"]] for g in gens], "early_leaves": early}
+            "shapes": [[g["D"], g["P"]] for g in gens], "early_leaves": early, "exploration": exploration(events)}
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
@@ -91,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(reports, indent=1))
         return 0
     for d, r in reports.items():
+        ex = r["exploration"]
+        share = "share n/a" if ex["share"] is None else \
+            f"{100 * ex['share']:.1f} % of {ex['elapsed_s']:.0f} s exploring (cap {100 * float(ex['max_share']):.0f} %)"
         print(f"{d}: {r['count_changes']} count changes, {r['generations']} generations ({r['in_place']} in place, "
-              f"{r['relaunches']} relaunches), {r['per_change']} per change, {len(r['early_leaves'])} early leaves"
+              f"{r['relaunches']} relaunches), {r['per_change']} per change, {len(r['early_leaves'])} early leaves; "
+              f"{ex['tries']} tries, {ex['refused']} refused, {share}"
               + "".join(f"\n    {x['from']} -> {x['to']} after {x['after_s']} s ({x['reason']}"
                         f"{', explore' if x['explore'] else ''})" for x in r["early_leaves"]))
     return 0

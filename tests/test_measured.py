@@ -12,6 +12,9 @@ import pytest
 from lightning_parcae.planning.costmodel import MigrationConstants, balanced_partition
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import (
+    DEFAULT_MAX_EXPLORATION_SHARE,
+    ExplorationBudget,
+    check_exploration_share,
     load_cost_model,
     MeasuredThroughput,
     PipelineThroughput,
@@ -205,6 +208,60 @@ def test_exploration_value_is_negative_if_a_slower_fit_cannot_repay_its_try():
     assert exploration_value(199.0, 176.0, 0.30 * 176.0, trial_s=3.7, horizon_s=18.0, move_cost_s=0.3) < 0
     # the same belief over a long horizon is worth a try (a 1-in-4 chance of +20 % for 10 minutes)
     assert exploration_value(199.0, 176.0, 0.30 * 176.0, trial_s=3.7, horizon_s=600.0, move_cost_s=0.3) > 0
+
+
+
+def test_a_tries_expected_cost_is_its_trial_at_the_fitted_rate_and_two_migrations():
+    """The cost the budget charges before a try: warm-up + ``min_samples`` steps at the fitted step time (what
+    ``exploration`` prices as the trial) plus the move there and the move back (the try's worst case)."""
+    rng = np.random.default_rng(0)
+    model = make(cores=8)
+    feed(model, [(1, 1)], rng, 0.0, **MACHINES[3])
+    for shape in [(2, 1), (2, 2), (4, 1)]:
+        trial = (2 + model.min_samples) * model.step_ms(*shape) / 1000.0
+        assert model.exploration_cost_s(shape, 0.3) == pytest.approx(trial + 0.6)
+        assert model.exploration_cost_s(shape, 0.3, warmup_steps=0) == pytest.approx(trial * 5 / 7 + 0.6)
+    assert model.exploration_cost_s((3, 1), 0.3) == pytest.approx(0.6)  # not allowed (64 % 3): no trial to price
+
+
+def test_the_exploration_budget_refuses_a_try_that_would_take_its_share_over_the_cap_until_time_makes_room():
+    """Problem (issue 21): each try pays back on its own, but nothing bounded their sum. The budget admits a try
+    while ``(explored + cost) / (elapsed + cost) <= max_share``; the first try is always admitted (the launch
+    shape's try: refusing it kept a job on 1x2 with an idle instance for 15 s)."""
+    b = ExplorationBudget(0.1)
+    assert b.max_share == DEFAULT_MAX_EXPLORATION_SHARE == 0.1
+    assert b.admit(cost_s=2.0, elapsed_s=1.0)  # the first try: 2 s of 3 would be 67 %, admitted all the same
+    b.charge(2.0)
+    assert b.share(20.0) == pytest.approx(0.1)
+    assert not b.admit(cost_s=2.0, elapsed_s=20.0)  # (2 + 2) / (20 + 2) = 18 %
+    assert not b.admit(cost_s=2.0, elapsed_s=37.0)  # 4 / 39 = 10.3 %
+    assert b.admit(cost_s=2.0, elapsed_s=38.0)  # 4 / 40 = 10 %: training made room
+    b.charge(1.5)
+    b.charge(-5.0)  # a clock step backwards charges nothing
+    assert (b.tries, b.refused, b.explored_s) == (2, 2, 3.5)
+    assert b.report(40.0) == {"max_share": 0.1, "explored_s": 3.5, "elapsed_s": 40.0, "share": 0.0875, "tries": 2,
+                              "refused": 2}
+    assert b.share(0.0) == 0.0
+
+
+@pytest.mark.parametrize("share, first, later", [(0.0, False, False), (1.0, True, True), (0.5, True, False)])
+def test_an_exploration_cap_of_zero_refuses_every_try_and_one_of_one_refuses_none(share, first, later):
+    """0 switches exploration off (the first try too), 1 switches the cap off; in between the first try is free."""
+    b = ExplorationBudget(share)
+    assert b.admit(5.0, 0.0) is first
+    b.charge(5.0 if first else 0.0)
+    assert b.allows(1.0, 10.0) is later  # after a first try of 5 s: (5 + 1) / (10 + 1) = 55 %
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), float("inf"), "0.1", True, None])
+def test_a_bad_exploration_cap_is_refused_naming_the_value_and_the_range(bad):
+    with pytest.raises(ConfigurationError) as err:
+        ExplorationBudget(bad)
+    msg = str(err.value)
+    assert f"max_exploration_share={bad!r}" in msg and "[0, 1]" in msg and "0: never explore" in msg
+    with pytest.raises(ConfigurationError, match="the_cap="):
+        check_exploration_share(bad, "the_cap")
+    assert check_exploration_share(0) == 0.0 and isinstance(check_exploration_share(1), float)
 
 
 @pytest.mark.parametrize("horizon", [10.0, 60.0, 600.0])

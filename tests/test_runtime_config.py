@@ -22,6 +22,7 @@ def _config(**kw: Any) -> RuntimeConfig:
 def test_the_defaults_are_a_member_of_a_job_of_up_to_64_instances() -> None:
     c = _config()
     assert c.max_instances == 64 and not c.joining and c.run_dir is None and c.shared_cores is None
+    assert c.max_exploration_share == 0.1
     assert c.stall_timeout == timedelta(seconds=60.0)
 
 
@@ -29,6 +30,9 @@ def test_the_defaults_are_a_member_of_a_job_of_up_to_64_instances() -> None:
     ({"stall_after_s": 0.0}, "stall_after_s must be > 0 seconds, got 0.0"),
     ({"throughput": "fast"}, "throughput='fast': use 'measured' or 'profile'"),
     ({"max_instances": 0}, "max_instances must be >= 1, got 0"),
+    ({"max_exploration_share": 1.2}, "max_exploration_share=1.2: expected the largest fraction"),
+    ({"max_exploration_share": -0.05}, "max_exploration_share=-0.05: expected the largest fraction"),
+    ({"max_exploration_share": "10%"}, "max_exploration_share='10%': expected the largest fraction"),
 ])
 def test_a_configuration_out_of_range_is_refused_naming_the_value(kw: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigurationError) as err:
@@ -40,3 +44,18 @@ def test_the_configuration_is_frozen() -> None:
     c = _config()
     with pytest.raises(AttributeError):
         c.member = "other"  # type: ignore[misc]
+
+
+def test_the_strategys_exploration_cap_reaches_the_runtime_and_a_bad_one_is_refused_at_the_strategy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ParcaeStrategy(max_exploration_share=...)`` is one of the strategy's elastic options: checked when the
+    strategy is built (naming the value), carried to the runtime's configuration by ``runtime_config``."""
+    from lightning_parcae.training import environment
+    from lightning_parcae.training.strategy import ParcaeStrategy
+
+    monkeypatch.setenv("PARCAE_STORE", "tcp://127.0.0.1:5")
+    assert ParcaeStrategy(elastic=False).elastic_options["max_exploration_share"] == 0.1
+    planning = ParcaeStrategy(elastic=False, max_exploration_share=0.25).elastic_options
+    assert environment.runtime_config(planning).max_exploration_share == 0.25
+    with pytest.raises(ConfigurationError, match=r"max_exploration_share=2: expected .* in \[0, 1\]"):
+        ParcaeStrategy(elastic=False, max_exploration_share=2)

@@ -12,6 +12,9 @@ twice as fast as 2x1; the job moved and fell from ~1,450 to ~1,000 samples/s. Pa
 * enforces **never move to a shape measured slower** than the current one unless availability forces it
   (:meth:`MeasuredThroughput.vetoes`), and proposes a cheap **exploration** step when the model is unsure and the
   interval is long (:meth:`MeasuredThroughput.exploration`);
+* bounds the **share of wall time spent exploring** (:class:`ExplorationBudget`): each try pays back on its own,
+  but at N >= 8 there are dozens of unmeasured shapes and a job whose fit stays unsure could spend a large part of
+  its time trying them one after another;
 * saves itself as ``run_dir/profile.json`` (:meth:`MeasuredThroughput.to_json`), which
   ``parcae simulate --profile`` loads back (:func:`load_measured_profile`).
 
@@ -45,7 +48,9 @@ from lightning_parcae.planning.costmodel import (
 )
 from lightning_parcae.errors import ConfigurationError
 
-__all__ = ["PipelineThroughput", "MeasuredThroughput", "exploration_value", "load_measured_profile", "load_cost_model", "PROFILE_FORMAT", "min_stages_for_memory"]
+__all__ = ["PipelineThroughput", "MeasuredThroughput", "exploration_value", "ExplorationBudget",
+           "check_exploration_share", "DEFAULT_MAX_EXPLORATION_SHARE", "load_measured_profile", "load_cost_model",
+           "PROFILE_FORMAT", "min_stages_for_memory"]
 
 PROFILE_FORMAT = "parcae-measured-profile/1"
 """The ``format`` key of a saved measured profile (``run_dir/profile.json``)."""
@@ -177,6 +182,109 @@ def exploration_value(current: float, mean: float, sigma: float, trial_s: float,
         gain_rate = sigma * math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) + (mean - current) * p_win
     rest = max(0.0, horizon_s - trial_s - move_cost_s)
     return gain_rate * rest - (current - mean) * trial_s - current * move_cost_s * (2.0 - p_win)
+
+
+DEFAULT_MAX_EXPLORATION_SHARE = 0.1
+"""Default cap on the share of training wall time spent in exploration tries (see :class:`ExplorationBudget`)."""
+
+
+def check_exploration_share(value: Any, name: str = "max_exploration_share") -> float:
+    """``value`` as a cap on the exploring share of wall time, or a :class:`ConfigurationError` naming it.
+
+    Args:
+        value: The cap as given: a number in ``[0, 1]`` (0: never explore; 1: no cap).
+        name: The option's name in the error.
+
+    Raises:
+        ConfigurationError: ``value`` is not a real number (a bool, a string, NaN) or lies outside ``[0, 1]``.
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+    if not ok or not 0.0 <= float(value) <= 1.0:
+        raise ConfigurationError(
+            f"{name}={value!r}: expected the largest fraction of the training wall time spent in exploration tries, "
+            f"a number in [0, 1] (default {DEFAULT_MAX_EXPLORATION_SHARE}: at most 10 %; 0: never explore; "
+            "1: no cap)")
+    return float(value)
+
+
+class ExplorationBudget:
+    """The share of a job's wall time its exploration tries may take.
+
+    :func:`exploration_value` makes each try pay for itself *in expectation*; it does not bound how much of a run
+    goes into tries. At N >= 8 there are dozens of unmeasured candidates, and while the fit stays unsure (shapes
+    that do not follow the fitted family keep its error high) every next one is again worth a try: nothing stopped
+    a job from spending 40 % of its time moving to shapes, measuring them and moving back. This is the bound: the
+    runtime charges every try's time (:meth:`charge`: the migration to the shape, the trial until it is measured,
+    the migration back if it lost) and asks before the next one (:meth:`admit`). Plain accounting over the times
+    it is given (no clock): the caller says how long the job has trained and how much a try is expected to cost.
+
+    A try is refused while ``(explored + cost) / (elapsed + cost) > max_share`` -- the share so far, counting the
+    try about to start at its expected cost -- so once the cap is reached the job trains until its time makes
+    room, then tries again. The first try is never refused (for ``max_share > 0``): the launch shape is the
+    launcher's guess, priced before the job has trained for long, and refusing it is the regression where a job
+    launched as 1x2 on 3 instances kept an idle instance for 15 s (bench_replay lh_80_90); with the first try
+    exempt the share is bounded from the second one on (in the long run by ``max_share`` itself).
+
+    Args:
+        max_share: The cap, in ``[0, 1]`` (0: no try at all; 1: no cap). Checked by
+            :func:`check_exploration_share`.
+
+    Attributes:
+        max_share: The cap.
+        explored_s: Seconds charged to tries so far.
+        tries: Tries admitted.
+        refused: Tries refused by the cap (one per decision that wanted to try and was refused).
+
+    Raises:
+        ConfigurationError: ``max_share`` is not a number in ``[0, 1]``.
+    """
+
+    def __init__(self, max_share: float = DEFAULT_MAX_EXPLORATION_SHARE) -> None:
+        self.max_share = check_exploration_share(max_share)
+        self.explored_s = 0.0
+        self.tries = 0
+        self.refused = 0
+
+    def share(self, elapsed_s: float) -> float:
+        """The share of ``elapsed_s`` seconds of training spent exploring (0 before any time has passed)."""
+        return self.explored_s / elapsed_s if elapsed_s > 0 else 0.0
+
+    def allows(self, cost_s: float, elapsed_s: float) -> bool:
+        """Whether a try expected to take ``cost_s`` seconds fits the cap after ``elapsed_s`` seconds of training.
+
+        Args:
+            cost_s: The try's expected time (:meth:`MeasuredThroughput.exploration_cost_s`).
+            elapsed_s: Wall seconds the job has trained so far (tries included).
+        """
+        if self.max_share >= 1.0:
+            return True
+        if self.max_share <= 0.0:
+            return False
+        if self.tries == 0:
+            return True  # the launch shape's try (see the class docstring)
+        cost = max(0.0, float(cost_s))
+        total = max(0.0, float(elapsed_s)) + cost
+        return total > 0 and (self.explored_s + cost) / total <= self.max_share
+
+    def admit(self, cost_s: float, elapsed_s: float) -> bool:
+        """:meth:`allows`, counted: an admitted try in :attr:`tries`, a refused one in :attr:`refused`."""
+        ok = self.allows(cost_s, elapsed_s)
+        if ok:
+            self.tries += 1
+        else:
+            self.refused += 1
+        return ok
+
+    def charge(self, seconds: float) -> None:
+        """Add ``seconds`` (a migration or trial time of a try) to the exploring time; negative values add 0."""
+        self.explored_s += max(0.0, float(seconds))
+
+    def report(self, elapsed_s: float) -> Dict[str, Any]:
+        """The accounting as an event's fields: ``max_share``, ``explored_s``, ``elapsed_s``, ``share``,
+        ``tries``, ``refused``."""
+        return {"max_share": self.max_share, "explored_s": round(self.explored_s, 4),
+                "elapsed_s": round(max(0.0, float(elapsed_s)), 4), "share": round(self.share(elapsed_s), 4),
+                "tries": self.tries, "refused": self.refused}
 
 
 class MeasuredThroughput(ThroughputModel):
@@ -413,7 +521,9 @@ class MeasuredThroughput(ThroughputModel):
         throughput with its uncertainty as a normal belief, a try as long as measuring it takes (``warmup_steps``
         + ``min_samples`` steps at the fitted rate), a move to it afterwards only if it measures faster than the
         current shape by :attr:`margin` (the veto's rule), the gain counted over the rest of ``interval_s``. The
-        shape with the largest expected value is returned.
+        shape with the largest expected value is returned. Whether the try may start is the caller's
+        :class:`ExplorationBudget` (the share of wall time tries may take; a try's cost:
+        :meth:`exploration_cost_s`).
 
         Regression: the rule was "fitted x (1 + uncertainty) beats the current measurement by the margin"; a shape
         fitted 12 % *slower* with a 0.3 uncertainty (1x2 against a measured 1x3) passed it, and the try cost
@@ -442,12 +552,31 @@ class MeasuredThroughput(ThroughputModel):
             mu = self.throughput(*s)
             if mu <= 0:
                 continue
-            trial_s = (warmup_steps + self.min_samples) * self.step_ms(*s) / 1000.0
+            trial_s = self._trial_s(s, warmup_steps)
             value = exploration_value(cur, mu, mu * self.uncertainty(*s), trial_s, interval_s, move_cost_s,
                                       self.margin)
             if value > best_value:
                 best, best_value = s, value
         return best
+
+    def _trial_s(self, shape: Shape, warmup_steps: int) -> float:
+        """Seconds a try of ``shape`` trains there before it counts as measured (at its fitted rate)."""
+        return (warmup_steps + self.min_samples) * self.step_ms(*shape) / 1000.0
+
+    def exploration_cost_s(self, shape: Shape, move_cost_s: float, warmup_steps: int = 2) -> float:
+        """Expected wall time of a try of ``shape``, as :class:`ExplorationBudget` charges it before it starts.
+
+        The trial (``warmup_steps + min_samples`` steps at the fitted rate, as :meth:`exploration` prices it)
+        plus two migrations: there, and back if it loses -- the try's worst case, so that an admitted try cannot
+        overrun the cap by its return.
+
+        Args:
+            shape: The candidate.
+            move_cost_s: Typical in-place migration time of this job.
+            warmup_steps: Steps of a new shape that are not measured.
+        """
+        trial = self._trial_s(shape, warmup_steps)
+        return (trial if math.isfinite(trial) else 0.0) + 2.0 * max(0.0, float(move_cost_s))
 
     def cost_model(self, constants: Optional[MigrationConstants] = None) -> DefaultCostModel:
         """The migration cost model over this throughput model (the one the runtime plans with).

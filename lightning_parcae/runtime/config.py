@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Optional
 
 from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE, check_exploration_share
 
 __all__ = ["RuntimeConfig"]
 
@@ -48,9 +49,15 @@ class RuntimeConfig:
         roster_key: A start-up candidate of ``parcae run``: the store key of its launch's roster, which says whether
             it is a member of the first generation (and its rank) or a standby (:mod:`.startup`); None: the rank
             was given.
+        max_exploration_share: Cap on the share of training wall time the leader spends in exploration tries
+            (each try's migrations and its trial in the unmeasured shape; a try is refused while the share so
+            far, the try included at its expected cost, would exceed it -- the first try excepted). In ``[0, 1]``:
+            0 never explores, 1 is no cap; default 0.1 (see
+            :class:`~lightning_parcae.planning.measured.ExplorationBudget`).
 
     Raises:
-        ConfigurationError: ``stall_after_s`` is not positive or ``throughput`` is unknown.
+        ConfigurationError: ``stall_after_s`` is not positive, ``throughput`` is unknown, ``max_instances`` is
+            below 1 or ``max_exploration_share`` is not a number in ``[0, 1]``.
     """
 
     store_url: str
@@ -69,6 +76,7 @@ class RuntimeConfig:
     max_instances: int = 64
     shared_cores: Optional[int] = None
     roster_key: Optional[str] = None
+    max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE
 
     def __post_init__(self) -> None:
         if not self.stall_after_s > 0:
@@ -77,6 +85,7 @@ class RuntimeConfig:
             raise ConfigurationError(f"throughput={self.throughput!r}: use 'measured' or 'profile'")
         if self.max_instances < 1:
             raise ConfigurationError(f"max_instances must be >= 1, got {self.max_instances}")
+        check_exploration_share(self.max_exploration_share)
 
     @property
     def stall_timeout(self) -> timedelta:

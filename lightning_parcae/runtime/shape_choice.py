@@ -4,7 +4,9 @@ Problem: at each planning interval the leader must price every shape that fits t
 by the step times *this* job has measured where it ran a shape, by a model fitted to them elsewhere -- and pick
 the next one with the same decision the simulator scores (:class:`~lightning_parcae.planning.policy.ShapeDecider`),
 then apply the runtime's guards: never move to a shape measured slower unless availability forces it, explore an
-unmeasured shape when the model is unsure and the interval is long, honour an operator's one-off resize request.
+unmeasured shape when the model is unsure and the interval is long -- within a cap on the share of wall time spent
+in tries (``max_exploration_share``: at N >= 8 a job with dozens of unmeasured shapes could otherwise spend a large
+part of its time trying them) -- and honour an operator's one-off resize request.
 It also decides who takes part (standbys whose heartbeat moves) and plans the migration to the chosen
 shape, publishing the next generation's record. This module holds that state (the measured model, the optimizer,
 the predictor, the standbys seen) for one :class:`~lightning_parcae.runtime.elastic.ElasticRuntime`, which owns the
@@ -18,12 +20,18 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
 from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape
-from lightning_parcae.planning.measured import MeasuredThroughput, PipelineThroughput, min_stages_for_memory
+from lightning_parcae.planning.measured import (
+    ExplorationBudget,
+    MeasuredThroughput,
+    PipelineThroughput,
+    min_stages_for_memory,
+)
 from lightning_parcae.planning.policy import DecisionOptions, ShapeDecider
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
@@ -58,6 +66,27 @@ simulator's default ``join_ms`` of 2.5 s prices a cold process), a full restart 
 planning interval made the optimizer reach (4,1) through (2,2) instead of directly."""
 
 
+@dataclass
+class _Try:
+    """An exploration try the chooser is accounting for (owned by :class:`ShapeChooser`).
+
+    Attributes:
+        shape: The tried shape.
+        origin: The measured shape it left.
+        generation: The generation the try was decided in.
+        phase: ``"moving"`` (decided, not entered yet), ``"trial"`` (in the shape, not measured yet) or
+            ``"returning"`` (measured, lost: the migration back is the try's too).
+        since: When the current phase began (the chooser's clock); in ``"returning"``, when the move back was
+            decided (None: not yet).
+    """
+
+    shape: Shape
+    origin: Shape
+    generation: int
+    phase: str
+    since: Optional[float]
+
+
 class ShapeChooser:
     """The leader-side planning state of one process's runtime (every process keeps one: a new leader takes over).
 
@@ -70,14 +99,22 @@ class ShapeChooser:
         store: The store client that reads standbys' heartbeats.
         migrations: This process's migrations so far (the runtime's list; read only).
         event: The event log.
+        clock: Monotonic seconds (step timing, settling and the exploration accounting); a test passes its own.
 
     Attributes:
-        stats: The last planning's figures (``predicted_N``, ``liveput``, ``decision``, ``throughput``).
+        stats: The last planning's figures (``predicted_N``, ``liveput``, ``decision``, ``throughput``,
+            ``exploration``: :meth:`~lightning_parcae.planning.measured.ExplorationBudget.report`).
+        exploration: The exploration budget (``config.max_exploration_share``): every try's migrations and trial
+            time are charged to it, from the decision that starts the try until the shape is measured (and, if it
+            lost, until the job is back in another shape); a try it refuses is an ``explore_refused`` event. The
+            training time it is measured against runs from this chooser's first step boundary (a new leader
+            starts its own account).
     """
 
     def __init__(self, host: TrainingHost, state: GenerationState, config: RuntimeConfig, records: GenerationRecords,
                  *, coord: Optional[Coordinator] = None, store: Optional[dist.Store] = None,
-                 migrations: Sequence[Mapping[str, Any]] = (), event: Optional[EventSink] = None) -> None:
+                 migrations: Sequence[Mapping[str, Any]] = (), event: Optional[EventSink] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.host = host
         self.state = state
         self.config = config
@@ -99,16 +136,24 @@ class ShapeChooser:
         self._profile_saved: Optional[tuple[float, int]] = None  # (when, migrations then) of the last save_profile
         self._entered: Optional[tuple[int, float]] = None  # (generation, when its first step boundary came)
         self._noted_at = float("-inf")  # when note_standbys last read the standbys' heartbeats
+        self._clock = clock
+        self.exploration = ExplorationBudget(config.max_exploration_share)
+        self._started: Optional[float] = None  # the first step boundary: training wall time counts from here
+        self._try: Optional[_Try] = None  # the exploration try being accounted for
 
     def mark_step(self, generation: int, step: int) -> None:
         """A step boundary's work is done: the next step is timed from here (planning, agreement and migrations
         are not step time); the first steps of a new shape are marked as warm-up."""
+        now = self._clock()
+        if self._started is None:
+            self._started = now
         if self._step_mark is None or self._step_mark[0] != generation:
             self._warmup = 2  # a new shape: new process groups and joiners warm up during its first steps
-            self._entered = (generation, time.monotonic())
+            self._entered = (generation, now)
+            self._try_entered(generation, now)
         fresh = self._warmup > 0
         self._warmup -= 1
-        self._step_mark = (generation, step, time.monotonic(), fresh)
+        self._step_mark = (generation, step, now, fresh)
 
     @property
     def throughput_model(self) -> Any:
@@ -117,12 +162,55 @@ class ShapeChooser:
 
     def record_step(self, step: int) -> None:
         """Time the step that just ended, if it ran whole in the current shape (not the first after a switch)."""
-        mark, now = self._step_mark, time.monotonic()
+        mark, now = self._step_mark, self._clock()
         if mark is None or self.state.layout is None or mark[0] != self.state.generation or step != mark[1] + 1 or mark[3]:
             return  # the first steps of a shape warm up new process groups and joiners: not representative
         model = self.model()
         if model is not None:
             model.record(self.state.layout.data_parallel, self.state.layout.pipeline_stages, 1000.0 * (now - mark[2]))
+            self._try_measured(model, now)
+
+    # ------------------------------------------------------------------------------------------ exploration account
+    def _elapsed(self, now: float) -> float:
+        """Training wall seconds so far (from this chooser's first step boundary; 0 before it)."""
+        return 0.0 if self._started is None else max(0.0, now - self._started)
+
+    def _try_entered(self, generation: int, now: float) -> None:
+        """A new generation's first step boundary: charge the migration that led here if it was a try's."""
+        t = self._try
+        if t is None or self.state.layout is None:
+            return
+        here = (self.state.layout.data_parallel, self.state.layout.pipeline_stages)
+        since = now if t.since is None else t.since
+        if t.phase == "moving" and generation != t.generation and here == t.shape:
+            self.exploration.charge(now - since)  # the migration to the tried shape
+            t.phase, t.since = "trial", now
+            return
+        if t.phase == "trial":
+            self.exploration.charge(now - since)  # left before it was measured (a notice, a loss)
+        elif t.phase == "returning" and t.since is not None:
+            self.exploration.charge(now - since)  # the migration back from a try that lost
+        self._try = None  # the try is over (or the move it was decided for went elsewhere)
+
+    def _try_measured(self, model: MeasuredThroughput, now: float) -> None:
+        """After a recorded step: a try whose shape is now measured ends its trial; if it lost (not faster than
+        the shape it left by the margin) the migration back is charged too."""
+        t = self._try
+        if t is None or t.phase != "trial" or self.state.layout is None:
+            return
+        if (self.state.layout.data_parallel, self.state.layout.pipeline_stages) != t.shape:
+            return
+        tried, origin = model.measured(*t.shape), model.measured(*t.origin)
+        if tried is None:
+            return
+        self.exploration.charge(now - (now if t.since is None else t.since))
+        kept = origin is None or tried > origin * (1.0 + model.margin)
+        self.event("explore_done", shape=list(t.shape), origin=list(t.origin), kept=kept, measured=tried,
+                   measured_origin=origin, **self.exploration.report(self._elapsed(now)))
+        if kept:
+            self._try = None
+        else:
+            t.phase, t.since = "returning", None
 
     def choose(self, n_now: int, n_next: int, observe: bool) -> Optional[Shape]:
         """Next shape: the liveput optimizer over the known next interval and the predicted ones after it.
@@ -134,6 +222,8 @@ class ShapeChooser:
         """
         s = self.host
         assert self.state.layout is not None and self.coord is not None
+        if self._try is not None and self._try.phase == "moving" and self._try.generation == self.state.generation:
+            self._try = None  # the try decided last time was never entered (no migration followed)
         if n_next < 1 or s.global_batch is None:
             return None
         measured = self.model()
@@ -199,17 +289,35 @@ class ShapeChooser:
             self.event("settle", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
                        measured_chosen=measured.measured(*shape))
             shape = cur
-        if by_measurement and shape == cur and observe and not young:
+        now = self._clock()
+        t = self._try
+        if t is not None and t.phase == "returning" and observe:
+            if shape == cur:
+                self._try = None  # the lost try's shape is kept after all: no move back to charge
+            else:
+                t.since = now  # the move back starts with this decision
+        if by_measurement and shape == cur and observe and not young and self._try is None:
             # an exploration pays back over the intervals the forecast keeps this count, not just the next one.
             # Also after a veto: the veto refuses to move on an unsure fit, the try is what measures it
             # (regression: with ``elif`` here a job launched as 1x2 on 3 instances was vetoed from 1x3, fitted
             # 13 % faster, every interval for 15 s and never tried it)
-            explore = measured.exploration(n_next, cur, self.config.interval_s * stay, self._move_cost_s())
+            move_s = self._move_cost_s()
+            explore = measured.exploration(n_next, cur, self.config.interval_s * stay, move_s)
             if explore is not None:
-                self.event("explore", current=list(cur), chosen=list(explore),
-                           measured_current=measured.measured(*cur), fitted=measured.throughput(*explore),
-                           uncertainty=measured.uncertainty(*explore))
-                shape = explore
+                # the share of wall time in tries is capped (issue 21: at N >= 8 every next unmeasured shape can
+                # be worth a try on its own while the fit stays unsure)
+                cost = measured.exploration_cost_s(explore, move_s)
+                admitted = self.exploration.admit(cost, self._elapsed(now))
+                fields = dict(current=list(cur), chosen=list(explore), measured_current=measured.measured(*cur),
+                              fitted=measured.throughput(*explore), uncertainty=measured.uncertainty(*explore),
+                              expected_cost_s=round(cost, 4), **self.exploration.report(self._elapsed(now)))
+                if admitted:
+                    self.event("explore", **fields)
+                    shape = explore
+                    self._try = _Try(explore, cur, self.state.generation, "moving", now)
+                else:
+                    self.event("explore_refused", **fields)
+        self.stats["exploration"] = self.exploration.report(self._elapsed(now))
         self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
                                     "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
         return shape
@@ -222,7 +330,7 @@ class ShapeChooser:
             return False
         if n_next != len(self.state.layout.members):
             return False
-        return time.monotonic() - entered[1] < 2.0 * max(self.config.interval_s, 1e-3)
+        return self._clock() - entered[1] < 2.0 * max(self.config.interval_s, 1e-3)
 
     def _move_cost_s(self) -> float:
         """Typical in-place migration time of this job so far (0.5 s before the first one)."""
@@ -412,7 +520,7 @@ class ShapeChooser:
             self.event("decision", reason=reason, N=len(avail), current=list(cur),
                        chosen=list(shape) if shape else None, standbys=standbys, leaving=leaving,
                        predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"),
-                       throughput=self.stats.get("throughput"))
+                       throughput=self.stats.get("throughput"), exploration=self.stats.get("exploration"))
         if shape is None:  # every member is alive here: save a checkpoint before stopping
             return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
                                           checkpoint=True)

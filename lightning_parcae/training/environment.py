@@ -46,6 +46,7 @@ from lightning_parcae.contract import (
     STORE_ENV,
 )
 from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.steptime import STEP_TIMING_ENV
 
@@ -139,7 +140,7 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
     Args:
         planning: The strategy's planning options (``StrategyOptions.elastic_options``: ``interval_s``,
             ``interval_steps``, ``look_ahead``, ``predictor``, ``heartbeat_s``, ``dead_after_s``, ``stall_after_s``,
-            ``throughput``).
+            ``throughput``, ``max_exploration_share``).
 
     Raises:
         ConfigurationError: ``PARCAE_STORE`` is not set, or an option is out of range.
@@ -169,6 +170,7 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
         max_instances=int(raw_max) if raw_max.isdigit() and int(raw_max) >= 1 else _DEFAULT_MAX_INSTANCES,
         shared_cores=int(env.get(SHARED_CORES_ENV) or 0) or None,
         roster_key=launcher_roster_key(),
+        max_exploration_share=planning.get("max_exploration_share", DEFAULT_MAX_EXPLORATION_SHARE),
     )
 
 

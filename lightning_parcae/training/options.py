@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from lightning_parcae.contract import ELASTIC_ENV
 from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE, check_exploration_share
 from lightning_parcae.runtime import steptime
 from lightning_parcae.training import environment as launcher_env
 
@@ -61,6 +62,7 @@ class StrategyOptions:
     stall_after_s: float
     max_pipeline_stages: Optional[int]
     throughput: str
+    max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE
 
     @classmethod
     def resolve(cls, **given: Any) -> "StrategyOptions":
@@ -81,6 +83,8 @@ class StrategyOptions:
         if given["interval_s"] is None:
             given["interval_s"] = (launcher_env.launcher_interval_s() if under else None) or _DEFAULT_INTERVAL_S
         _check(stages, given["micro_batches"], given["throughput"], given["schedule"], balance)
+        if "max_exploration_share" in given:
+            given["max_exploration_share"] = check_exploration_share(given["max_exploration_share"])
         if given["elastic"] is None:
             given["elastic"] = os.environ.get(ELASTIC_ENV, "0") not in ("", "0", "false")
         if launcher_env.launcher_step_timing():  # the launcher's debugging switch: this process times its steps
@@ -102,6 +106,7 @@ class StrategyOptions:
             interval_s=self.interval_s, interval_steps=self.interval_steps, look_ahead=self.look_ahead,
             predictor=self.predictor, heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,
             stall_after_s=self.stall_after_s, throughput=self.throughput,
+            max_exploration_share=self.max_exploration_share,
         )
 
 

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 
+from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.training import environment as launcher_env
 from lightning_parcae.training.checkpointing import StrategyCheckpoints
@@ -110,6 +111,10 @@ class ParcaeStrategyMixin:
         throughput: elastic only: how the optimizer prices shapes -- ``"measured"`` (default: shapes the job ran by
             their measured step times, others by a model fitted to them; see ``docs/elastic.md``) or ``"profile"``
             (the per-layer formula only, as before; step times are still recorded into ``profile.json``).
+        max_exploration_share: elastic only: the largest share of training wall time spent trying unmeasured
+            shapes (a try's migrations and its trial there), in ``[0, 1]``; default 0.1. A try is refused while
+            the share so far, the try included at its expected cost, would exceed it (``explore_refused`` event;
+            the first try is always allowed); 0 never explores, 1 is no cap. See ``docs/elastic.md``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
     """
@@ -140,6 +145,7 @@ class ParcaeStrategyMixin:
         stall_after_s: float = 60.0,
         max_pipeline_stages: Optional[int] = None,
         throughput: Literal["measured", "profile"] = "measured",
+        max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
