@@ -366,3 +366,32 @@ def test_agents_leave_a_machine_that_goes_silent_during_start_up_out_of_the_firs
     final = merged_final({f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")})
     for k in ref:
         assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+RESTARTED_WORKER = r"""
+import json, os, sys
+out, env = sys.argv[1], dict(os.environ)
+with open(os.path.join(out, "members.jsonl"), "a") as f:
+    f.write(json.dumps({"member": env["PARCAE_MEMBER"], "join": env["PARCAE_JOIN"]}) + "\n")
+sys.exit(0 if env["PARCAE_JOIN"] == "1" else 76)   # released by the new shape, then a standby the job ends
+"""
+
+
+def test_an_agent_restarts_a_released_worker_as_a_standby_under_a_fresh_member_id(tmp_path: Path) -> None:
+    """Regression (issue 20's network-namespace test): the restarted standby kept the released worker's id, found
+    it in the transition of the generation that released it and crashed (exit 1). Each worker of a round now has
+    its own id (``<agent>-r<n>``), as ``parcae run`` gives restarted instances."""
+    token = new_token()
+    server = host_store("tcp://127.0.0.1:0", token=token)
+    worker = tmp_path / "worker.py"
+    worker.write_text(RESTARTED_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PARCAE_JOB_TOKEN=token, PYTHONPATH=ROOT)
+    rc = subprocess.run([sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store",
+                         f"tcp://127.0.0.1:{server.port}", "--member", "a", "--notices", "none", "--nodes", "1",
+                         "--settle", "0", "--", sys.executable, str(worker), str(tmp_path)],
+                        env=env, capture_output=True, text=True, timeout=60)
+    assert rc.returncode == 0, rc.stderr
+    seen = [json.loads(line) for line in (tmp_path / "members.jsonl").read_text().splitlines()]
+    assert seen == [{"member": "a", "join": "0"}, {"member": "a-r1", "join": "1"}], rc.stderr
+    assert "restarting it as a standby" in rc.stderr

@@ -150,3 +150,16 @@ def test_a_joined_process_watches_its_leader_and_rebuilds_its_eval_loaders(fake_
     adm.joined(types.SimpleNamespace(global_step=9), transfer_s=0.25)
     assert ctx.life.phase == Phase.TRAINING and host.eval_resets == 1
     assert ("joined", {"step": 9, "D": 1, "P": 2, "transfer_s": 0.25}) in events
+
+
+def test_a_standby_takes_only_a_generation_that_makes_it_a_member_not_one_it_left() -> None:
+    """Regression (issue 20's network-namespace test): ``parcae agent`` restarted a released worker as a standby
+    under the same member id; the standby found that id in the transition of the generation that had released it
+    (it sent its layers there before leaving), took it for its admission and crashed on ``loop_from`` (exit 1)."""
+    released = {"generation": 3, "transition": ["a", "b", "c"], "loop_from": None,
+                "layout": Layout(("a", "b"), (2,)).to_json()}
+    assert not joining.admits(released, "c")
+    admitted = {"generation": 4, "transition": ["a", "b", "c"], "loop_from": "a",
+                "layout": Layout(("a", "b", "c"), (2,)).to_json()}
+    assert joining.admits(admitted, "c") and not joining.admits(admitted, "d")
+    assert not joining.admits({"generation": 5, "kind": "fallback", "reason": "stage lost"}, "c")

@@ -48,7 +48,7 @@ from lightning_parcae.contract import (
     worker_contract,
 )
 from lightning_parcae.errors import ConfigurationError, ParcaeError
-from lightning_parcae.launch.agent_startup import StartupComposer
+from lightning_parcae.launch.agent_startup import StartupComposer, worker_member_id
 from lightning_parcae.launch.processes import worker_environment
 from lightning_parcae.launch.rendezvous import Relaunch, Rendezvous, RendezvousCancelled, Seat, parse_nodes
 from lightning_parcae.runtime.startup import StartupRoster
@@ -307,12 +307,15 @@ class Agent:
             k = seat.round if seat is not None else 0
             join = bool(args.join) if seat is None else seat.standby
             seat_used = False  # a seat's start-up roster is composed once; a restart as a standby joins
+            in_round = 0  # workers restarted as standbys in this round (each gets its own member id)
             while True:
                 if seat is None:
                     rank, world, resume = args.node_rank or 0, args.nodes_range[0], None
                 else:
                     rank, world, resume = seat.rank or 0, seat.world, seat.roster.checkpoint
-                self.worker_member = self.member if k == 0 else f"{self.member}.{k}"
+                # a fresh id for every worker of this machine in a round (a restart as a standby is a new process:
+                # its old id is in the records of the generation that released or fenced it), as `parcae run` does
+                self.worker_member = worker_member_id(self.member, k) + (f"-r{in_round}" if in_round else "")
                 if resume and "://" not in resume and not os.path.exists(resume):
                     self.say(f"the checkpoint {resume} is not on this machine: put --run-dir on storage every "
                              "machine sees, or use --checkpoint-dir")
@@ -336,6 +339,7 @@ class Agent:
                     return 0 if code == -signal.SIGTERM else code
                 if code in (RELEASED_EXIT, FENCED_EXIT) and not relaunch_seen and restarts < args.max_restarts:
                     restarts += 1
+                    in_round += 1
                     why = "released by the new shape" if code == RELEASED_EXIT else "fenced after a silence"
                     self.say(f"worker {why}; restarting it as a standby")
                     join = True
@@ -348,7 +352,7 @@ class Agent:
                     relaunches += 1
                     k = self._relaunch_round(rdv, k, "a stage lost every replica (worker exit 75)")
                     seat = self._take_seat(rdv, k)
-                    join, seat_used = seat.standby, False
+                    join, seat_used, in_round = seat.standby, False, 0
                     continue
                 return code
         except RendezvousCancelled as exc:

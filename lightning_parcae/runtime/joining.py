@@ -32,9 +32,21 @@ from lightning_parcae.runtime.switching import movers, meet_transition
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-__all__ = ["Admission", "Admitted"]
+__all__ = ["Admission", "Admitted", "admits"]
 
 log = logging.getLogger("lightning_parcae.elastic")
+
+
+def admits(rec: dict[str, Any], member: str) -> bool:
+    """Whether generation record ``rec`` admits the standby ``member``: it takes part in the transition *and* is
+    a member of the new layout (a standby has no state to send, so it is never in a transition only to leave).
+
+    Regression (issue 20's network-namespace test): an agent restarted its released worker as a standby under the
+    same member id; the new standby found that id in the transition of the generation that had just released it,
+    took it for its admission and crashed on ``loop_from`` (``None``: that generation admitted nobody), exit 1.
+    """
+    layout = rec.get("layout") or {}
+    return member in rec.get("transition", ()) and member in layout.get("members", ())
 
 
 @dataclass(frozen=True)
@@ -91,7 +103,7 @@ class Admission:
                 if rec is None:
                     continue
                 checked = max(checked, g if g <= cur else checked)
-                if ctx.member in rec.get("transition", ()):
+                if admits(rec, ctx.member):
                     return self._migrate_in(rec)
             if ctx.live.noticed.is_set():  # a preemption notice while still a standby: nothing to hand over
                 log.warning("%s: preemption notice while waiting as a standby; leaving", ctx.member)
