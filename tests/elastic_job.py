@@ -10,6 +10,7 @@ Options the chaos harness draws from (``tests/chaos``): ``--optimizer adam|sgd``
 ``--val-every N`` (a validation loop every N steps, metrics synced over the job), ``--drop-last`` (the reference
 drops a trailing partial batch too) and ``--after-fit`` (what a script does after ``fit``: ``save_checkpoint``,
 ``validate``, ``test`` and ``predict``; their results go to ``<out>/after_<member>.json``).
+``--max-stage-memory-bytes`` gives the strategy a per-stage memory limit (the reference ignores it).
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ def main() -> None:
     ap.add_argument("--stall-s", type=float, default=120.0, help="progress watchdog bound (seconds)")
     ap.add_argument("--blocks", action="store_true", help="Linear+Tanh blocks as layers (no parameter-free stage)")
     ap.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    ap.add_argument("--max-stage-memory-bytes", type=int, default=None,
+                    help="the strategy's per-stage memory limit: below the whole model's it rules out P=1 (a model "
+                    "that needs a pipeline), so a shape change keeps P >= 2")
     ap.add_argument("--reference", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -162,7 +166,7 @@ def main() -> None:
                               heartbeat_s=0.1, dead_after_s=3.0, stall_after_s=args.stall_s,
                               # its steps are mostly a sleep (--delay): measured throughput barely changes with D, so
                               # shape choices would be coin flips; these tests are about the membership protocol
-                              throughput="profile")
+                              throughput="profile", max_stage_memory_bytes=args.max_stage_memory_bytes)
     callbacks: list[pl.Callback] = [Recorder(args.out, args.delay)]
     if args.ckpt_every:
         callbacks.append(ParcaeRunCallback(every_n_steps=args.ckpt_every, check_token=False))

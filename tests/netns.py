@@ -7,7 +7,9 @@ lives on, its TCP connections stay open, nothing answers.
 
 Layout (``10.203.<net>.0/24``, addresses only inside the namespaces made here): a hub namespace holds a bridge;
 each machine ``k`` is a namespace with one veth end ``p9eth`` (``10.203.<net>.<10 + k>``), the other end on the
-bridge; the store's namespace is one more machine (``.2``). Workers find their interface with
+bridge; the store's namespace is one more machine (``.2``): it hosts a TCPStore (:meth:`Cluster.host_store`) or the
+job's etcd the way a user starts it, ``parcae store start`` (:meth:`Cluster.host_etcd`); :meth:`Cluster.host_s3` puts
+an S3 API server (moto) with a bucket on a machine of its own. Workers find their interface with
 ``GLOO_SOCKET_IFNAME=p9eth``, so every process-group connection goes over the bridge.
 """
 
@@ -17,8 +19,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from lightning_parcae.testing.s3_server import S3Server
 
 ROOT = str(Path(__file__).resolve().parents[1])
 IFNAME = "p9eth"
@@ -116,3 +122,61 @@ class Cluster:
             if not line or len(seen) > 50:
                 proc.kill()
                 raise RuntimeError("the store did not start in its namespace: " + "".join(seen))
+
+    def host_s3(self, name: str, bucket: str, port: int = 29412) -> "S3Server":
+        """An S3 API server (moto) on machine ``name`` with ``bucket`` created through the S3 API from inside that
+        namespace; stop it with ``stop()``. Clients need ``server.env()`` in their environment.
+
+        Raises:
+            RuntimeError: The bucket could not be created within about 20 s.
+        """
+        from lightning_parcae.testing.s3_server import S3Server  # noqa: PLC0415
+
+        server = S3Server(host=self.addr[name], port=port, netns=self.ns[name]).start()
+        make_bucket = ("import sys, time, boto3\nfor _ in range(100):\n    try:\n"
+                       "        boto3.client('s3', endpoint_url=sys.argv[1]).create_bucket(Bucket=sys.argv[2]); break\n"
+                       "    except Exception:\n        time.sleep(0.2)\nelse:\n    sys.exit(1)\n")
+        r = subprocess.run(["ip", "netns", "exec", self.ns[name], sys.executable, "-c", make_bucket,
+                            server.endpoint_url, bucket], env={**os.environ, **server.env()}, timeout=60,
+                           capture_output=True, text=True)
+        if r.returncode:
+            server.stop()
+            raise RuntimeError(f"could not create the bucket {bucket!r} on {server.endpoint_url}: {r.stderr[-2000:]}")
+        return server
+
+    def host_etcd(self, data_dir: Path, token_file: Path, port: int = 2379, job: str = "job1",
+                  timeout_s: float = 60.0) -> tuple[str, subprocess.Popen[bytes]]:
+        """The job's etcd as a user starts it, ``parcae store start --listen <store address>:port``, run inside
+        the store's namespace; returns its ``--store`` URL (as the command printed it) and the process.
+
+        The command creates ``token_file`` (mode 0600) unless it exists and installs the token's proof; its
+        output goes to ``data_dir/store_start.txt``. Stop it with ``terminate()`` (SIGTERM stops etcd).
+
+        Raises:
+            RuntimeError: The command exited or did not say it runs within ``timeout_s`` (with its output).
+        """
+        data_dir.mkdir(parents=True, exist_ok=True)
+        log = data_dir / "store_start.txt"
+        cmd = [sys.executable, "-m", "lightning_parcae.launch.cli", "store", "start", "--listen",
+               f"{self.addr['store']}:{port}", "--data-dir", str(data_dir / "etcd"), "--token-file", str(token_file),
+               "--job", job]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+        env["PYTHONPATH"] = ROOT
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.ns["store"], *cmd], env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = log.read_text(errors="replace")
+            if "running in the foreground" in text:
+                urls = [line.split("the job's store: ", 1)[1].strip() for line in text.splitlines()
+                        if "the job's store: " in line]
+                if urls:
+                    return urls[0], proc
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"`parcae store start` did not come up in the store's namespace (exit {proc.returncode}):\n"
+                           + log.read_text(errors="replace"))

@@ -333,3 +333,216 @@ def test_agents_relaunch_from_object_storage_if_the_machine_that_wrote_the_check
     assert set(final) == set(ref)
     for k in ref:
         assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_end_with_the_undisturbed_parameters(
+        tmp_path: Path) -> None:
+    """Issue 20's done-when on emulated machines. Five namespaced machines run ``parcae agent --nodes 2:4
+    --checkpoint-dir s3://...``; the store is etcd started by ``parcae store start`` in a namespace of its own, the
+    S3 API server (moto) sits in another. The model needs a pipeline (a per-stage memory limit below the whole
+    model's: every shape has P >= 2), so a stage can be lost while other machines live on. The test replays a trace,
+    each event at a step threshold:
+
+    1. a0..a3 form round 0 (D=2, P=2);
+    2. a preemption notice (SIGTERM to the agent) for the member at replica 1, stage 1: the job migrates live without
+       it and that agent exits 0;
+    3. a4 arrives (a standby of round 0: it comes after the roster) and a planning interval admits it;
+    4. a member that is neither rank 0 nor the only holder of its stage goes silent (link down): the survivors
+       declare it dead by heartbeats and go on live;
+    5. every holder of stage 0 -- the machine of rank 0, which wrote the newest checkpoint, among them -- goes
+       silent at once: no live peer holds those layers, the workers exit 75 and the remaining agents relaunch by
+       themselves (round 1) from the newest complete checkpoint in the bucket.
+
+    Every remaining agent exits 0 by itself, the final parameters equal an undisturbed run's (1e-5 relative) and
+    every step's global batch was trained exactly once.
+    """
+    from lightning_parcae.testing.etcd_server import etcd_binary
+    from lightning_parcae.testing.s3_server import moto_server_binary
+
+    if moto_server_binary() is None:
+        pytest.skip("needs moto[server] (the test extra)")
+    if etcd_binary() is None:
+        pytest.skip("needs etcd for `parcae store start` (apt-get install etcd-server)")
+    max_steps, batch = 96, 24
+    out = tmp_path / "out"
+    out.mkdir()
+    # 8000 bytes per stage: the model's 11,552 bytes (parameters, gradients, Adam state) need P >= 2
+    args = ["--max-steps", str(max_steps), "--pipeline-stages", "2", "--interval-steps", "4", "--delay", "0.25",
+            "--batch-size", str(batch), "--samples", "480", "--ckpt-every", "4", "--stall-s", "30",
+            "--max-stage-memory-bytes", "8000"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    names = ["a0", "a1", "a2", "a3", "a4"]
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+    trace: list[str] = []  # what the test did, and when: part of every failure message
+    cut: set[str] = set()  # machines noticed or silenced: their agents may end at any time
+    t0 = time.time()
+
+    def note(line: str) -> None:
+        trace.append(f"{time.time() - t0:6.1f} s, step {max((r['step'] for r in steps()), default=0)}: {line}")
+
+    def log(name: str) -> str:
+        return (out / f"agent_{name}.txt").read_text(errors="replace")
+
+    def jsonl(path: Path) -> list[dict[str, Any]]:
+        rows = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written right now
+                pass
+        return rows
+
+    def events(name: str) -> list[dict[str, Any]]:
+        """Machine ``name``'s worker events (its agent's --run-dir)."""
+        return jsonl(out / name / "events.jsonl")
+
+    def steps() -> list[dict[str, Any]]:
+        return [r for f in out.glob("steps_*.jsonl") for r in jsonl(f)]
+
+    def machine(member: str) -> str:
+        """The machine whose worker is ``member`` (each machine's worker events name its member ids)."""
+        return next(n for n in names if any(e.get("member") == member for e in events(n)))
+
+    def why() -> str:
+        return "\n".join(trace) + "\n" + _logs(out)
+
+    def until(what: str, cond: Any, timeout: float = 180.0) -> None:
+        t_end = time.time() + timeout
+        while not cond():
+            assert time.time() < t_end, f"{what} within {timeout:g} s:\n{why()}"
+            assert max((r["step"] for r in steps()), default=0) < max_steps, f"{what} before the job ended:\n{why()}"
+            ended = {n: p.returncode for n, p in agents.items() if n not in cut and p.poll() is not None}
+            assert not ended, f"{what}: agents exited {ended}:\n{why()}"
+            time.sleep(0.1)
+
+    def seats(since: int = 0) -> tuple[int, int, dict[str, tuple[int, int]]]:
+        """The newest generation (``since`` or later) that trains, its first step and its machines' (replica,
+        stage), read once a record three steps after its first one is there (every member of it then recorded the
+        step after its first: each step needs all of them)."""
+        found: dict[str, Any] = {}
+
+        def ready() -> bool:
+            recs = [r for r in steps() if r["gen"] < 1000]
+            gen = max((r["gen"] for r in recs), default=-1)
+            mine = [r for r in recs if r["gen"] == gen]
+            first = min((r["step"] for r in mine), default=0)
+            if gen < since or max((r["step"] for r in mine), default=0) < first + 3:
+                return False
+            found.update(gen=gen, first=first, seats={machine(r["member"]): (r["replica"], r["stage"])
+                                                      for r in mine if r["step"] == first + 1})
+            return True
+
+        until(f"no generation since {since} trained three steps", ready)
+        return found["gen"], found["first"], found["seats"]
+
+    with netns.Cluster([*names, "s3"]) as cluster:
+        token_file = tmp_path / "store" / "job.token"
+        url, store = cluster.host_etcd(tmp_path / "store", token_file)
+        assert url == f"etcd://{cluster.addr['store']}:2379/parcae/job1", url
+        s3 = cluster.host_s3("s3", bucket="ckpt")
+        env.update(s3.env())
+
+        def start(name: str) -> None:
+            (out / name).mkdir(exist_ok=True)
+            cmd = [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--token-file",
+                   str(token_file), "--member", name, "--notices", "sigterm", "--run-dir", str(out / name),
+                   "--nodes", "2:4", "--settle", "4", "--checkpoint-dir", "s3://ckpt/job", "--",
+                   sys.executable, JOB, "--out", str(out), *args]
+            agents[name] = cluster.popen(name, cmd, env, out / f"agent_{name}.txt")
+            note(f"started {name}")
+
+        try:
+            # 1. four machines form round 0 at D=2 P=2
+            for name in names[:4]:
+                start(name)
+            gen, _, seated = seats()
+            assert gen == 0 and sorted(seated) == names[:4] and sorted(seated.values()) == [(0, 0), (0, 1), (1, 0),
+                                                                                            (1, 1)], (seated, why())
+            # 2. a preemption notice for the member at replica 1, stage 1; 3. the later arrival right after it
+            noticed = next(m for m, at in seated.items() if at == (1, 1))
+            cut.add(noticed)
+            agents[noticed].send_signal(signal.SIGTERM)
+            note(f"notice for {noticed} (SIGTERM to its agent) in generation {gen} {seated}")
+            start("a4")
+            assert agents[noticed].wait(timeout=120) == 0, why()
+            note(f"{noticed}'s agent exited 0")
+            until("a4 was not admitted", lambda: any(e.get("event") == "joined" for e in events("a4")), timeout=300)
+            admitted = next(e["generation"] for e in events("a4") if e.get("event") == "joined")
+            note(f"a4 admitted in generation {admitted}")
+            # 4. a member that is neither rank 0 nor its stage's only holder goes silent
+            gen, first, seated = seats(since=admitted)
+            holders = {st: [m for m, at in seated.items() if at[1] == st] for _, st in seated.values()}
+            quiet = [m for m, (rep, st) in seated.items() if (rep, st) != (0, 0) and len(holders[st]) >= 2]
+            assert "a4" in seated and quiet, f"generation {gen} {seated}: no member to silence\n{why()}"
+            silent, gen_silent = max(quiet, key=lambda m: seated[m][::-1]), gen
+            cut.add(silent)
+            cluster.silence(silent)
+            note(f"silenced {silent} {seated[silent]} of generation {gen} {seated}")
+            # 5. every holder of stage 0, rank 0 (the checkpoint writer) among them, goes silent at once
+            gen, first, seated = seats(since=gen + 1)
+            writer = next(m for m, at in seated.items() if at == (0, 0))
+            until(f"rank 0 ({writer}) wrote no checkpoint in generation {gen}",
+                  lambda: any(e.get("event") == "checkpoint" and e["step"] >= first for e in events(writer)))
+            lost = sorted(m for m, at in seated.items() if at[1] == 0)
+            remaining = [n for n in names if n not in (noticed, silent, *lost)]
+            assert len(remaining) >= 2, f"losing {lost} would leave {remaining}: fewer than MIN=2\n{why()}"
+            cut.update(lost)
+            for m in lost:
+                cluster.silence(m)
+            note(f"silenced stage 0's holders {lost} of generation {gen} {seated}")
+            codes = {n: agents[n].wait(timeout=400) for n in remaining}
+            note(f"the remaining agents exited {codes}")
+        finally:
+            for p in agents.values():
+                for pid in [*_descendants(p.pid), p.pid]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                p.wait()
+            store.terminate()
+            store.wait(timeout=30)
+            s3.stop()
+    print("\n".join(trace))
+    assert codes == {n: 0 for n in remaining}, why()
+    survivors = [n for n in names if n != noticed]
+    moves = [e for n in survivors for e in events(n) if e.get("event") == "migration"]
+    # the notice: the agent handed over, the job migrated live (no fallback) without its member
+    assert "preemption notice (SIGTERM to the agent); handing over" in log(noticed), why()
+    assert any(e.get("event") == "left" and e["reason"] == "notice" for e in events(noticed)), why()
+    on_notice = [e for e in moves if e.get("reason") == f"preemption notice for {noticed}"]
+    assert on_notice and all(e["kind"] != "fallback" and e["generation"] < 1000 for e in on_notice), moves
+    # the arrival: a standby of round 0, admitted by a live migration
+    assert "round 0: a standby" in log("a4"), why()
+    assert any("a4" in e["joiners"] and e["kind"] != "fallback" for e in moves), moves
+    # the silence: declared dead by heartbeats, the survivors went on live
+    assert (gen_silent, [silent]) in [(e["generation"], e["dead"]) for n in survivors for e in events(n)
+                                      if e.get("event") == "recovering"], why()
+    assert any(e["reason"].startswith(f"recovery: {silent} missed heartbeats") and e["kind"] != "fallback"
+               for e in moves), moves
+    # the stage loss: a relaunch round from the newest checkpoint in the bucket, which rank 0 (now lost) wrote
+    assert {e["generation"] for n in remaining for e in events(n) if e.get("event") == "fallback"} == {gen}, why()
+    assert any("declared relaunch round 1" in log(n) for n in remaining), why()
+    resumed = set()
+    for n in remaining:
+        seat = [line for line in log(n).splitlines() if "round 1: rank" in line]
+        assert seat and "resuming from s3://ckpt/job/step-" in seat[0], why()
+        resumed.add(int(seat[0].split("resuming from s3://ckpt/job/step-")[1][:9]))
+    written = {e["step"] for e in events(writer) if e.get("event") == "checkpoint"}
+    assert len(resumed) == 1 and resumed <= written and min(resumed) >= first, (resumed, written, first)
+    assert not any((out / n / "ckpt").exists() for n in names), "nothing of the job on the instances' disks"
+    # every step trained once, the undisturbed run's parameters
+    recs = steps()
+    assert max(r["step"] for r in recs) == max_steps and max(r["gen"] for r in recs) >= 1000
+    check_samples_once(recs, max_steps, batch)
+    assert check_replicas_agree(recs) > 0
+    ref = reference(tmp_path / "ref", args)
+    relaunched = {r["member"] for r in recs if r["gen"] >= 1000}
+    final = merged_final({f.stem[6:]: torch.load(f, weights_only=True) for f in out.glob("final_*.pt")
+                          if f.stem[6:] in relaunched})
+    assert set(final) == set(ref)
+    for k in ref:
+        assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
