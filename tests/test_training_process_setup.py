@@ -105,15 +105,18 @@ def test_a_start_up_candidate_takes_its_rank_from_the_roster_and_a_left_out_one_
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     before = getattr(rank_zero_only, "rank", 0)
+    reported: list[int] = []  # the P each candidate reports with its arrival (the agents' roster reads it)
     for member, want in (("i2", (1, 2)), ("i1", (0, 1))):
-        er = types.SimpleNamespace(member=member, take_seat=lambda: roster)
-        options = types.SimpleNamespace(process_group_backend="gloo", timeout=timedelta(seconds=5))
+        er = types.SimpleNamespace(member=member, take_seat=lambda p: reported.append(p) or roster)
+        options = types.SimpleNamespace(process_group_backend="gloo", timeout=timedelta(seconds=5),
+                                        pipeline_stages=2)
         strategy = types.SimpleNamespace(elastic_runtime=er, cluster_environment=_Env(), options=options)
         setup = ProcessSetup(strategy, options, StageLayout(StageState(), options, strategy, None),  # type: ignore[arg-type]
                              "pytorch_lightning")
         setup._take_seat()
         assert (strategy.cluster_environment.rank, strategy.cluster_environment.world) == want
     assert rank_zero_only.rank == 1  # the member's rank-zero logging follows its roster rank
+    assert reported == [2, 2]
     rank_zero_only.rank = before
 
 
