@@ -39,9 +39,10 @@ Measures, precisely:
   engines). Why RSS and not ``tracemalloc``: tensors are allocated by c10's CPU allocator with
   ``posix_memalign``, which ``tracemalloc`` (Python's allocator only) never sees, and torch keeps no CPU
   allocator statistics. The absolute high-water mark is printed for the one-process run too. ParcaeStrategy keeps
-  the parameters of the layers other stages hold on every stage (its full stack, so that a re-partitioning after a
-  membership change moves no weights; on a GPU they stay in host memory): they are in its peak, and their size is
-  printed per stage with the worst ratio they leave without them -- a cost of elasticity, not of the schedule.
+  the *structure* of the layers other stages hold on every stage (its full stack, so that the stack can be re-cut
+  after a membership change) but not their parameters (``meta`` until a migration hands them over); the bytes of
+  such parameters that still have storage on a stage are printed per stage (0 unless a weight is tied to a held
+  layer), with the worst ratio they leave without them.
 - **bubble ratio** of a P-stage run with M micro-batches: ``samples/s(P) / (P x samples/s(one process) x
   M / (M + P - 1))`` -- the fraction of the GPipe/1F1B bubble bound ``M / (M + P - 1)`` reached, taking P
   perfectly balanced stages that each run at one process's speed as the ideal. It is 1.0 only with perfectly
@@ -282,14 +283,14 @@ def _parcae_worker(cfg: dict[str, Any], mem: _Memory) -> None:
 
 
 def _elastic_copy_mib(strategy: Any, module: Any) -> float:
-    """MiB of parameters of the layers other stages hold that ParcaeStrategy keeps on this stage (its full stack:
-    any re-partitioning after a membership change can then run without moving weights). They are part of the
-    measured peak; on a GPU they stay in host memory (only the local stage is moved to the device)."""
+    """MiB of parameters of the layers other stages hold that still have storage on this stage (ParcaeStrategy's
+    full stack keeps those layers' structure, their parameters on ``meta``; 0 unless a weight is tied to a held
+    layer). They would be part of the measured peak."""
     full = strategy.full_stack
     if full is None:
         return 0.0
     local = {id(p) for p in module.parameters()}
-    return sum(p.numel() * p.element_size() for p in full.parameters() if id(p) not in local) / 2**20
+    return sum(p.numel() * p.element_size() for p in full.parameters() if id(p) not in local and not p.is_meta) / 2**20
 
 
 def _peer_worker(cfg: dict[str, Any], mem: _Memory) -> None:

@@ -89,6 +89,13 @@ def test_partition_profiles_each_layer_if_given_a_sample() -> None:
     assert all(p.grad is None for p in stack.parameters())
 
 
+def test_profiling_a_layer_without_parameter_storage_is_refused_naming_it() -> None:
+    stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    stack[1].to("meta")  # released: another stage holds it
+    with pytest.raises(ModelLayoutError, match=r"cannot profile layers \[1\]: they hold no parameter storage"):
+        profile_layer_times(stack, torch.randn(2, 4), repeats=1)
+
+
 def test_partition_chooses_pipeline_depth_if_not_given() -> None:
     # perfectly divisible work, many micro-batches: deeper pipelines cost only the bubble, D x P is the same work
     assert choose_pipeline_stages([1.0] * 4, world=4, micro_batches=8) == 1

@@ -7,7 +7,16 @@ import torch
 from torch import nn
 
 from lightning_parcae.errors import ModelLayoutError
-from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule, swapped
+from lightning_parcae.runtime.stage import (
+    cut_stage,
+    is_block_list,
+    locate_layer_stack,
+    materialize_storage,
+    release_storage,
+    replace_submodule,
+    resident_bytes,
+    swapped,
+)
 
 
 class _Model(nn.Module):
@@ -62,3 +71,35 @@ def test_a_stand_in_is_swapped_in_for_the_step_and_the_stack_put_back() -> None:
     assert m.body is body
     old = replace_submodule(m, "body.0", nn.Identity())
     assert isinstance(old, nn.Linear) and isinstance(m.body[0], nn.Identity)
+
+
+class _Masked(nn.Module):
+    """A block with a persistent buffer (in its state dict) and a non-persistent one (a mask no payload carries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("scale", torch.full((3,), 2.0))
+        self.register_buffer("mask", torch.tril(torch.ones(3, 3)), persistent=False)
+
+
+def test_released_layers_keep_shapes_and_non_persistent_buffers_but_no_parameter_storage() -> None:
+    block = _Masked()
+    block.lin.weight.marker = "kept"  # type: ignore[attr-defined]
+    before = resident_bytes(block)
+    released = release_storage([block])
+    assert released == (9 + 3 + 3) * 4 and resident_bytes(block) == before - released == 9 * 4  # the mask stays
+    assert block.lin.weight.is_meta and block.lin.weight.shape == (3, 3) and block.lin.weight.requires_grad
+    assert block.lin.weight.marker == "kept"  # type: ignore[attr-defined]
+    assert block.scale.is_meta and torch.equal(block.mask, torch.tril(torch.ones(3, 3)))
+    assert release_storage([block]) == 0  # released twice: nothing more
+
+
+def test_a_tensor_to_keep_is_not_released_and_shared_tensors_stay_shared_through_release_and_materialize() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight  # one parameter in two layers
+    release_storage([a, b], keep={id(a.bias)})
+    assert a.weight.is_meta and a.weight is b.weight and not a.bias.is_meta and b.bias.is_meta
+    names = materialize_storage([("net.0", a), ("net.1", b)], torch.device("cpu"))
+    assert names == {"net.0.weight", "net.1.weight", "net.1.bias"}  # every name the payloads must fill
+    assert not a.weight.is_meta and a.weight is b.weight and isinstance(a.weight, nn.Parameter)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_parcae.errors import ModelLayoutError
+from lightning_parcae.runtime.migration import layer_payload
 from lightning_parcae.runtime.pipeline import StageProxy
 from lightning_parcae.training.layout import StageLayout, named_layers
 from lightning_parcae.training.options import StrategyOptions
@@ -118,15 +119,73 @@ def test_a_joiner_adopts_the_admitted_layout_and_builds_its_stage_on_place() -> 
     assert [n for n, _ in module.net.named_children()] == ["2", "3"] and host.moved == 1
 
 
+def _payloads(sender: nn.Module, layers: list[int]) -> dict[int, Any]:
+    """What a migration hands over: each layer's state, packed by its holder (``sender``, the whole net here)."""
+    return {i: layer_payload(sender, f"net.{i}", []) for i in layers}
+
+
+def _storage_bytes(layer: nn.Module) -> int:
+    """Bytes of ``layer``'s parameters and buffers that have storage (not ``meta``)."""
+    return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()] if not t.is_meta)
+
+
 def test_apply_installs_the_new_groups_and_holds_the_new_partitions_layers() -> None:
     module = Net()
     layout, state = _layout(module, FakeGroups(2, 2, stage=0), balance=[2, 2], pipeline_stages=2)
     layout.partition_module(trainer=None)  # type: ignore[arg-type]
     assert [n for n, _ in module.net.named_children()] == ["0", "1"]
     new_groups = FakeGroups(2, 2, stage=1)
-    layout.apply([1, 3], new_groups, received={}, group_of=[])  # type: ignore[arg-type]
+    layout.apply([1, 3], new_groups, received=_payloads(Net(), [2, 3]), group_of=[])  # type: ignore[arg-type]
     assert state.groups is new_groups and state.partition == [1, 3]
     assert [n for n, _ in module.net.named_children()] == ["1", "2", "3"]
+
+
+def test_a_stage_keeps_no_parameter_storage_for_the_layers_other_stages_hold() -> None:
+    """Regression: every stage kept the whole stack's parameters (8 MiB per stage on the peer benchmark at P=2)."""
+    module = Net()
+    layout, state = _layout(module, FakeGroups(2, 2, stage=1), balance=[1, 3], pipeline_stages=2)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    full = state.full_stack
+    assert full is not None and len(full) == 4  # the structure stays: the stack can be re-cut in place
+    assert _storage_bytes(full[0]) == 0
+    assert all(p.is_meta and p.shape == (2, 2) for p in full[0].parameters() if p.ndim == 2)
+    assert all(_storage_bytes(full[i]) == 6 * 4 for i in (1, 2, 3))  # held: a 2x2 weight + 2 biases of float32
+
+
+def test_a_layer_that_arrives_takes_its_state_from_the_payload_and_one_that_leaves_is_released() -> None:
+    module, sender = Net(), Net()
+    layout, state = _layout(module, FakeGroups(2, 2, stage=0), balance=[2, 2], pipeline_stages=2)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    kept = module.net[1].weight.detach().clone()
+    new_groups: Any = FakeGroups(2, 2, stage=1)
+    layout.apply([1, 3], new_groups, received=_payloads(sender, [2, 3]), group_of=[])
+    full = state.full_stack
+    assert full is not None
+    for i in (2, 3):
+        assert torch.equal(full[i].weight, sender.net[i].weight) and torch.equal(full[i].bias, sender.net[i].bias)
+    assert torch.equal(full[1].weight, kept)  # held before and after: untouched
+    assert _storage_bytes(full[0]) == 0  # left this process
+    assert all(not p.is_meta for p in module.parameters())  # what this process trains has storage
+
+
+def test_a_layer_that_arrives_without_a_payload_is_an_error_not_a_stale_local_copy() -> None:
+    module = Net()
+    layout, _ = _layout(module, FakeGroups(2, 2, stage=0), balance=[2, 2], pipeline_stages=2)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"received no state for 2 of their tensors \(e.g. \['net.3.bias'"):
+        layout.apply([1, 3], FakeGroups(2, 2, stage=1), received=_payloads(Net(), [2]),  # type: ignore[arg-type]
+                     group_of=[])
+
+
+def test_a_weight_tied_to_a_part_outside_the_stack_keeps_its_storage_on_every_stage() -> None:
+    module = Net()
+    module.tied = nn.Linear(2, 2, bias=False)
+    module.tied.weight = module.net[0].weight  # tied like an input/output embedding
+    layout, state = _layout(module, FakeGroups(2, 2, stage=1), balance=[2, 2], pipeline_stages=2)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    full = state.full_stack
+    assert full is not None and full[0].weight is module.tied.weight and not full[0].weight.is_meta
+    assert full[0].bias.is_meta and full[1].weight.is_meta  # the rest of layer 0 and layer 1 are released
 
 
 def test_named_layers_lists_a_module_registered_twice_twice() -> None:

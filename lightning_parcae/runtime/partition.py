@@ -53,7 +53,18 @@ def profile_layer_times(layers: nn.Module, sample: torch.Tensor, repeats: int = 
 
     Returns:
         One time per layer, in stack order.
+
+    Raises:
+        ModelLayoutError: if a layer's parameters have no storage (``meta``: released because another stage
+            holds it).
     """
+    released = [i for i, layer in enumerate(layers) if any(t.is_meta for t in layer.parameters())]
+    if released:
+        raise ModelLayoutError(
+            f"cannot profile layers {released}: they hold no parameter storage on this process (their parameters "
+            "are on the 'meta' device -- another stage holds them, or the model was built on 'meta'). Profile the "
+            "stack before it is cut into stages, with every layer's parameters materialized"
+        )
     times: list[float] = []
     args, kwargs = without_caches(tuple(args), dict(kwargs or {}), empty_only=False)
     devices = [sample.device] if sample.device.type == "cuda" else []

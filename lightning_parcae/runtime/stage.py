@@ -9,21 +9,30 @@ the children of its stage only. Keeping the children under their global names (`
 Lookup order: ``ParcaeStrategy(layers_attr="path.to.seq")``; else a ``parcae_layers()`` method on the module
 returning the ``nn.Sequential`` / ``nn.ModuleList``; else the ``nn.Sequential`` or ``nn.ModuleList`` (at any depth)
 holding the most parameters.
+
+Layers another stage holds: every process keeps the whole stack's *structure* (so that it can be re-cut in place
+when a migration hands it other layers), but not their storage. :func:`release_storage` moves the parameters and
+persistent buffers of such layers to the ``meta`` device (shape and dtype stay: sizes are still priced from them);
+:func:`materialize_storage` gives a layer that arrives real, uninitialized storage on this process's device, which
+the layer's payload from its previous holder then fills (its values never come from this process). Non-persistent
+buffers (masks, rotary tables) are not in a state dict, so no payload carries them: they stay resident.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Optional
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightning_parcae.errors import ModelLayoutError
 from lightning_parcae.runtime.torch_internals import child, put_child
 
-__all__ = ["locate_layer_stack", "is_block_list", "replace_submodule", "cut_stage", "swapped"]
+__all__ = ["locate_layer_stack", "is_block_list", "replace_submodule", "cut_stage", "swapped", "release_storage",
+           "materialize_storage", "resident_bytes"]
 
 
 _STACK_TYPES = (nn.Sequential, nn.ModuleList)
@@ -111,3 +120,91 @@ def swapped(module: nn.Module, path: str, stand_in: nn.Module) -> Iterator[None]
         yield
     finally:
         replace_submodule(module, path, old)
+
+
+def _releasable(m: nn.Module) -> Iterator[tuple[str, str, Tensor]]:
+    """``(kind, name, tensor)`` of ``m``'s own parameters and persistent buffers that a release may move to meta:
+    plain ``nn.Parameter`` / ``Tensor`` objects (a subclass -- a lazy or quantized parameter -- is left alone)."""
+    for name, p in m._parameters.items():
+        if p is not None and type(p) is nn.Parameter:
+            yield "param", name, p
+    for name, b in m._buffers.items():
+        if b is not None and type(b) is Tensor and name not in m._non_persistent_buffers_set:
+            yield "buffer", name, b
+
+
+def release_storage(layers: Sequence[nn.Module], keep: Collection[int] = ()) -> int:
+    """Drop the storage of ``layers``' parameters and persistent buffers: each becomes a ``meta`` tensor of the
+    same shape, dtype and ``requires_grad`` (a parameter's attributes are kept; one tensor shared by several
+    modules stays one). Non-persistent buffers stay, moved to the CPU.
+
+    Args:
+        layers: the layers another stage holds.
+        keep: ``id`` of tensors that must keep their storage (reachable from what this process trains: a weight
+            tied to a held layer or to a part outside the stack).
+
+    Returns:
+        The bytes released.
+    """
+    memo: dict[int, tuple[Tensor, Tensor]] = {}  # id(old) -> (old, meta); old kept alive so ids are not reused
+    released = 0
+    for layer in layers:
+        for m in layer.modules():
+            for kind, name, t in list(_releasable(m)):
+                if t.is_meta or id(t) in keep:
+                    continue
+                if id(t) not in memo:
+                    if kind == "param":
+                        new: Tensor = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+                        new.__dict__.update(t.__dict__)
+                    else:
+                        new = torch.empty_like(t, device="meta")
+                    memo[id(t)] = (t, new)
+                    released += t.numel() * t.element_size()
+                (m._parameters if kind == "param" else m._buffers)[name] = memo[id(t)][1]  # type: ignore[assignment]
+            for name, b in m._buffers.items():
+                if b is not None and not b.is_meta and id(b) not in keep and b.device.type != "cpu":
+                    m._buffers[name] = b.cpu()
+    return released
+
+
+def materialize_storage(layers: Sequence[tuple[str, nn.Module]], device: torch.device) -> set[str]:
+    """Give the released (``meta``) parameters and buffers of ``layers`` real, *uninitialized* storage on
+    ``device``, keeping their shape, dtype, ``requires_grad`` and sharing. The caller must then fill every one of
+    them (from the layer's payload): their values are garbage until then.
+
+    Args:
+        layers: ``(state-dict prefix, layer)`` pairs, e.g. ``("net.3", stack[3])``.
+        device: where the storage goes.
+
+    Returns:
+        The state-dict names (``"<prefix>.<path>.<name>"``) of every tensor given storage -- what must be filled.
+    """
+    memo: dict[int, tuple[Tensor, Tensor]] = {}
+    names: set[str] = set()
+    for prefix, layer in layers:
+        for path, m in layer.named_modules(remove_duplicate=False):
+            for kind, name, t in list(_releasable(m)):
+                if not t.is_meta:
+                    continue
+                if id(t) not in memo:
+                    if kind == "param":
+                        new: Tensor = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
+                        new.__dict__.update(t.__dict__)
+                    else:
+                        new = torch.empty_like(t, device=device)
+                    memo[id(t)] = (t, new)
+                (m._parameters if kind == "param" else m._buffers)[name] = memo[id(t)][1]  # type: ignore[assignment]
+                names.add(".".join(x for x in (prefix, path, name) if x))
+    return names
+
+
+def resident_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers that have storage on this process (``meta`` ones do not)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen and not t.is_meta:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total

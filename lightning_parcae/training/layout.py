@@ -12,6 +12,12 @@ layer names, partition, layer times, stage module, proxy, transport) and is its 
 hands it the groups it builds (:meth:`StageLayout.use_groups`) and a joiner's admitted layout
 (:meth:`StageLayout.adopt_admitted`); the strategy exposes the state read-only to Lightning and to the runtime
 (:class:`~lightning_parcae.runtime.host.TrainingHost`).
+
+Memory: the process keeps the whole stack's module structure (``full_stack``) so that it can re-cut it in place,
+but only the layers it holds have parameter storage: :meth:`StageLayout.build` releases the others' parameters and
+persistent buffers to the ``meta`` device (:func:`~lightning_parcae.runtime.stage.release_storage`), and
+:meth:`StageLayout.apply` gives a layer that arrives storage again and fills it from the payload its previous
+holder sent -- never from this process (a layer that arrives without a payload is an error).
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ from lightning_parcae.errors import ModelLayoutError
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.runtime.partition import balance_stages, choose_pipeline_stages, layer_memory_bytes, stage_bounds
 from lightning_parcae.runtime.pipeline import P2P, BlockListProxy, StageProxy
-from lightning_parcae.runtime.stage import cut_stage, is_block_list, locate_layer_stack, replace_submodule
+from lightning_parcae.runtime.stage import (
+    cut_stage,
+    is_block_list,
+    locate_layer_stack,
+    materialize_storage,
+    release_storage,
+    replace_submodule,
+)
 from lightning_parcae.training.lightning_internals import inner_optimizer
 from lightning_parcae.training.stage_state import StageState
 
@@ -213,7 +226,8 @@ class StageLayout:
         self.build()
 
     def build(self) -> None:
-        """(Re)build this process's stage module, proxy and transport from ``partition`` and ``groups``."""
+        """(Re)build this process's stage module, proxy and transport from ``partition`` and ``groups``, and
+        release the storage of the stack's layers it does not hold (their structure stays in ``full_stack``)."""
         st = self.state
         module = self.host.lightning_module
         assert st.groups is not None and module is not None and st.stack_path is not None
@@ -227,11 +241,29 @@ class StageLayout:
         stage = cut_stage(full, st.layer_names[a:b])
         st.stage = stage
         replace_submodule(module, st.stack_path, stage)
+        self.release_others(full, module)
         if is_block_list(stage):
             st.proxy = BlockListProxy(stage, full, arity=self.profiler.block_arity)  # type: ignore[arg-type]
         else:
             st.proxy = StageProxy(stage)
         st.p2p = P2P(self.host.root_device, st.groups.pipeline_group)
+
+    def release_others(self, full: nn.Module, module: nn.Module) -> int:
+        """Release the parameters and persistent buffers of ``full``'s layers this process does not hold (a tensor
+        also reachable from ``module`` -- tied to a held layer or to a part outside the stack -- keeps its storage).
+
+        Returns:
+            The bytes released.
+        """
+        st = self.state
+        a, b = st.held_bounds()
+        held = set(st.layer_names[a:b])
+        keep = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+        others = [m for n, m in named_layers(full) if n not in held]
+        released = release_storage(others, keep)
+        if released:
+            log.debug("released %d bytes of the layers other stages hold", released)
+        return released
 
     def sync_replicas(self) -> None:
         """Make replica 0's stage (and rank 0's replicated parameters) authoritative on every rank."""
@@ -286,15 +318,28 @@ class StageLayout:
         if not st.whole_model:
             replace_submodule(module, st.stack_path, st.full_stack)  # type: ignore[arg-type]
         device = self.host.root_device
-        try:
-            for payload in received.values():
-                load_layer_payload(module, payload, device)
-        finally:
-            self.build()
         a, b = st.held_bounds()
         held = set(st.layer_names[a:b])
+        try:
+            # a layer that arrives has no storage here (released when another stage held it): give it storage on
+            # the device, then fill it from its payload -- every tensor of it, or it would train on garbage
+            arriving = [(st.layer_key(n), m) for n, m in named_layers(st.full_stack) if n in held]
+            unfilled = materialize_storage(arriving, device)
+            for payload in received.values():
+                load_layer_payload(module, payload, device)
+                unfilled -= set(payload["tensors"])
+            if unfilled:
+                raise RuntimeError(
+                    f"this process now holds layers {a}..{b - 1} of '{st.stack_path}' but received no state for "
+                    f"{len(unfilled)} of their tensors (e.g. {sorted(unfilled)[:3]}); a layer another stage held "
+                    "has no copy here, so its state must arrive in the migration's payload from a live holder. "
+                    "The migration plan must send every layer a member newly holds"
+                )
+        finally:
+            self.build()
         for name, layer in named_layers(st.full_stack):
-            layer.to(device if name in held else torch.device("cpu"))
+            if name in held:
+                layer.to(device)
         optimizers = self.host.optimizers
         opt_state: list[dict[str, Any]] = [dict() for _ in optimizers]
         for payload in received.values():

@@ -41,7 +41,9 @@ class StageState:
         stage: This process's stage module (its layers of the stack), once built.
         proxy: What stands in for the whole stack inside the user's ``forward`` (``None`` for a whole model).
         p2p: The transport to this process's pipeline neighbours, once built.
-        full_stack: The whole layer stack (every layer, also those other stages hold; the module for a whole model).
+        full_stack: The whole layer stack's structure (every layer, also those other stages hold; the module for a
+            whole model). Only the layers this process holds have parameter storage: the others' parameters and
+            persistent buffers are on the ``meta`` device until a migration hands them here with their state.
         no_cut_reason: Why the model trains whole (``None`` when it is cut into stages).
     """
 
