@@ -37,3 +37,25 @@ def test_the_process_group_registry_is_forgotten_without_a_shutdown() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_own_tensors_lists_a_modules_own_parameters_and_persistent_buffers_and_put_replaces_in_place() -> None:
+    """What a stage's storage release reads and swaps: only the module's own tensors (not its children's), only
+    persistent buffers (a non-persistent mask is in no payload), replaced without changing the registration."""
+    import torch
+    from torch import nn
+
+    from lightning_parcae.runtime.torch_internals import own_buffers, own_tensors, put_own_tensor
+
+    m = nn.BatchNorm1d(3)
+    m.register_buffer("mask", torch.ones(3), persistent=False)
+    m.child = nn.Linear(2, 2)
+    kinds = [(k, n) for k, n, _ in own_tensors(m)]
+    assert kinds == [("param", "weight"), ("param", "bias"), ("buffer", "running_mean"), ("buffer", "running_var"),
+                     ("buffer", "num_batches_tracked")]
+    assert [n for n, _ in own_buffers(m)][-1] == "mask"
+    put_own_tensor(m, "buffer", "mask", torch.zeros(3))
+    assert "mask" not in m.state_dict() and float(m.mask.sum()) == 0.0
+    w = nn.Parameter(torch.zeros(3))
+    put_own_tensor(m, "param", "weight", w)
+    assert m.weight is w and "weight" in dict(m.named_parameters(recurse=False))

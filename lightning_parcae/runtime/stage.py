@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parcae.errors import ModelLayoutError
-from lightning_parcae.runtime.torch_internals import child, put_child
+from lightning_parcae.runtime.torch_internals import child, own_buffers, own_tensors, put_child, put_own_tensor
 
 __all__ = ["locate_layer_stack", "is_block_list", "replace_submodule", "cut_stage", "swapped", "release_storage",
            "materialize_storage", "resident_bytes"]
@@ -125,12 +125,9 @@ def swapped(module: nn.Module, path: str, stand_in: nn.Module) -> Iterator[None]
 def _releasable(m: nn.Module) -> Iterator[tuple[str, str, Tensor]]:
     """``(kind, name, tensor)`` of ``m``'s own parameters and persistent buffers that a release may move to meta:
     plain ``nn.Parameter`` / ``Tensor`` objects (a subclass -- a lazy or quantized parameter -- is left alone)."""
-    for name, p in m._parameters.items():
-        if p is not None and type(p) is nn.Parameter:
-            yield "param", name, p
-    for name, b in m._buffers.items():
-        if b is not None and type(b) is Tensor and name not in m._non_persistent_buffers_set:
-            yield "buffer", name, b
+    for kind, name, t in own_tensors(m):
+        if type(t) is (nn.Parameter if kind == "param" else Tensor):
+            yield kind, name, t
 
 
 def release_storage(layers: Sequence[nn.Module], keep: Collection[int] = ()) -> int:
@@ -161,10 +158,10 @@ def release_storage(layers: Sequence[nn.Module], keep: Collection[int] = ()) -> 
                         new = torch.empty_like(t, device="meta")
                     memo[id(t)] = (t, new)
                     released += t.numel() * t.element_size()
-                (m._parameters if kind == "param" else m._buffers)[name] = memo[id(t)][1]  # type: ignore[assignment]
-            for name, b in m._buffers.items():
-                if b is not None and not b.is_meta and id(b) not in keep and b.device.type != "cpu":
-                    m._buffers[name] = b.cpu()
+                put_own_tensor(m, kind, name, memo[id(t)][1])
+            for name, b in own_buffers(m):
+                if not b.is_meta and id(b) not in keep and b.device.type != "cpu":
+                    put_own_tensor(m, "buffer", name, b.cpu())
     return released
 
 
@@ -194,7 +191,7 @@ def materialize_storage(layers: Sequence[tuple[str, nn.Module]], device: torch.d
                     else:
                         new = torch.empty_like(t, device=device)
                     memo[id(t)] = (t, new)
-                (m._parameters if kind == "param" else m._buffers)[name] = memo[id(t)][1]  # type: ignore[assignment]
+                put_own_tensor(m, kind, name, memo[id(t)][1])
                 names.add(".".join(x for x in (prefix, path, name) if x))
     return names
 

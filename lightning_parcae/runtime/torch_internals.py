@@ -8,7 +8,10 @@ including the holes of an ``nn.ModuleList`` with blocks left out, and walks chil
 ``named_children``'s de-duplication of a module held twice: both read ``nn.Module``'s child table. (3) fp16 loss
 scaling over a pipeline needs one inf/nan verdict for the whole job, but ``torch.amp.GradScaler`` keeps each
 optimizer's verdict (and whether it was unscaled) in a private per-optimizer table, and an optimizer that unscales
-inside its own ``step`` (fused Adam) says so only by a private flag. Every such read
+inside its own ``step`` (fused Adam) says so only by a private flag. (4) A stage releases the storage of layers
+other stages hold and gives it back when one arrives: that swaps a module's *own* parameter and buffer objects in
+place (shared ones stay shared) and must know which buffers are persistent, which only ``nn.Module``'s tables say.
+Every such read
 is here, so that a torch upgrade that renames them breaks one module, and ``tests/test_ownership.py`` can check
 that nothing else under ``runtime/`` reads another object's private attributes.
 """
@@ -21,7 +24,8 @@ from typing import Any, Optional
 from torch import nn
 
 __all__ = ["set_group_timeout", "forget_process_groups", "child", "children", "put_child", "scaler_found_inf",
-           "set_scaler_found_inf", "scaler_unscaled", "optimizer_unscales_itself"]
+           "set_scaler_found_inf", "scaler_unscaled", "optimizer_unscales_itself", "own_tensors", "put_own_tensor",
+           "own_buffers"]
 
 
 def set_group_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:
@@ -100,3 +104,24 @@ def optimizer_unscales_itself(optimizer: Any) -> bool:
     """Whether ``optimizer.step`` takes the scale and finds infs itself (fused Adam/AdamW/SGD: the private flag
     ``Optimizer._step_supports_amp_scaling``, torch 2.13; Lightning's fabric reads the same flag)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def own_tensors(m: nn.Module) -> list[tuple[str, str, Any]]:
+    """``(kind, name, tensor)`` of ``m``'s own (not its children's) parameters (``"param"``) and *persistent*
+    buffers (``"buffer"``), in registration order; ``None`` entries left out."""
+    out: list[tuple[str, str, Any]] = [("param", n, t) for n, t in m._parameters.items() if t is not None]
+    out += [("buffer", n, t) for n, t in m._buffers.items()
+            if t is not None and n not in m._non_persistent_buffers_set]
+    return out
+
+
+def own_buffers(m: nn.Module) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` of every buffer of ``m`` itself, persistent or not (``None`` entries left out)."""
+    return [(n, t) for n, t in m._buffers.items() if t is not None]
+
+
+def put_own_tensor(m: nn.Module, kind: str, name: str, tensor: Any) -> None:
+    """Replace ``m``'s own parameter (``kind="param"``) or buffer (``"buffer"``) ``name`` by ``tensor`` in place,
+    keeping its registration (and a buffer's persistence)."""
+    (m._parameters if kind == "param" else m._buffers)[name] = tensor
+
