@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from lightning_parcae.launch.rendezvous import DEAD, BeatWatch, Rendezvous
+from lightning_parcae.launch.rendezvous import ALIVE, DEAD, BeatWatch, Rendezvous
 from lightning_parcae.launch.startup import Candidate, RosterDecision, decide_roster
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.liveness import notice_key
@@ -89,13 +89,14 @@ class StartupComposer:
         left_out: list[str] = []
         for i, agent in enumerate(self.agents):
             member = worker_member_id(agent, self.round)
-            beat = int(self.store.add(self._beat_key(agent), 0))
-            state = self.watch.state(i, beat) if agent != self.agent else "alive"
+            state = ALIVE if agent == self.agent else self.watch.state(i, int(self.store.add(self._beat_key(agent), 0)))
             if self.store.check([notice_key(member)]) or state == DEAD:
                 left_out.append(member)
                 continue
-            if member not in self.arrived_at and self.store.check([arrival_key(self.key, member)]):
-                rec: dict[str, Any] = self.records.get(arrival_key(self.key, member)) or {}
+            rec: Optional[dict[str, Any]] = None
+            if member not in self.arrived_at:
+                rec = self.records.get(arrival_key(self.key, member))  # one check (+ get once it is there)
+            if rec is not None:
                 self.p_of[member] = int(rec.get("P", 0) or 0)
                 self.arrived_at[member] = now
             live.append(Candidate(member, i, self.arrived_at.get(member)))

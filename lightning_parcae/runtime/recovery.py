@@ -197,7 +197,8 @@ class Recovery:
                                                           reason=f"recovery: {reason}", dead=dead))
 
     def lost_joiners(self, rec: dict[str, Any]) -> list[str]:
-        """The processes of ``rec``'s transition that are not old members and were declared dead while it formed.
+        """The processes of ``rec``'s transition that are not old members and were declared dead while it formed
+        (only :meth:`abandoned` reads them, and only for a planned record).
 
         Regression (the README's main job, slow suite): the trace removed a waiting standby just as the leader
         admitted it. The transition world waited for it, declared it dead, and every old member fell back to the
@@ -208,8 +209,6 @@ class Recovery:
         it wrote (:func:`~.liveness.dead_key`).
         """
         assert self.state.layout is not None
-        if rec.get("kind") == "fallback" or "dead" in rec:
-            return []
         old = set(self.state.layout.members)
         g = int(rec["generation"])
         return [m for m in rec.get("transition", ()) if m not in old and self.ctx.store.check([dead_key(g, m)])]
