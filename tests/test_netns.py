@@ -203,13 +203,7 @@ def test_agents_without_ranks_relaunch_from_the_checkpoint_by_themselves_if_the_
             cluster.silence(silent)
             codes = {n: p.wait(timeout=300) for n, p in agents.items() if n != silent}
         finally:
-            for p in agents.values():
-                for pid in [*_descendants(p.pid), p.pid]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                p.wait()
+            _kill_agents(agents)
             store.kill()
             store.wait()
     survivor = "a1" if silent == "a0" else "a0"
@@ -225,6 +219,17 @@ def test_agents_without_ranks_relaunch_from_the_checkpoint_by_themselves_if_the_
     assert set(final) == set(ref)
     for k in ref:
         assert float((final[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12)) < 1e-5, k
+
+
+def _kill_agents(agents: dict[str, subprocess.Popen[bytes]]) -> None:
+    """SIGKILL every agent and its workers (found by parent ids: a silenced machine's stay alive), then reap."""
+    for p in agents.values():
+        for pid in [*_descendants(p.pid), p.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
 
 
 def _descendants(pid: int) -> list[int]:
@@ -309,13 +314,7 @@ def test_agents_relaunch_from_object_storage_if_the_machine_that_wrote_the_check
             cluster.silence(silent)
             codes = {n: p.wait(timeout=300) for n, p in agents.items() if n != silent}
         finally:
-            for p in agents.values():
-                for pid in [*_descendants(p.pid), p.pid]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                p.wait()
+            _kill_agents(agents)
             store.kill()
             store.wait()
             s3.stop()
@@ -496,13 +495,7 @@ def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_e
             codes = {n: agents[n].wait(timeout=400) for n in remaining}
             note(f"the remaining agents exited {codes}")
         finally:
-            for p in agents.values():
-                for pid in [*_descendants(p.pid), p.pid]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                p.wait()
+            _kill_agents(agents)
             store.terminate()
             store.wait(timeout=30)
             s3.stop()

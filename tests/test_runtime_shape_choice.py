@@ -168,19 +168,25 @@ def test_the_chooser_admits_a_fresh_standby_and_proposes_the_next_generation() -
     assert rec["layer_bytes"] == [30000] * 4  # priced by the agreed sizes of the current record
 
 
+def _chooser_with_standbys(heartbeat_s: float) -> tuple[dist.Store, ShapeChooser]:
+    """A one-member job's chooser (in-memory store) with standbys ``b`` and ``c`` registered, each one heartbeat in."""
+    store = dist.HashStore()
+    coord = Coordinator(store)
+    host = _host([0.01] * 4, batch=16, micro=1)
+    chooser = _chooser(host, _state(("a",), (4,), 4), _config(heartbeat_s=heartbeat_s), [], coord=coord, store=store)
+    for name in ("b", "c"):
+        coord.register_standby(name)
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 0}')
+    return store, chooser
+
+
 def test_a_new_standby_costs_the_leader_no_wait_and_a_still_heartbeat_is_never_counted() -> None:
     """Regression (issue 21): the leader slept 2.5 heartbeats inside the decision whenever it saw a standby for the
     first time, and every member waited for it in the step agreement. Now a first sighting is only noted; a standby
     is counted at a later interval if its heartbeat moved, never if it stood still (a dead standby's last beat)."""
     import time
 
-    store = dist.HashStore()
-    coord = Coordinator(store)
-    host = _host([0.01] * 4, batch=16, micro=1)
-    chooser = _chooser(host, _state(("a",), (4,), 4), _config(heartbeat_s=1.0), [], coord=coord, store=store)
-    for name in ("b", "c"):
-        coord.register_standby(name)
-        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 0}')
+    store, chooser = _chooser_with_standbys(heartbeat_s=1.0)
     t0 = time.monotonic()
     assert chooser._fresh_standbys() == []  # first sighting: noted, not counted
     assert time.monotonic() - t0 < 0.5, "the leader waited for a heartbeat (heartbeat_s=1.0)"
@@ -256,13 +262,7 @@ def test_a_standby_with_a_preemption_notice_is_never_admitted() -> None:
     interval; its last heartbeat had moved since it was last seen, so the leader admitted it, the transition world
     waited for a process that was gone and the job fell back to the checkpoint. The launcher writes a removed
     standby's notice before stopping it, and a standby with a notice is not counted, however fresh its beat."""
-    store = dist.HashStore()
-    coord = Coordinator(store)
-    host = _host([0.01] * 4, batch=16, micro=1)
-    chooser = _chooser(host, _state(("a",), (4,), 4), _config(heartbeat_s=0.0), [], coord=coord, store=store)
-    for name in ("b", "c"):
-        coord.register_standby(name)
-        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 0}')
+    store, chooser = _chooser_with_standbys(heartbeat_s=0.0)
     chooser.note_standbys()
     for name in ("b", "c"):
         store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 1}')  # both beat since the sighting
