@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning_parcae.launch.agent_startup import StartupComposer, worker_member_id
 from lightning_parcae.launch.rendezvous import DEAD_AFTER_S
 from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.liveness import encode_notice, notice_record, write_notice
 from lightning_parcae.runtime.startup import arrival_key, roster_key
 
 TOKEN = "t" * 32
@@ -50,7 +51,8 @@ def test_every_worker_arrived_gives_a_roster_in_rendezvous_order_and_the_first_w
 
 def test_a_noticed_machine_is_left_out_and_the_others_form_the_round_without_a_relaunch() -> None:
     records, clock, comp = _setup(["a", "b", "c"], round_=1)
-    records.store.set("parcae/notice/" + worker_member_id("b", 1), "noticed during start-up")
+    b = worker_member_id("b", 1)
+    write_notice(records.store, b, notice_record(b, source="agent", why="noticed during start-up"), TOKEN)
     for a in ("a", "c"):
         _arrive(records, worker_member_id(a, 1), round_=1)
     won = comp["a"].poll()
@@ -82,7 +84,26 @@ def test_the_scripts_pipeline_depth_from_the_arrivals_sets_the_member_count() ->
 def test_too_few_live_candidates_for_the_scripts_pipeline_means_no_roster_and_a_relaunch() -> None:
     records, clock, comp = _setup(["a", "b"])
     _arrive(records, "a", p=2)
-    records.store.set("parcae/notice/b", "noticed")
+    write_notice(records.store, "b", notice_record("b", source="agent"), TOKEN)
     assert comp["a"].poll() is None
     assert comp["a"].infeasible is not None and "fewer than the 2 pipeline stages" in comp["a"].infeasible.why
     assert comp["a"].roster() is None
+
+
+def test_a_forged_notice_does_not_leave_a_machine_out_of_the_roster() -> None:
+    """Regression: a bare existence check of the notice key let anyone who can write to the store (without the job
+    token) leave a live machine out of the round; its worker, which verifies its notice, kept waiting. A notice not
+    signed with the job token is ignored with a ``notice_refused`` event (once); the machine stays in."""
+    records = Coordinator(dist.HashStore(), TOKEN)
+    clock = Clock()
+    events: list = []
+    comp = StartupComposer(records, "a", 0, ["a", "b"], clock, event=lambda name, **kw: events.append((name, kw)))
+    records.store.set("parcae/notice/b", encode_notice("b", notice_record("b", source="agent"), None))
+    _arrive(records, "a")
+    assert comp.poll() is None  # b is not left out: the roster waits for its worker
+    assert comp.poll() is None
+    assert [kw["about"] for name, kw in events if name == "notice_refused"] == ["b"]
+    _arrive(records, "b")
+    clock.t += 0.2
+    won = comp.poll()
+    assert won is not None and won.members == ("a", "b") and won.left_out == ()

@@ -229,6 +229,33 @@ def test_an_addition_starts_joiners_while_training_and_waits_for_the_launch_othe
     assert p["started"][-1][JOIN_ENV] == "1" and p["started"][-1][MEMBER_ENV] == "i2"
 
 
+def test_the_joiners_of_one_trace_event_are_recorded_as_one_launch_batch(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (the README's main job under load): the trace's 2 -> 4 started two joiners together, the leader
+    admitted them one planning interval apart as their imports ended. The launcher now records them as one launch
+    batch (``parcae/booting/<member>``, signed like every record) so that the leader admits them together; a
+    single joiner gets none; a batch member whose process exits is marked gone (nobody waits for it)."""
+    f, p = _launched(tmp_path, monkeypatch, n=2)
+    before = time.time()
+    f.change(4)
+    booting = {k: v for k, v in p["store"].published if k.startswith("parcae/booting/")}
+    assert sorted(booting) == ["parcae/booting/i2", "parcae/booting/i3"]
+    b2, b3 = booting["parcae/booting/i2"], booting["parcae/booting/i3"]
+    assert b2["batch"] == b3["batch"] and b2["members"] == b3["members"] == ["i2", "i3"]
+    assert before <= b2["t"] <= time.time() and "gone" not in b2
+    assert p["events"].of("add")[-1]["batch"] == b2["batch"]
+    f.change(5)  # one joiner: no batch
+    assert [k for k, _ in p["store"].published if k.startswith("parcae/booting/")] == list(booting)
+    assert p["events"].of("add")[-1]["batch"] is None
+    f.instances[3].proc.returncode = -9  # type: ignore[union-attr]  # i3 lost while it booted
+    f.reap()
+    gone = [v for k, v in p["store"].published if k == "parcae/booting/i3"]
+    assert len(gone) == 2 and gone[-1] == {**b3, "gone": True}
+    f.change(7)  # the next batch has a new id
+    later = {k: v for k, v in p["store"].published if k.startswith("parcae/booting/") and k not in booting}
+    assert len(later) == 2 and {v["batch"] for v in later.values()} != {b2["batch"]}
+
+
 def test_a_released_member_comes_back_as_a_standby_but_not_during_a_fallback(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     f, p = _launched(tmp_path, monkeypatch, n=2)

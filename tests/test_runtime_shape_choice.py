@@ -12,9 +12,10 @@ import torch.distributed as dist
 
 from lightning_parcae.planning.migration_plan import Layout
 from lightning_parcae.runtime.config import RuntimeConfig
-from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.coordinator import Coordinator, booting_key
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
-from lightning_parcae.runtime.shape_choice import ShapeChooser
+from lightning_parcae.runtime.liveness import encode_notice, notice_record, write_notice
+from lightning_parcae.runtime.shape_choice import BATCH_GRACE_S, ShapeChooser
 
 
 def _host(layer_times_s: list[float], batch: int = 48, micro: int = 4,
@@ -266,8 +267,178 @@ def test_a_standby_with_a_preemption_notice_is_never_admitted() -> None:
     chooser.note_standbys()
     for name in ("b", "c"):
         store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 1}')  # both beat since the sighting
-    store.set("parcae/notice/c", "removed by the trace")
+    write_notice(store, "c", notice_record("c", source="replay"), None)  # as the launcher writes it (open store)
     assert chooser._fresh_standbys() == ["b"]
+
+
+TOKEN = "k" * 32
+
+
+def _signed_chooser_with_standbys(events: list) -> tuple[dist.Store, ShapeChooser]:
+    """:func:`_chooser_with_standbys` of a job with a token: records and notices are signed with it."""
+    store = dist.HashStore()
+    coord = Coordinator(store, TOKEN)
+    host = _host([0.01] * 4, batch=16, micro=1)
+    chooser = _chooser(host, _state(("a",), (4,), 4), _config(heartbeat_s=0.0, token=TOKEN), events, coord=coord,
+                       store=store)
+    for name in ("b", "c"):
+        coord.register_standby(name)
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 0}')
+    chooser.note_standbys()
+    for name in ("b", "c"):
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 1}')
+    return store, chooser
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other token", "other member's key"])
+def test_a_forged_notice_does_not_keep_a_standby_out(forgery: str) -> None:
+    """Regression: the leader left a standby out when its notice key merely existed, while the standby's own
+    heartbeat thread refuses a notice not signed with the job token. A forged notice (unsigned, signed with another
+    token, or copied from another member's key) is ignored with a warning and a ``notice_refused`` event."""
+    events: list = []
+    store, chooser = _signed_chooser_with_standbys(events)
+    raw = {"unsigned": encode_notice("c", notice_record("c", source="replay"), None),
+           "other token": encode_notice("c", notice_record("c", source="replay"), "x" * 32),
+           "other member's key": encode_notice("b", notice_record("c", source="replay"), TOKEN)}[forgery]
+    store.set("parcae/notice/c", raw)
+    assert chooser._fresh_standbys() == ["b", "c"]
+    refused = [kw for name, kw in events if name == "notice_refused"]
+    assert len(refused) == 1 and refused[0]["about"] == "c" and refused[0]["key"] == "parcae/notice/c"
+    for name in ("b", "c"):
+        store.set(f"parcae/hb/{name}", '{"phase": "standby", "c": 2}')
+    assert chooser._fresh_standbys() == ["b", "c"]
+    assert len([e for e in events if e[0] == "notice_refused"]) == 1  # warned once per notice
+
+
+def test_a_notice_signed_with_the_job_token_keeps_a_standby_out() -> None:
+    events: list = []
+    store, chooser = _signed_chooser_with_standbys(events)
+    write_notice(store, "c", notice_record("c", source="replay"), TOKEN)
+    assert chooser._fresh_standbys() == ["b"] and not [e for e in events if e[0] == "notice_refused"]
+
+
+class _Clock:
+    """A fake monotonic clock (seconds)."""
+
+    def __init__(self) -> None:
+        self.t = 500.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Batch:
+    """A one-member job (1x1) whose launcher started joiners ``b`` and ``c`` for one trace event: both have their
+    launch-batch record; each one registers as a standby (and heartbeats) when the test says so."""
+
+    def __init__(self, token: Optional[str] = None) -> None:
+        self.store = dist.HashStore()
+        self.coord = Coordinator(self.store, token)
+        self.clock = _Clock()
+        self.events: list = []
+        self.beats = 0
+        self.registered: list[str] = []
+        host = _host([0.01] * 4, batch=16, micro=1)
+        state = _state(("a",), (4,), 4)
+        self.chooser = ShapeChooser(host, state, _config(heartbeat_s=0.0, token=token), GenerationRecords(host, state),  # type: ignore[arg-type]
+                                    coord=self.coord, store=self.store, clock=self.clock,
+                                    event=lambda name, **kw: self.events.append((name, kw)))
+        for m in ("b", "c"):
+            self.coord.put(booting_key(m), {"batch": "0.1", "members": ["b", "c"], "t": 0.0})
+
+    def register(self, member: str) -> None:
+        """``member`` finished booting: it registers as a standby and beats (a step boundary notes it)."""
+        self.coord.register_standby(member)
+        self.registered.append(member)
+        self.store.set(f"parcae/hb/{member}", '{"phase": "standby", "c": -1}')
+        self.chooser.note_standbys()
+
+    def interval(self, leaving: tuple[str, ...] = ()) -> list[str]:
+        """Every registered standby beats, then a planning interval (or a notice's decision): who it admitted."""
+        self.beats += 1
+        for m in self.registered:
+            self.store.set(f"parcae/hb/{m}", f'{{"phase": "standby", "c": {self.beats}}}')
+        seen = len(self.events)
+        reason = "interval" if not leaving else f"preemption notice for {', '.join(leaving)}"
+        self.chooser.decide(SimpleNamespace(global_step=self.beats), reason=reason, leaving=leaving)
+        decisions = [kw for name, kw in self.events[seen:] if name == "decision"]
+        return list(decisions[-1]["standbys"]) if decisions else []
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.events]
+
+
+def test_a_ready_standby_waits_for_its_booting_batch_mate_and_both_are_admitted_together() -> None:
+    """Regression (the README's main job under load): the trace's 2 -> 4 started two joiners at once, their imports
+    ended seconds apart, and the leader admitted the first alone (1x2 -> 1x3) and the second an interval later
+    (1x3 -> 2x2): two repartitions where one intra-stage change was meant. A ready standby is now held back while a
+    mate of its launch batch still boots, and the two are admitted in one generation."""
+    job = _Batch()
+    job.register("b")
+    assert job.interval() == []  # b is ready (its beat moved since it was noted), c still boots: b is held back
+    held = [kw for name, kw in job.events if name == "admission_held"]
+    assert held and held[-1]["members"] == ["b"] and held[-1]["waiting_for"] == ["c"] and held[-1]["batch"] == "0.1"
+    job.clock.t += 2.0
+    assert job.interval() == []
+    job.clock.t += 2.0
+    job.register("c")
+    assert job.interval() == ["b", "c"]  # admitted together, one generation
+    assert job.names().count("admission_held") == 2 and "admission_grace_over" not in job.names()
+
+
+def test_a_batch_mate_registered_but_not_yet_ready_is_still_waited_for() -> None:
+    """A mate that registered between a step boundary and the interval (its first sighting is at the interval, so
+    it is counted one interval later) is waited for too: otherwise the batch is split exactly as before."""
+    job = _Batch()
+    job.register("b")
+    assert job.interval() == []
+    job.coord.register_standby("c")  # registered, its heartbeat not seen before this interval
+    job.store.set("parcae/hb/c", '{"phase": "standby", "c": 0}')
+    assert job.interval() == []
+    job.registered.append("c")
+    assert job.interval() == ["b", "c"]
+
+
+def test_a_ready_standby_is_admitted_alone_once_the_batch_grace_is_over() -> None:
+    job = _Batch()
+    job.register("b")
+    assert job.interval() == [] and "admission_held" in job.names()
+    job.clock.t += BATCH_GRACE_S - 0.1
+    assert job.interval() == []
+    job.clock.t += 0.1
+    assert job.interval() == ["b"]
+    over = [kw for name, kw in job.events if name == "admission_grace_over"]
+    assert len(over) == 1 and over[0]["members"] == ["b"] and over[0]["waiting_for"] == ["c"]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_notice_for_the_booting_batch_mate_ends_the_wait_a_forged_one_does_not(signed: bool) -> None:
+    """The trace removed ``c`` while it booted (its notice, signed with the job token, as the launcher writes it):
+    ``b`` is admitted at once. A forged notice key for ``c`` is ignored: ``b`` is still held back."""
+    job = _Batch(token=TOKEN)
+    job.register("b")
+    assert job.interval() == []
+    write_notice(job.store, "c", notice_record("c", source="replay"), TOKEN if signed else None)
+    if signed:
+        assert job.interval() == ["b"] and "admission_grace_over" not in job.names()
+    else:
+        assert job.interval() == [] and "notice_refused" in job.names()
+
+
+def test_a_batch_mate_marked_gone_by_the_launcher_ends_the_wait() -> None:
+    job = _Batch()
+    job.register("b")
+    assert job.interval() == []
+    job.coord.put(booting_key("c"), {"batch": "0.1", "members": ["b", "c"], "t": 0.0, "gone": True})
+    assert job.interval() == ["b"]
+
+
+def test_a_notice_decision_never_holds_a_standby_back_for_its_batch() -> None:
+    """A standby that replaces a member under notice is admitted at once, whatever its batch-mates do."""
+    job = _Batch()
+    job.register("b")
+    assert job.interval(leaving=("a",)) == ["b"]
+    assert "admission_held" not in job.names()
 
 
 class _Job:

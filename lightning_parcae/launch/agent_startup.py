@@ -14,7 +14,8 @@ The round's member agents start their workers as *candidates* (:data:`~lightning
 
 * raises its counter ``parcae/agents/round/<k>/cbeat/<agent>`` (a machine whose counter stands still for
   :data:`~lightning_parcae.launch.rendezvous.DEAD_AFTER_S`, measured on the watcher's own clock, is silent);
-* reads each candidate's state: *noticed* (its notice key is there: its agent wrote it, the worker leaves at once),
+* reads each candidate's state: *noticed* (a notice signed with the job token is there: its agent wrote it, the
+  worker leaves at once; one that fails verification -- a forged key -- is ignored with a warning and an event),
   *dead* (its counter stood still), *arrived* (its worker wrote its arrival record, seen at this agent's time);
 * applies the launcher's rule, :func:`~lightning_parcae.launch.startup.decide_roster`, to the live candidates
   (instance order = the rendezvous' rank order; P from the arrivals' records) and claims the roster key with the
@@ -27,14 +28,18 @@ relaunch round instead (the caller does: :attr:`StartupComposer.infeasible`).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_parcae.launch.rendezvous import ALIVE, DEAD, BeatWatch, Rendezvous
 from lightning_parcae.launch.startup import Candidate, RosterDecision, decide_roster
 from lightning_parcae.runtime.coordinator import Coordinator
-from lightning_parcae.runtime.liveness import notice_key
+from lightning_parcae.runtime.liveness import notice_key, read_notice
 from lightning_parcae.runtime.startup import StartupRoster, arrival_key, roster_key
+from lightning_parcae.runtime.store import TamperedRecordError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StartupComposer", "worker_member_id"]
 
@@ -53,11 +58,16 @@ class StartupComposer:
         round_: The rendezvous round.
         agents: The round's member agents in rank order (the rendezvous roster).
         clock: Monotonic clock (seconds); every time compared is this agent's own.
+        event: The agent's event sink (``event(name, **fields)``; default: none -- a refused notice is still
+            logged as a warning).
     """
 
     def __init__(self, records: Coordinator, agent: str, round_: int, agents: Sequence[str],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 event: Optional[Callable[..., None]] = None) -> None:
         self.records, self.store = records, records.store
+        self.event: Callable[..., None] = event if event is not None else (lambda name, /, **fields: None)
+        self._refused: dict[str, bytes] = {}  # member -> the notice bytes refused (warned about once)
         self.agent, self.round = agent, int(round_)
         self.agents = list(agents)
         self.clock = clock
@@ -71,6 +81,30 @@ class StartupComposer:
 
     def _beat_key(self, agent: str) -> str:
         return Rendezvous.key(self.round, "cbeat", agent)
+
+    def noticed(self, member: str) -> bool:
+        """Whether ``member``'s worker has a valid notice (:func:`~lightning_parcae.runtime.liveness.read_notice`
+        with the job token of :attr:`records`).
+
+        One that fails verification (not signed with the job token, altered, or copied from another member's key)
+        does not leave the candidate out: it is ignored with a warning and a ``notice_refused`` event, once per
+        notice. Regression: a bare existence check let a forged notice key leave a live machine out of the
+        round, while the worker itself -- whose heartbeat thread verifies its notice -- kept waiting.
+        """
+        try:
+            return read_notice(self.store, member, self.records.token) is not None
+        except TamperedRecordError as exc:
+            raw: bytes = b""
+            try:
+                raw = bytes(self.store.get(notice_key(member)))
+            except Exception:  # noqa: BLE001 -- only for warning once per notice
+                pass
+            if self._refused.get(member) != raw:
+                self._refused[member] = raw
+                log.warning("ignoring the notice under %s for start-up candidate %s: %s", notice_key(member), member,
+                            exc)
+                self.event("notice_refused", about=member, key=notice_key(member), error=str(exc))
+            return False
 
     def roster(self) -> Optional[StartupRoster]:
         """The round's roster once written (by any agent)."""
@@ -90,7 +124,7 @@ class StartupComposer:
         for i, agent in enumerate(self.agents):
             member = worker_member_id(agent, self.round)
             state = ALIVE if agent == self.agent else self.watch.state(i, int(self.store.add(self._beat_key(agent), 0)))
-            if self.store.check([notice_key(member)]) or state == DEAD:
+            if state == DEAD or self.noticed(member):
                 left_out.append(member)
                 continue
             rec: Optional[dict[str, Any]] = None

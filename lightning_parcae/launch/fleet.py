@@ -1,10 +1,11 @@
 """The elastic instance manager of ``parcae run``: one process per live instance, changed in place.
 
 Problem: under ``--elastic`` the launcher plays the cloud. It keeps one worker process per instance, starts added
-instances as warm standbys (joiners), delivers preemption notices with a grace period and kills what outlives it,
-forms each launch's first generation from the start-up candidates that arrived (:meth:`Fleet.form_roster`; one
-noticed, lost or silent before it is left out, not a reason to relaunch),
-treats a worker that dies from outside as a lost instance (and starts a fresh standby in its place, up to
+instances as warm standbys (joiners; those of one trace event are recorded as one launch batch, which the leader
+admits together: :meth:`Fleet._publish_batch`), delivers preemption notices with a grace period and kills what
+outlives it, forms each launch's first generation from the start-up candidates that arrived
+(:meth:`Fleet.form_roster`; one noticed, lost or silent before it is left out, not a reason to relaunch), treats
+a worker that dies from outside as a lost instance (and starts a fresh standby in its place, up to
 ``--max-restarts``), restarts members the runtime released or fenced as standbys, relaunches everything from the
 checkpoint when a stage lost every replica, and fails the job -- with the worker's log -- when the user's code
 fails. :class:`Fleet` is that manager: it owns the instances and their processes' bookkeeping, decides from the
@@ -21,7 +22,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning_parcae.contract import WRONG_TOKEN_EXIT, FALLBACK_EXIT, RELEASED_EXIT, FENCED_EXIT, worker_contract
 from lightning_parcae.launch.config import RunConfig
@@ -110,6 +111,8 @@ class Fleet:
         self._victim_rng = random.Random(int(cfg.seed))  # --victims random
         self.startup: Optional[StartupRound] = None
         """The current launch's start-up (its roster once written); owned by this part."""
+        self._batches = 0  # launch batches recorded so far (the batch id's sequence number)
+        self._booting: dict[str, dict[str, Any]] = {}  # member -> its launch-batch record, until its process exits
 
     @functools.cached_property
     def shared_units(self) -> int:
@@ -276,6 +279,52 @@ class Fleet:
             w.sigterm_sent = True
         return "notice"
 
+    def _publish_batch(self, members: list[str]) -> Optional[str]:
+        """Record that ``members`` (joiners just started for one trace event) form one launch batch: the record
+        ``parcae/booting/<member>`` = ``{"batch", "members", "t"}`` each (signed with the job token;
+        :func:`~lightning_parcae.runtime.coordinator.booting_key`). The leader then admits the batch in one
+        generation instead of one standby per planning interval as their imports finish
+        (:data:`~lightning_parcae.runtime.shape_choice.BATCH_GRACE_S`).
+
+        Regression (the README's main job under load): the trace's 2 -> 4 started two joiners at once; their torch
+        imports ended seconds apart, so the leader admitted them at two planning intervals (1x2 -> 1x3 -> 2x2, two
+        repartitions) where one intra-stage change (1x2 -> 2x2) was meant.
+
+        A single joiner gets no record (it has no batch-mate to wait for); neither does ``parcae agent``, which
+        starts one worker per machine. A store hiccup is an event: the joiners are then admitted as they come.
+
+        Returns:
+            The batch id, or None when no record was written.
+        """
+        if len(members) < 2:
+            return None
+        from lightning_parcae.runtime.coordinator import booting_key  # noqa: PLC0415
+
+        self._batches += 1
+        batch = f"{self.state.launch}.{self._batches}"
+        now = time.time()
+        for m in members:
+            try:
+                self.store.publish(booting_key(m), {"batch": batch, "members": list(members), "t": now})
+            except Exception as exc:  # noqa: BLE001 -- without the record the leader just does not wait for it
+                self.events("store_error", error=str(exc))
+                continue
+            self._booting[m] = {"batch": batch, "members": list(members), "t": now}
+        return batch
+
+    def _batch_member_gone(self, w: Worker) -> None:
+        """``w`` had a launch-batch record and its process exited: mark it ``gone``, so that a leader holding its
+        batch-mates back for it stops waiting (its instance's fresh standby, if any, is a new member)."""
+        rec = self._booting.pop(w.member, None)
+        if rec is None:
+            return
+        from lightning_parcae.runtime.coordinator import booting_key  # noqa: PLC0415
+
+        try:
+            self.store.publish(booting_key(w.member), {**rec, "gone": True})
+        except Exception as exc:  # noqa: BLE001 -- the leader's grace still bounds its wait
+            self.events("store_error", error=str(exc))
+
     def _publish_notice(self, w: Worker, deadline: float) -> None:
         """Write ``w``'s notice key (the one notice format of :mod:`~lightning_parcae.runtime.liveness`, signed with
         the job token by the store's ``encode_record``); a store hiccup is an event, not a stop."""
@@ -351,7 +400,8 @@ class Fleet:
                     added.append(self.spawn(k, join=True).member)
                 else:
                     added.append(f"i{k}")
-            self.events("add", old_N=cur, new_N=target, joiners=added)
+            batch = self._publish_batch(added) if running else None
+            self.events("add", old_N=cur, new_N=target, joiners=added, batch=batch)
             st.changes.append({"t": time.time() - st.t0, "old_N": cur, "new_N": target, "added": added})
             how = "started as warm standby" if running else "will start at the next launch"
             self.say(f"trace: {cur} -> {target} instances: new {', '.join(added)} {how}")
@@ -381,6 +431,7 @@ class Fleet:
                         killed=w.killed)
             if current:
                 self.instances[w.instance] = None
+            self._batch_member_gone(w)
             if rc == WRONG_TOKEN_EXIT:
                 self.pool.kill_all()
                 raise self.pool.failure("parcae run failed: a worker rejected the job token (wrong or missing "

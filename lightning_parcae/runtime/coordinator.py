@@ -21,6 +21,11 @@ protocol needs:
     Survivors of an aborted generation ``g`` announce themselves here.
 ``parcae/history``
     Instance counts observed at each planning interval (the predictor's input), appended by the leader.
+``parcae/booting/<member>``
+    A joiner that ``parcae run`` started together with others for one trace event (:func:`booting_key`): its
+    launch batch (``{"batch", "members", "t"}``, written by the launcher, ``"gone": true`` once its process
+    exited). The leader holds a batch's first ready standbys back for a short grace while a batch-mate still
+    boots, so that the batch is admitted in one generation (:data:`~.shape_choice.BATCH_GRACE_S`).
 
 Records are signed with the job token when there is one (:mod:`lightning_parcae.runtime.store`), else plain JSON.
 """
@@ -36,12 +41,17 @@ import torch.distributed as dist
 
 from lightning_parcae.runtime.store import decode_record, encode_record
 
-__all__ = ["Coordinator", "genrec_key"]
+__all__ = ["Coordinator", "genrec_key", "booting_key"]
 
 
 def genrec_key(generation: int) -> str:
     """Store key of generation ``generation``'s record."""
     return f"parcae/genrec/{generation}"
+
+
+def booting_key(member: str) -> str:
+    """Store key of ``member``'s launch-batch record (a joiner started with others for one trace event)."""
+    return f"parcae/booting/{member}"
 
 
 class Coordinator:

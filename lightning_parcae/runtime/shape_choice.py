@@ -7,9 +7,10 @@ then apply the runtime's guards: never move to a shape measured slower unless av
 unmeasured shape when the model is unsure and the interval is long -- within a cap on the share of wall time spent
 in tries (``max_exploration_share``: at N >= 8 a job with dozens of unmeasured shapes could otherwise spend a large
 part of its time trying them) -- and honour an operator's one-off resize request.
-It also decides who takes part (standbys whose heartbeat moves) and plans the migration to the chosen
-shape, publishing the next generation's record. This module holds that state (the measured model, the optimizer,
-the predictor, the standbys seen) for one :class:`~lightning_parcae.runtime.elastic.ElasticRuntime`, which owns the
+It also decides who takes part (standbys whose heartbeat moves and that have no valid notice; the joiners of one
+launch batch together, :data:`BATCH_GRACE_S`) and plans the migration to the chosen shape, publishing the next
+generation's record. This module holds that state (the measured model, the optimizer, the predictor, the standbys
+seen) for one :class:`~lightning_parcae.runtime.elastic.ElasticRuntime`, which owns the
 protocol around it (when to plan, how to agree and switch): the chooser reads the current generation and returns
 the record it proposed; its own planning statistics are in :attr:`ShapeChooser.stats`.
 """
@@ -36,17 +37,18 @@ from lightning_parcae.planning.policy import DecisionOptions, ShapeDecider
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
 from lightning_parcae.runtime.config import RuntimeConfig
-from lightning_parcae.runtime.coordinator import Coordinator
+from lightning_parcae.runtime.coordinator import Coordinator, booting_key
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
-from lightning_parcae.runtime.liveness import notice_key, read_beats
+from lightning_parcae.runtime.liveness import notice_key, read_beats, read_notice
 from lightning_parcae.runtime.part import EventSink
+from lightning_parcae.runtime.store import TamperedRecordError
 from lightning_parcae.runtime.torch_internals import child
 
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-__all__ = ["ShapeChooser", "RUNTIME_CONSTANTS", "MEASURED_KEY"]
+__all__ = ["ShapeChooser", "RUNTIME_CONSTANTS", "MEASURED_KEY", "BATCH_GRACE_S"]
 
 log = logging.getLogger("lightning_parcae.elastic")
 
@@ -57,6 +59,19 @@ MEASURED_KEY = "parcae/measured"
 PROFILE_EVERY_S = 5.0
 """A planning interval republishes the measured profile at most this often unless a migration happened since (a
 new leader starts from it; the end of training saves it whole)."""
+
+
+BATCH_GRACE_S = 10.0
+"""At a plain planning interval the leader holds a ready standby back while a mate of its launch batch (the joiners
+``parcae run`` started for one trace event: ``parcae/booting/<member>``) still boots -- for at most this many
+seconds (the chooser's clock, i.e. real seconds, not trace time), counted from when the first of the batch was seen
+ready; then it admits what is ready. Why 10 s: the mates of the README's 2 -> 4 become ready 0.1 s apart on an idle
+machine and seconds apart under load (torch's import alone takes 4.5 s idle), so the grace must cover a few seconds
+of spread -- 10 s is five planning intervals of that job (2 s at ``--time-scale 30``); and it must stay below the
+time to the trace's next event (12 s there: 1,800,000 -> 2,160,000 ms at scale 30) and short against what the wait
+costs: the ready standby idles (it adds nothing until admitted anyway) while the job trains on in its current
+shape, against a second migration -- a repartition with every member stopped, and two warm-up steps -- that one
+admission of the whole batch saves."""
 
 
 RUNTIME_CONSTANTS = MigrationConstants(group_base_ms=30.0, join_ms=150.0, restart_ms=10000.0)
@@ -140,6 +155,9 @@ class ShapeChooser:
         self.exploration = ExplorationBudget(config.max_exploration_share)
         self._started: Optional[float] = None  # the first step boundary: training wall time counts from here
         self._try: Optional[_Try] = None  # the exploration try being accounted for
+        # launch batch -> when its first member was seen ready (None: its grace is over, it is never held again)
+        self._batch_ready_since: dict[str, Optional[float]] = {}
+        self._refused_notices: dict[str, bytes] = {}  # member -> the notice bytes refused (warned about once)
 
     def mark_step(self, generation: int, step: int) -> None:
         """A step boundary's work is done: the next step is timed from here (planning, agreement and migrations
@@ -472,8 +490,8 @@ class ShapeChooser:
         self._standby_seen.update({m: b for m, b in read_beats(self.store, new).items() if b is not None})
 
     def _standby_candidates(self) -> list[str]:
-        """Registered standbys that are not members of the current generation and have no preemption notice
-        (registry order, once each).
+        """Registered standbys that are not members of the current generation and have no valid preemption notice
+        (registry order, once each; a notice not signed with the job token is ignored: :meth:`_noticed`).
 
         Regression (the README's main job, slow suite): the trace removed a waiting standby (the launcher stops
         one at once: it holds no state) 0.4 s before a planning interval; its last heartbeat had moved since the
@@ -483,7 +501,102 @@ class ShapeChooser:
         """
         assert self.coord is not None and self.state.layout is not None and self.store is not None
         return [m for m in dict.fromkeys(self.coord.standbys())
-                if m not in self.state.layout.members and not self.store.check([notice_key(m)])]
+                if m not in self.state.layout.members and not self._noticed(m)]
+
+    def _noticed(self, member: str) -> bool:
+        """Whether ``member`` has a valid preemption notice (:func:`~.liveness.read_notice` with the job token).
+
+        A notice that fails verification (not signed with the job token, altered, or copied from another member's
+        key) is ignored -- never a reason to leave a standby out -- with a warning and a ``notice_refused`` event,
+        once per notice.
+
+        Regression: a bare existence check of the notice key let anyone who can write to the store (but does not
+        hold the job token) keep every standby out of the job, while the worker's own heartbeat thread ignored
+        the same forged notice.
+        """
+        assert self.store is not None
+        try:
+            return read_notice(self.store, member, self.config.token) is not None
+        except TamperedRecordError as exc:
+            raw: bytes = b""
+            try:
+                raw = bytes(self.store.get(notice_key(member)))
+            except Exception:  # noqa: BLE001 -- only for warning once per notice
+                pass
+            if self._refused_notices.get(member) != raw:
+                self._refused_notices[member] = raw
+                log.warning("ignoring the notice under %s for standby %s: %s", notice_key(member), member, exc)
+                self.event("notice_refused", about=member, key=notice_key(member), error=str(exc))
+            return False
+
+    def _booting_record(self, member: str) -> Optional[dict[str, Any]]:
+        """``member``'s launch-batch record (``parcae/booting/<member>``: ``{"batch", "members", "t"}``, written
+        by ``parcae run`` for the joiners of one trace event), or None: none, or one that fails verification."""
+        assert self.coord is not None
+        try:
+            rec = self.coord.get(booting_key(member))
+        except (TamperedRecordError, ValueError, UnicodeDecodeError) as exc:
+            log.warning("ignoring the launch-batch record %s: %s", booting_key(member), exc)
+            return None
+        return rec if isinstance(rec, dict) and rec.get("batch") is not None else None
+
+    def _batch_mate_booting(self, mate: str, ready: set[str]) -> bool:
+        """Whether ``mate`` (of a ready standby's launch batch) still boots: it is not ready, not a member of the
+        current generation, not under a (valid) notice and its booting record is there and not marked gone."""
+        assert self.state.layout is not None
+        if mate in ready or mate in self.state.layout.members or self._noticed(mate):
+            return False
+        rec = self._booting_record(mate)
+        return rec is not None and not rec.get("gone")
+
+    def _hold_for_batches(self, standbys: list[str]) -> list[str]:
+        """The ready ``standbys`` to admit at this plain planning interval: a standby whose launch batch (see
+        :data:`BATCH_GRACE_S`) has a mate still booting is held back -- the whole batch is then admitted at a
+        later interval in one generation -- until :data:`BATCH_GRACE_S` has passed since the first of its batch was
+        seen ready; then what is ready is admitted. A notice for the booting mate, its exit (its record marked
+        gone) or its admission end the wait. Each interval that holds someone back is an ``admission_held``
+        event (``members``, ``waiting_for``, ``batch``, ``waited_s``); the end of a grace with mates still booting
+        is an ``admission_grace_over`` event.
+
+        Only plain interval admissions wait (``decide`` with no one leaving): a standby that replaces a member
+        under notice never does. ``parcae agent`` starts one worker per machine and writes no batch records:
+        nothing of its job is ever held here.
+        """
+        if not standbys:
+            return standbys
+        now = self._clock()
+        ready = set(standbys)
+        admitted: list[str] = []
+        held: dict[str, tuple[list[str], list[str], float]] = {}  # batch -> (held, waiting for, waited_s)
+        for m in standbys:
+            rec = self._booting_record(m)
+            if rec is None:
+                admitted.append(m)
+                continue
+            batch = str(rec["batch"])
+            if batch not in self._batch_ready_since:
+                self._batch_ready_since[batch] = now
+            since = self._batch_ready_since[batch]
+            mates = [x for x in dict.fromkeys(str(x) for x in rec.get("members") or []) if x != m]
+            booting = [x for x in mates if self._batch_mate_booting(x, ready)] if since is not None else []
+            if not booting:
+                admitted.append(m)
+                continue
+            assert since is not None
+            if now - since >= BATCH_GRACE_S:
+                self._batch_ready_since[batch] = None  # its grace is over: never held again
+                self.event("admission_grace_over", batch=batch, members=[m], waiting_for=booting,
+                           waited_s=round(now - since, 3), grace_s=BATCH_GRACE_S)
+                admitted.append(m)
+                continue
+            entry = held.setdefault(batch, ([], booting, round(now - since, 3)))
+            entry[0].append(m)
+        for batch, (members, waiting, waited) in held.items():
+            log.info("holding standbys %s back for their launch batch %s: %s still booting (%.1f s of %.0f s)",
+                     members, batch, waiting, waited, BATCH_GRACE_S)
+            self.event("admission_held", batch=batch, members=members, waiting_for=waiting, waited_s=waited,
+                       grace_s=BATCH_GRACE_S)
+        return admitted
 
     def partition_for(self, p: int) -> list[int]:
         s = self.host
@@ -501,12 +614,19 @@ class ShapeChooser:
         """Leader: choose the next generation and publish it (None: keep the current one).
 
         ``admit=False`` leaves standbys out (a validation runs right after this step: see
-        :meth:`~lightning_parcae.runtime.host.TrainingHost.validation_follows`).
+        :meth:`~lightning_parcae.runtime.host.TrainingHost.validation_follows`). At a plain planning interval
+        (``leaving`` empty) a ready standby whose launch batch still boots is held back
+        (:meth:`_hold_for_batches`); a notice's decision (``leaving`` names the noticed members) admits every
+        ready standby at once: it replaces members that are going away. (Recovery after a loss does not come
+        here: it chooses the survivors' shape through :meth:`choose`.)
         """
         assert self.state.layout is not None and self.coord is not None
         leaving = list(leaving)
         old = self.state.layout
         standbys = self._fresh_standbys() if admit else []
+        if not leaving:
+            # a plain interval admission waits for booting batch-mates (never a notice's: it replaces a leaver)
+            standbys = self._hold_for_batches(standbys)
         staying = [m for m in old.members if m not in leaving]
         avail = staying + standbys
         cur = (old.data_parallel, old.pipeline_stages)
