@@ -67,11 +67,15 @@ class FakeStore:
         self.url, self.token = "tcp://127.0.0.1:1", "secret"
         self.published: list[tuple[str, dict[str, Any]]] = []
         self.fail = fail
+        self.layout: Optional[dict[str, Any]] = None  # what current_layout returns (a test sets it)
 
     def publish(self, key: str, record: dict[str, Any]) -> None:
         if self.fail:
             raise OSError("store down")
         self.published.append((key, dict(record)))
+
+    def current_layout(self) -> Optional[dict[str, Any]]:
+        return self.layout
 
 
 class EventLog:

@@ -112,7 +112,7 @@ def test_main_job_shows_a_pipeline_and_every_migration_kind(tmp_path: Path):
     run_dir = tmp_path / "out"
     out = subprocess.run(
         [sys.executable, "-m", "lightning_parcae.launch.run", "--instances", "4", "--trace",
-         str(ROOT / "examples" / "gpt" / "every_kind.csv"), "--victims", "random", "--seed", "1", "--time-scale", "30",
+         str(ROOT / "examples" / "gpt" / "every_kind.csv"), "--victims", "stage", "--time-scale", "30",
          "--emulated-devices", "--pipeline-stages", "2", "--run-dir", str(run_dir), "--progress-every", "10",
          "--no-plot", "--", sys.executable, str(ROOT / "examples" / "gpt" / "train.py"), "--config",
          str(ROOT / "examples" / "gpt" / "spot.yaml")],

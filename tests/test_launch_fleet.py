@@ -93,6 +93,26 @@ def test_random_spreads_losses_over_members_not_by_age() -> None:
     assert min(counts) > 60, counts
 
 
+def test_stage_removes_standbys_then_the_last_stages_holders_so_a_drop_of_d_empties_a_stage() -> None:
+    """``--victims stage`` (the README's job): from 2x2 (ranks i0 i1 / i2 i3, stage = rank % 2) a drop of two takes
+    both holders of the last stage -- an inter-stage migration every run. With ``--victims random`` whether the
+    drop emptied a stage or a pipeline depended on where the profile's repartition had seated the victims, so the
+    every-kind README test saw no inter-stage change in some runs."""
+    f = _fleet("stage", standbys=(4,))
+    f.store.layout = {"members": ["i0", "i1", "i2", "i3"], "partition": [5, 6]}
+    order = f.removal_order(list(range(6)))
+    assert order[0] == 4  # the idle standby first
+    assert order[1:3] == [3, 1]  # the last stage's holders, newest first
+    assert order[3:5] == [2, 0]  # then the first stage's
+    assert order[5] == 5  # training but not in that layout (it sorts after the layout's members)
+
+
+def test_stage_without_a_layout_in_the_store_removes_the_newest_members() -> None:
+    f = _fleet("stage", standbys=(1,))
+    f.store.layout = None
+    assert f.removal_order(list(range(6))) == [1, 5, 4, 3, 2, 0]
+
+
 def test_victims_option_is_parsed_and_bad_values_rejected(capsys) -> None:
     cfg = _config(["--instances", "2", "--victims", "random", "--seed", "3", "--", "python", "x.py"])
     assert (cfg.victims, cfg.seed) == ("random", 3)

@@ -18,3 +18,25 @@ def test_a_hosted_store_has_a_loopback_url_a_token_and_takes_signed_records() ->
     finally:
         js.close()
     assert js.store is None
+
+
+def test_current_layout_is_the_newest_started_generations_and_none_before_or_if_forged() -> None:
+    from lightning_parcae.runtime.coordinator import Coordinator, genrec_key
+
+    js = JobStore("127.0.0.1", None, timeout_s=10.0)
+    js.open()
+    try:
+        assert js.current_layout() is None  # no generation yet
+        coord = Coordinator(js.store, js.token)
+        layout = {"members": ["i0", "i1", "i2", "i3"], "partition": [5, 6]}
+        coord.put(genrec_key(0), {"generation": 0, "layout": {"members": ["i0", "i1"], "partition": [11]}})
+        coord.put(genrec_key(1), {"generation": 1, "layout": layout})
+        coord.set_current(0)
+        assert js.current_layout() == {"members": ["i0", "i1"], "partition": [11]}
+        coord.set_current(1)
+        assert js.current_layout() == layout
+        js.store.set(genrec_key(1), b'{"generation": 1, "layout": {"members": ["x"], "partition": [11]}}')
+        assert js.current_layout() is None  # not signed with the job token: not read
+    finally:
+        js.close()
+    assert js.current_layout() is None

@@ -343,9 +343,9 @@ class Fleet:
     def removal_order(self, ids: list[int]) -> list[int]:
         """Instances in the order the trace removes them: those not training in the job (standbys, including
         members released by a shape change and restarted) before members; within each, newest first
-        (``--victims newest``) or in a seeded random order (``--victims random``: a spot provider does not pick
+        (``--victims newest``), in a seeded random order (``--victims random``: a spot provider does not pick
         by age, so a drop can take any stage -- two at once can leave a stage short, the case an inter-stage
-        migration repairs).
+        migration repairs) or the holders of the last stage first (``--victims stage``: :meth:`_stage_order`).
 
         Regression: a member released by a 4 -> 2 shape change restarts as a standby under its *old* instance
         number, so "newest first" noticed an older training member while the restarted standby (still importing,
@@ -365,12 +365,36 @@ class Fleet:
             forming = not (w.joiner or w.candidate) and self.reports.phases.get(w.member) in (None, "starting")
             return self.reports.trains(w) or forming
 
+        if self.cfg.victims == "stage":
+            stage = self._stage_order()
+            return sorted(ids, key=lambda k: (member(k), stage(k), -k))
         if self.cfg.victims == "random":
             shuffled = sorted(ids)
             self._victim_rng.shuffle(shuffled)
             rank = {k: i for i, k in enumerate(shuffled)}
             return sorted(ids, key=lambda k: (member(k), rank[k]))
         return sorted(ids, key=lambda k: (member(k), -k))
+
+    def _stage_order(self) -> Callable[[int], int]:
+        """For ``--victims stage``: instance -> its place in the removal order by pipeline stage (0: it holds the
+        last stage of the newest started generation; 1: the stage before; ...; instances outside that layout
+        last), from the generation's record in the store.
+
+        Regression (the README's main job in the slow suite): with ``--victims random`` the trace's drop of two
+        from 2x2 took i0 and i3, and whether they held one stage (an inter-stage migration) or one pipeline (an
+        intra-stage one) depended on where the measured profile's repartition had seated them -- so which
+        migration kinds the job showed changed from run to run.
+        """
+        layout = self.store.current_layout()
+        members = list(layout["members"]) if layout else []
+        p = len(layout["partition"]) if layout else 1
+        place = {m: p - 1 - r % p for r, m in enumerate(members)}
+
+        def order(k: int) -> int:
+            w = self.instances.get(k)
+            return place.get(w.member, p) if w is not None else p
+
+        return order
 
     def change(self, target: int) -> None:
         """The trace moved to ``target`` instances: notice some (:meth:`removal_order`), or start joiners."""

@@ -25,6 +25,10 @@ class StoreLink(Protocol):
     def publish(self, key: str, record: Mapping[str, Any]) -> None:
         """Write a record signed with the job token."""
 
+    def current_layout(self) -> Optional[dict[str, Any]]:
+        """The layout (``{"members", "partition"}``) of the newest started generation, or None (none yet, or
+        the store does not answer)."""
+
 
 class JobStore:
     """The run's store, its URL and the job token; owned by the :class:`~.run.Launcher`, which opens and closes it.
@@ -74,6 +78,24 @@ class JobStore:
         from lightning_parcae.runtime.store import publish  # noqa: PLC0415
 
         publish(self.store, key, record, self.token)
+
+    def current_layout(self) -> Optional[dict[str, Any]]:
+        """The layout (``{"members": [...], "partition": [...]}``, members in rank order ``replica * P + stage``)
+        of the newest started generation, read from its signed record; None before the first generation, without
+        a store, or when the store does not answer or the record does not verify (the caller then orders
+        without it)."""
+        from lightning_parcae.runtime.coordinator import Coordinator  # noqa: PLC0415
+
+        if self.store is None:
+            return None
+        try:
+            coord = Coordinator(self.store, self.token)
+            g = coord.current()
+            rec = coord.generation(g) if g >= 0 else None
+        except Exception:  # noqa: BLE001 -- a store hiccup: the caller orders without the layout
+            return None
+        layout = rec.get("layout") if isinstance(rec, dict) else None
+        return layout if isinstance(layout, dict) and layout.get("members") and layout.get("partition") else None
 
     def close(self) -> None:
         """Drop the store client (a hosted store stops with it)."""

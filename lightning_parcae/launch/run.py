@@ -79,7 +79,7 @@ from lightning_parcae.signals.traces import scale_counts
 __all__ = ["build_parser", "main", "RunConfig", "RunFailed", "Launcher", "host_capacity", "scale_counts",
            "initial_members", "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
-VICTIM_ORDERS = ("newest", "random")
+VICTIM_ORDERS = ("newest", "random", "stage")
 """``--victims``: which training members a trace's drop removes (idle standbys always go first)."""
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -117,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preemption notice period in trace seconds, divided by --time-scale (default 120, AWS)")
     p.add_argument("--victims", choices=VICTIM_ORDERS, default="newest",
                    help="which instances a trace's drop removes (always idle standbys first, then training "
-                   "members): 'newest' (default; reproducible) or 'random' (seeded by --seed: the provider picks, "
-                   "as a spot market does, so losses fall on any stage)")
+                   "members): 'newest' (default; reproducible), 'random' (seeded by --seed: the provider picks, "
+                   "as a spot market does, so losses fall on any stage) or 'stage' (the holders of the last "
+                   "pipeline stage first, newest first among them: a drop of D or more empties a stage, the "
+                   "worst case for a pipeline; the README's job)")
     p.add_argument("--seed", type=int, default=0, help="seed of --victims random (default 0)")
     p.add_argument("--max-instances", type=int, default=None,
                    help="the trace's peak count is scaled down to this many instances (default --instances)")
