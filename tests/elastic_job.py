@@ -11,6 +11,9 @@ Options the chaos harness draws from (``tests/chaos``): ``--optimizer adam|sgd``
 drops a trailing partial batch too) and ``--after-fit`` (what a script does after ``fit``: ``save_checkpoint``,
 ``validate``, ``test`` and ``predict``; their results go to ``<out>/after_<member>.json``).
 ``--max-stage-memory-bytes`` gives the strategy a per-stage memory limit (the reference ignores it).
+``--outside`` puts an input layer before the stack and a head after it (outside ``net``): under a pipeline they
+belong to the first and the last stage and move with layer 0 and the last layer; each process's final parameters
+leave out what it does not hold.
 """
 
 from __future__ import annotations
@@ -43,12 +46,19 @@ class Indexed(Dataset):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, hidden: int = 16, optimizer: str = "adam", blocks: bool = False) -> None:
+    def __init__(self, hidden: int = 16, optimizer: str = "adam", blocks: bool = False,
+                 outside: bool = False) -> None:
         super().__init__()
         self.optimizer_name = optimizer
         torch.manual_seed(3)
         h = hidden
-        if blocks:  # 4 layers, each with parameters: any P <= 3 gives every stage something to optimize
+        self.inp: nn.Module = nn.Identity()
+        self.head: nn.Module = nn.Identity()
+        if outside:  # the stack holds the hidden layers only; the input layer and the head are outside it
+            self.inp = nn.Linear(8, h)
+            self.net = nn.Sequential(*[nn.Sequential(nn.Linear(h, h), nn.Tanh()) for _ in range(4)])
+            self.head = nn.Linear(h, 2)
+        elif blocks:  # 4 layers, each with parameters: any P <= 3 gives every stage something to optimize
             self.net = nn.Sequential(nn.Sequential(nn.Linear(8, h), nn.Tanh()), nn.Sequential(nn.Linear(h, h),
                                      nn.Tanh()), nn.Sequential(nn.Linear(h, h), nn.Tanh()), nn.Linear(h, 2))
         else:
@@ -56,7 +66,7 @@ class Net(pl.LightningModule):
                                      nn.Tanh(), nn.Linear(h, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        return self.head(self.net(self.inp(x)))
 
     def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
@@ -137,6 +147,7 @@ def main() -> None:
     ap.add_argument("--after-fit", action="store_true", help="save_checkpoint/validate/test/predict after fit")
     ap.add_argument("--stall-s", type=float, default=120.0, help="progress watchdog bound (seconds)")
     ap.add_argument("--blocks", action="store_true", help="Linear+Tanh blocks as layers (no parameter-free stage)")
+    ap.add_argument("--outside", action="store_true", help="an input layer and a head outside the layer stack")
     ap.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     ap.add_argument("--max-stage-memory-bytes", type=int, default=None,
                     help="the strategy's per-stage memory limit: below the whole model's it rules out P=1 (a model "
@@ -147,7 +158,7 @@ def main() -> None:
     loader = DataLoader(Indexed(args.samples), batch_size=args.batch_size, shuffle=True,
                         generator=torch.Generator().manual_seed(11), drop_last=args.drop_last)
     val = DataLoader(Indexed(48), batch_size=12) if args.val_every else None
-    model = Net(args.hidden, args.optimizer, args.blocks)
+    model = Net(args.hidden, args.optimizer, args.blocks, args.outside)
     common = dict(accelerator="cpu", max_steps=args.max_steps, max_epochs=-1, logger=False,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   accumulate_grad_batches=args.accumulate)
@@ -174,7 +185,9 @@ def main() -> None:
     trainer = pl.Trainer(devices=devices, strategy=strategy, callbacks=callbacks, **common)
     trainer.fit(model, loader, val, ckpt_path=resume_path())
     er = strategy.elastic_runtime
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    from lightning_parcae.runtime.stage import is_released
+
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict(keep_vars=True).items() if not is_released(v)}
     torch.save(state, os.path.join(args.out, f"final_{er.member}.pt"))
     if args.after_fit:  # what a Lightning script does next; must work after any number of reconfigurations
         after: dict = {}

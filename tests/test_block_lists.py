@@ -8,6 +8,7 @@ with plain single-process Lightning (``strategy="auto"``) in the same test.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +24,10 @@ from lightning_parcae.runtime.stage import cut_stage, locate_layer_stack
 JOB = Path(__file__).parent / "adoption" / "blocks_job.py"
 
 
-def _job(tmp_path: Path, variant: str, p: int, d: int) -> tuple[int, dict, Path]:
-    out = tmp_path / f"{variant}-{p}x{d}.json"
+def _job(tmp_path: Path, variant: str, p: int, d: int, tag: str = "", **env: str) -> tuple[int, dict, Path]:
+    out = tmp_path / f"{variant}-{p}x{d}{tag}.json"
     proc = subprocess.run([sys.executable, str(JOB), variant, str(p), str(d), str(out)], capture_output=True,
-                          text=True, timeout=400, cwd=tmp_path)
+                          text=True, timeout=400, cwd=tmp_path, env={**os.environ, **env})
     return proc.returncode, (json.loads(out.read_text()) if out.exists() else {"stderr": proc.stderr[-3000:]}), \
         Path(str(out) + ".ckpt")
 
@@ -65,6 +66,68 @@ def test_block_list_with_mask_pipelines_like_one_process(tmp_path: Path) -> None
 def test_block_list_pipelines_like_one_process_if_shape_and_block_output_vary(tmp_path: Path, variant: str, p: int,
                                                                               d: int) -> None:
     _parity(tmp_path, variant, p, d)
+
+
+def _outside_held(tmp_path: Path, variant: str, p: int, d: int) -> list[dict]:
+    """Per rank: the keys outside the block list with storage, with optimizer state and with a gradient."""
+    return [json.loads((tmp_path / f"{variant}-{p}x{d}.json.rank{r}.json").read_text()) for r in range(p * d)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_outside_parts_are_held_by_the_first_and_last_stage_only_and_training_equals_one_process(
+        tmp_path: Path) -> None:
+    """Issue 22: the embedding rides with the first stage and the final norm and head with the last -- the other
+    stages keep no storage and no optimizer state for them -- and training still equals one process."""
+    _parity(tmp_path, "mask", 2, 1)
+    first, last = _outside_held(tmp_path, "mask", 2, 1)
+    assert first["stored"] == ["pos", "tok.weight"] == first["optimized"]
+    assert last["stored"] == ["head.bias", "head.weight", "ln_f.bias", "ln_f.weight"] == last["optimized"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_tied_embedding_is_one_parameter_held_by_both_ends_at_p3_and_training_equals_one_process(
+        tmp_path: Path) -> None:
+    """Issue 22: the head's weight is the token embedding's; at P = 3 the first and the last stage hold it (its
+    gradient summed between the two), the middle stage holds no outside part at all, and the parameters equal one
+    process's."""
+    _parity(tmp_path, "tied", 3, 1)
+    first, middle, last = _outside_held(tmp_path, "tied", 3, 1)
+    assert first["stored"] == ["head.weight", "pos", "tok.weight"]
+    assert middle["stored"] == [] and middle["optimized"] == []
+    assert last["stored"] == ["head.weight", "ln_f.bias", "ln_f.weight", "tok.weight"]
+    assert "tok.weight" in first["optimized"] and "tok.weight" in last["optimized"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_checkpoint_saved_at_p2_resumes_at_p1_and_one_saved_at_p1_resumes_at_p2(tmp_path: Path) -> None:
+    """Issue 22: with the embedding and the head on different stages the checkpoint is still complete (gathered
+    from their holders) and loads into any layout: P = 2's at P = 1, P = 1's (every key, like a checkpoint written
+    before the outside parts had owners) at P = 2 -- both resumed runs end with the same parameters."""
+    rc, res, at_p2 = _job(tmp_path, "tied", 2, 1)
+    assert rc == 0, res
+    rc, res, at_p1 = _job(tmp_path, "tied", 1, 1, BLOCKS_PARCAE="1")
+    assert rc == 0, res
+    rc, res, p2_to_p1 = _job(tmp_path, "tied", 1, 1, "-resumed", BLOCKS_PARCAE="1", BLOCKS_RESUME=str(at_p2),
+                             BLOCKS_STEPS="18")
+    assert rc == 0, res
+    rc, res, p1_to_p2 = _job(tmp_path, "tied", 2, 1, "-resumed", BLOCKS_RESUME=str(at_p1), BLOCKS_STEPS="18")
+    assert rc == 0, res
+    got = torch.load(p1_to_p2, weights_only=True)
+    want = torch.load(p2_to_p1, weights_only=True)
+    assert got["global_step"] == want["global_step"] == 18
+    assert _max_rel(got["state_dict"], want["state_dict"]) < 1e-5
+    names = set(got["state_dict"]) - {"head.weight"}  # tied: one parameter, named once in the optimizer state
+    assert set(got["optimizer_states"][0]["state"]) == names == set(want["optimizer_states"][0]["state"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_tied_embedding_trains_like_one_process_with_replicas(tmp_path: Path) -> None:
+    _parity(tmp_path, "tied", 2, 2)
 
 
 @pytest.mark.slow

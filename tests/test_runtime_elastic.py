@@ -222,16 +222,21 @@ def test_elastic_saves_a_checkpoint_before_stopping_if_every_member_gets_a_notic
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("outside", [False, True], ids=["stack-only", "outside-parts"])
 def test_elastic_moves_a_survivor_to_another_stage_if_every_replica_of_that_stage_gets_a_notice(
-    tmp_path: Path,
+    tmp_path: Path, outside: bool,
 ) -> None:
     """Inter-stage migration: (2,2) + a standby; both stage-1 members get notices at the same step boundary and
     the operator asks for (1,2). The planner prefers a survivor over the joiner, so a stage-0 survivor takes stage 1
-    (weights + Adam state from the leaving members) -- checked against the uninterrupted run like everything else."""
+    (weights + Adam state from the leaving members) -- checked against the uninterrupted run like everything else.
+    With ``outside-parts`` (issue 22) the model has an input layer before the stack and a head after it: the head
+    rides with the last layer, so the survivor that becomes the last stage receives it (and its Adam state) with that
+    layer and gives up the input layer it held as stage 0 -- the new stage 0 keeps its own."""
     from lightning_parcae.runtime.coordinator import Coordinator
     from lightning_parcae.runtime.store import connect_store
 
     args = ["--max-steps", "14", "--pipeline-stages", "2", "--interval-steps", "0", "--delay", "1.0"]
+    args += ["--outside"] if outside else []
     job = ElasticJob(tmp_path / "job", args)
     try:
         job.start(4)  # m0 (r0 s0), m1 (r0 s1), m2 (r1 s0), m3 (r1 s1)
@@ -253,6 +258,10 @@ def test_elastic_moves_a_survivor_to_another_stage_if_every_replica_of_that_stag
     kinds = _kinds(job)
     assert "inter-stage" in kinds, f"migration kinds: {kinds}"
     _assert_invariant(job, tmp_path, args, 14)
+    if outside:  # each process kept only its stage's outside parts; the holders of the head changed
+        finals = job.finals()
+        held = {m: sorted(k for k in sd if not k.startswith("net.")) for m, sd in finals.items()}
+        assert sorted(held.values()) == [["head.bias", "head.weight"], ["inp.bias", "inp.weight"]], held
 
 
 def _wait_standby(job: ElasticJob, member: str, timeout: float = 120.0) -> None:

@@ -64,6 +64,9 @@ class _Host:
     def layer_key(self, name: str) -> str:
         return f"net.{name}"
 
+    def outside_keys_of(self, index: int) -> list[str]:
+        return []  # nothing outside the stack
+
     def apply_layout(self, trainer: Any, layout: Layout, generation: int, received: Any, group_of: Any) -> None:
         if self.fail_apply:
             if self.fail_apply.startswith("lost:"):  # a peer lost while the new groups were built

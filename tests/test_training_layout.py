@@ -13,6 +13,7 @@ from torch import nn
 from lightning_parcae.errors import ModelLayoutError
 from lightning_parcae.runtime.migration import layer_payload
 from lightning_parcae.runtime.pipeline import StageProxy
+from lightning_parcae.runtime.stage import is_released
 from lightning_parcae.training.layout import StageLayout, named_layers
 from lightning_parcae.training.options import StrategyOptions
 from lightning_parcae.training.stage_state import StageState
@@ -125,8 +126,8 @@ def _payloads(sender: nn.Module, layers: list[int]) -> dict[int, Any]:
 
 
 def _storage_bytes(layer: nn.Module) -> int:
-    """Bytes of ``layer``'s parameters and buffers that have storage (not ``meta``)."""
-    return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()] if not t.is_meta)
+    """Bytes of ``layer``'s parameters and buffers that have storage (not ``meta``, not a stand-in)."""
+    return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()] if not is_released(t))
 
 
 def test_apply_installs_the_new_groups_and_holds_the_new_partitions_layers() -> None:
@@ -193,3 +194,112 @@ def test_named_layers_lists_a_module_registered_twice_twice() -> None:
     seq = nn.Sequential(shared, nn.ReLU(), shared)
     assert [n for n, _ in named_layers(seq)] == ["0", "1", "2"]
     assert [n for n, _ in seq.named_children()] == ["0", "1"]  # why the layout does not use named_children
+
+
+# ------------------------------------------------------------------------------------ parts outside the stack (issue 22)
+class OutsideNet(nn.Module):
+    """An embedding-like input layer before the stack, a head after it; ``tied``: the head's weight is the input
+    layer's (transposed shapes agree: 2x2)."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(2, 2)
+        self.net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+        self.head = nn.Linear(2, 2)
+        if tied:
+            self.head.weight = self.inp.weight
+
+
+class FakeProfiler:
+    """Classifies the outside parts as the real profiler does for OutsideNet (no step is run)."""
+
+    block_arity = None
+
+    def __init__(self, tied: bool = False) -> None:
+        self.classes = {"inp.weight": "pre", "inp.bias": "pre", "head.weight": "post", "head.bias": "post"}
+        if tied:
+            self.classes.update({"inp.weight": "both", "head.weight": "both"})
+
+    def classify_outside(self, trainer: Any, stack: nn.Module) -> Any:
+        from lightning_parcae.training.profiling import OutsideParts
+
+        return OutsideParts(dict(self.classes), 0.5, 2.0)
+
+    def profile(self, trainer: Any, stack: nn.Module) -> list[float]:
+        return [1.0] * len(stack)
+
+
+def _outside_layout(stage: int, stages: int = 2, tied: bool = False,
+                    balance: Optional[list[int]] = None) -> tuple[OutsideNet, StageLayout, StageState]:
+    module = OutsideNet(tied)
+    layout, state = _layout(module, FakeGroups(stages, stages, stage=stage), FakeProfiler(tied),
+                            balance=balance or [4 // stages] * stages, pipeline_stages=stages)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    return module, layout, state
+
+
+def test_the_first_stage_holds_the_input_layer_and_the_last_the_head_and_nothing_else_of_the_outside() -> None:
+    first, _, s0 = _outside_layout(0)
+    last, _, s1 = _outside_layout(1)
+    assert _storage_bytes(first.inp) == 6 * 4 and _storage_bytes(first.head) == 0
+    assert _storage_bytes(last.inp) == 0 and _storage_bytes(last.head) == 6 * 4
+    assert s0.stage_key_set() == {"net.0.weight", "net.0.bias", "net.1.weight", "net.1.bias", "inp.weight",
+                                  "inp.bias"}
+    assert {"head.weight", "head.bias"} <= s1.stage_key_set() and s1.is_stage_key("inp.weight")
+    # a released part keeps its shape, dtype and requires_grad, and runs (a stand-in gives zeros of the right shape)
+    assert last.inp.weight.shape == (2, 2) and last.inp.weight.requires_grad
+    assert torch.equal(last.inp(torch.ones(3, 2)), torch.zeros(3, 2))
+
+
+def test_a_tied_outside_weight_has_storage_on_both_ends_and_none_in_the_middle() -> None:
+    ends = [_outside_layout(s, stages=3, tied=True, balance=[1, 2, 1])[0] for s in (0, 2)]
+    middle, _, state = _outside_layout(1, stages=3, tied=True, balance=[1, 2, 1])
+    for m in ends:
+        assert m.head.weight is m.inp.weight and not is_released(m.inp.weight)
+    assert _storage_bytes(middle.inp) == 0 and _storage_bytes(middle.head) == 0 and state.held_outside() == set()
+    assert middle.head.weight is middle.inp.weight  # one logical parameter, also as a stand-in
+
+
+def test_the_partitioner_counts_the_outside_parts_on_the_first_and_the_last_layer() -> None:
+    module = OutsideNet()
+    layout, state = _layout(module, FakeGroups(2, 2), FakeProfiler(), pipeline_stages=2)
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    assert state.layer_times == [1.5, 1.0, 1.0, 3.0]  # the profile plus the outside parts' measured seconds
+    assert state.partition == [3, 1]  # the head makes the last layer the heaviest: [2, 2] without it
+    assert layout.outside_memory(state.post_keys) == 6 * 4 * 4  # params + grads + Adam's two moments
+
+
+def test_a_migration_that_makes_this_process_the_last_stage_moves_the_head_in_and_the_input_layer_out() -> None:
+    module, layout, state = _outside_layout(0)
+    sender = OutsideNet()
+    received = {i: layer_payload(sender, f"net.{i}", [], state.outside_keys_of(i)) for i in (2, 3)}
+    assert set(received[3]["tensors"]) == {"net.3.weight", "net.3.bias", "head.weight", "head.bias"}
+    kept = module.net[1].weight.detach().clone()
+    layout.apply([1, 3], FakeGroups(2, 2, stage=1), received=received, group_of=[])  # type: ignore[arg-type]
+    assert torch.equal(module.head.weight, sender.head.weight) and torch.equal(module.head.bias, sender.head.bias)
+    assert _storage_bytes(module.inp) == 0 and torch.equal(state.full_stack[1].weight, kept)  # type: ignore[index]
+    assert state.held_outside() == {"head.weight", "head.bias"}
+
+
+def test_a_migration_without_the_heads_payload_is_an_error_not_a_stale_head() -> None:
+    _, layout, state = _outside_layout(0)
+    received = {i: layer_payload(OutsideNet(), f"net.{i}", []) for i in (2, 3)}  # the head left out
+    with pytest.raises(RuntimeError, match=r"received no state for 2 of their tensors \(e.g. \['head.bias'"):
+        layout.apply([1, 3], FakeGroups(2, 2, stage=1), received=received, group_of=[])  # type: ignore[arg-type]
+
+
+def test_only_a_holder_can_send_an_outside_part_with_its_layer() -> None:
+    _, _, state = _outside_layout(0)
+    last, _, _ = _outside_layout(1)
+    with pytest.raises(ValueError, match=r"cannot send \['inp.bias', 'inp.weight'\] with layer 'net.0'"):
+        layer_payload(last, "net.0", [], state.outside_keys_of(0))
+
+
+def test_a_joiner_adopts_the_outside_classes_and_holds_only_its_stages_parts() -> None:
+    module = OutsideNet()
+    state = StageState()
+    layout = StageLayout(state, _options(), FakeHost(module), None)  # type: ignore[arg-type]
+    layout.adopt_admitted([2, 2], "net", ["0", "1", "2", "3"], [0.5] * 4, FakeProfiler().classes)
+    layout.use_groups(FakeGroups(2, 2, stage=1))  # type: ignore[arg-type]
+    layout.place(trainer=None, joining=True)  # type: ignore[arg-type]
+    assert _storage_bytes(module.inp) == 0 and _storage_bytes(module.head) == 6 * 4

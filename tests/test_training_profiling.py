@@ -62,3 +62,104 @@ def test_profile_times_every_layer_of_a_sequential() -> None:
     module = Net()
     times = _profiler(module, "net", ["0", "1", "2"]).profile(trainer=None, stack=module.net)  # type: ignore[arg-type]
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+# ------------------------------------------------------------------------------------ parts outside the stack (issue 22)
+class LM(nn.Module):
+    """A tiny block-list LM whose ``training_step`` the classification runs (no Lightning needed).
+
+    ``how``: ``plain`` (embedding -> blocks -> norm + head), ``tied`` (the head is the embedding), ``value_mask``
+    (the blocks' mask is computed from the embedding's *values*: no gradient path, only the value check sees it),
+    ``grad_arg`` (a learned bias outside the stack is a block argument), ``frozen`` (the embedding does not train),
+    ``eval_only`` (a parameter only validation uses).
+    """
+
+    def __init__(self, how: str = "plain") -> None:
+        super().__init__()
+        self.how = how
+        self.tok = nn.Embedding(8, 4)
+        self.bias = nn.Parameter(torch.zeros(4))
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.eval_head = nn.Linear(4, 8)
+        self.register_buffer("scale", torch.ones(4))  # a buffer of the root (no parameters of its own there)
+        if how == "tied":
+            self.head.weight = self.tok.weight
+        if how == "frozen":
+            self.tok.weight.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        mask = (x.abs().sum(-1, keepdim=True) > 1.0).float() if self.how == "value_mask" else None
+        for block in self.blocks:
+            if mask is not None:
+                x = block(x, mask)
+            elif self.how == "grad_arg":
+                x = block(x, self.bias)
+            else:
+                x = block(x)
+        return self.head(self.norm(x) * self.scale)
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return nn.functional.cross_entropy(self(ids).flatten(0, 1), ids.flatten())
+
+
+class ArgBlock(nn.Linear):
+    def forward(self, x: torch.Tensor, extra: object = None) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(x)
+        return out * extra if isinstance(extra, torch.Tensor) and extra.shape[-1] == 1 else \
+            out + (extra if isinstance(extra, torch.Tensor) else 0)
+
+
+def _classify(how: str) -> tuple[LM, dict[str, str]]:
+    torch.manual_seed(0)
+    module = LM(how)
+    module.blocks = nn.ModuleList([ArgBlock(4, 4) for _ in range(3)])
+    profiler = _profiler(module, "blocks", ["0", "1", "2"])
+    batch = (torch.randint(0, 8, (2, 5)),)
+    profiler._sample_batch = lambda trainer: batch  # type: ignore[method-assign]
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in module.named_parameters()}
+    parts = profiler.classify_outside(None, module.blocks)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())  # the trace changes nothing
+    assert flags == {n: p.requires_grad for n, p in module.named_parameters()}
+    assert all(p.grad is None for p in module.parameters())
+    return module, parts.classes
+
+
+def test_the_embedding_belongs_to_the_first_stage_and_the_norm_and_head_to_the_last() -> None:
+    _, classes = _classify("plain")
+    assert classes == {"tok.weight": "pre", "norm.weight": "post", "norm.bias": "post", "head.weight": "post"}
+    # not placed, so kept on every stage: an unused parameter (bias), one only validation uses (eval_head), and a
+    # buffer of a module without parameters of its own (scale)
+
+
+def test_a_tied_input_and_output_embedding_belongs_to_both_ends() -> None:
+    _, classes = _classify("tied")
+    assert classes["tok.weight"] == classes["head.weight"] == "both" and classes["norm.weight"] == "post"
+
+
+def test_a_frozen_embedding_is_classified_like_a_trained_one() -> None:
+    _, classes = _classify("frozen")
+    assert classes["tok.weight"] == "pre"
+
+
+def test_a_part_the_blocks_arguments_depend_on_is_replicated() -> None:
+    _, classes = _classify("grad_arg")
+    assert "bias" not in classes and classes["tok.weight"] == "pre"
+
+
+def test_a_part_the_blocks_arguments_depend_on_by_value_only_is_replicated() -> None:
+    """The mask comes from the embedding's values (no gradient path): a stage with a stand-in embedding would
+    compute another mask, which the replay as a middle / last stage sees."""
+    _, classes = _classify("value_mask")
+    assert "tok.weight" not in classes and classes["head.weight"] == "post"
+
+
+def test_nothing_is_placed_without_a_sample_step() -> None:
+    module = LM()
+    profiler = _profiler(module, "blocks", ["0", "1", "2"])
+    profiler._sample_batch = lambda trainer: None  # type: ignore[method-assign]
+    assert profiler.classify_outside(None, module.blocks).classes == {}

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.runtime.stage import is_released
 
 __all__ = [
     "to_cpu",
@@ -121,7 +122,7 @@ def load_named_optimizer_state(optimizer: Optimizer, module: nn.Module, named: M
         new_groups.append(g)
         for p, idx in zip(group["params"], cur["params"]):
             st = named["state"].get(names[id(p)])
-            if st is not None:
+            if st is not None and not is_released(p):  # no state for a part another stage holds
                 new_state[idx] = dict(st)
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
 

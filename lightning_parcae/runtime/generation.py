@@ -157,7 +157,8 @@ class GenerationRecords:
             "generation": generation, "kind": kind, "step": int(step), "layout": layout.to_json(),
             "D": layout.data_parallel, "P": layout.pipeline_stages, "stack_path": s.stack_path,
             "layer_names": list(s.layer_names), "layer_times": [float(t) for t in s.layer_times],
-            "layer_bytes": self.layer_bytes(), "time": time.time(), **extra,
+            "layer_bytes": self.layer_bytes(), "time": time.time(),
+            "outside": dict(getattr(s, "outside_parts", None) or {}), **extra,
         }
         if plan is not None:
             rec["plan"] = plan.to_json()

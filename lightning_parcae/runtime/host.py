@@ -68,6 +68,10 @@ class TrainingHost(Protocol):
         """The state-dict keys of the layers this process holds."""
         ...
 
+    def outside_keys_of(self, index: int) -> list[str]:
+        """The state-dict keys outside the stack that ride with layer ``index`` (sent with its payload)."""
+        ...
+
     def local_state_dump(self) -> AbstractContextManager[None]:
         """Within it, Lightning's checkpoint dump is this process's own state (no gather across processes)."""
         ...

@@ -194,14 +194,16 @@ class Admission:
         return ckpt
 
     def loop_state(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        """Leader: everything a joiner needs besides its layers (loop, callbacks, schedulers, replicated params)."""
+        """Leader: everything a joiner needs besides its layers (loop, callbacks, schedulers, replicated params;
+        the parts outside the stack that belong to a stage travel with layer 0's or the last layer's payload)."""
         from lightning_parcae.runtime.checkpoint import plain_containers  # noqa: PLC0415
 
         s = self.host
         ckpt = s.loop_checkpoint(trainer)
-        stage_keys = s.stage_key_set()
+        # a stage's keys -- its layers' and the outside parts riding with layer 0 or the last layer -- come with the
+        # layers' payloads from their holders (the leader does not hold the last layer's); the rest is replicated
         ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in ckpt["state_dict"].items()
-                              if k not in stage_keys}
+                              if not s.is_stage_key(k)}
         for opt in ckpt.get("optimizer_states", []):
             opt["state"] = {k: v for k, v in opt.get("state", {}).items() if not s.is_stage_key(k)}
         ckpt["parcae"] = {"version": 1, "data": s.data_state(), "layout": {}}

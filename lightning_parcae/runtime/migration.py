@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional, Protocol
 
 import torch
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parcae.runtime.liveness import guarded_post, guarded_wait
+from lightning_parcae.runtime.stage import is_released
 
 __all__ = ["pack", "unpack", "layer_payload", "exchange", "load_layer_payload", "rebind_optimizer", "LinkModel",
            "set_modelled_link"]
@@ -96,15 +97,32 @@ def unpack(t: Tensor) -> Any:
     return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=True)
 
 
-def layer_payload(module: nn.Module, layer_prefix: str, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+def layer_payload(module: nn.Module, layer_prefix: str, optimizers: Sequence[Optimizer],
+                  extra_keys: Collection[str] = ()) -> dict[str, Any]:
     """Everything one layer carries, on CPU: state-dict tensors and, per optimizer, its parameters' state.
+
+    Args:
+        module: The LightningModule (global names).
+        layer_prefix: The layer's state-dict prefix, e.g. ``"net.3"``.
+        optimizers: This process's (torch) optimizers.
+        extra_keys: State-dict keys outside the layer that ride with it (the parts outside the stack that belong
+            to layer 0 or the last layer); they must have storage here.
 
     Returns:
         ``{"tensors": {global name: tensor}, "optim": [{param name: {key: value}}, ...]}``.
+
+    Raises:
+        ValueError: if an extra key has no storage on this process (it is not held here).
     """
     prefix = layer_prefix + "."
-    tensors = {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k.startswith(prefix)}
-    params = {n: p for n, p in module.named_parameters() if n.startswith(prefix)}
+    extra = set(extra_keys)
+    own = module.state_dict(keep_vars=True)
+    lacking = sorted(k for k in extra if k in own and is_released(own[k]))
+    if lacking:
+        raise ValueError(f"cannot send {lacking[:3]} with layer {layer_prefix!r}: this process does not hold them "
+                         "(they have no storage here); only a holder of the layer they ride with can send them")
+    tensors = {k: v.detach().cpu().clone() for k, v in own.items() if k.startswith(prefix) or k in extra}
+    params = {n: p for n, p in module.named_parameters() if n.startswith(prefix) or n in extra}
     optim: list[dict[str, Any]] = []
     for opt in optimizers:
         per: dict[str, Any] = {}
@@ -184,13 +202,15 @@ def rebind_optimizer(
     groups: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
     for name, p in module.named_parameters():
         gi = group_of.get(name)
-        if gi is None or not p.requires_grad:
+        if gi is None or not p.requires_grad or is_released(p):  # a part without storage here is not trained here
             continue
         groups[gi].append(p)
     for group, params in zip(optimizer.param_groups, groups):
         group["params"] = params
     state: defaultdict[Any, Any] = defaultdict(dict)
     for name, p in module.named_parameters():
+        if is_released(p):
+            continue
         st: Optional[Mapping[str, Any]] = received.get(name)
         if st is None:
             st = kept.get(name)

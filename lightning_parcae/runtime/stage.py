@@ -16,6 +16,14 @@ persistent buffers of such layers to the ``meta`` device (shape and dtype stay: 
 :func:`materialize_storage` gives a layer that arrives real, uninitialized storage on this process's device, which
 the layer's payload from its previous holder then fills (its values never come from this process). Non-persistent
 buffers (masks, rotary tables) are not in a state dict, so no payload carries them: they stay resident.
+
+Parts outside the stack (an embedding, a final norm and head) that this process does not hold
+(:func:`release_tensors`) cannot go to ``meta``: they stay registered in the module the user's step runs, and a
+``meta`` output of a released embedding would make what the step derives from it -- position ids, rotary tables, a
+mask made on ``inputs_embeds.device`` (``transformers``) -- ``meta`` too, which the stage's blocks cannot use. Each
+becomes a *stand-in* instead: a zero of its dtype on this process's device, broadcast to its shape (one element of
+storage; every op on it gives real tensors of the right shape, device and dtype, whose values the stage discards).
+:func:`is_released` tells both kinds from held tensors; :func:`materialize_tensors` gives such a part storage again.
 """
 
 from __future__ import annotations
@@ -32,7 +40,11 @@ from lightning_parcae.errors import ModelLayoutError
 from lightning_parcae.runtime.torch_internals import child, own_buffers, own_tensors, put_child, put_own_tensor
 
 __all__ = ["locate_layer_stack", "is_block_list", "replace_submodule", "cut_stage", "swapped", "release_storage",
-           "materialize_storage", "resident_bytes"]
+           "materialize_storage", "resident_bytes", "is_released", "stand_in", "own_tensor_sites", "release_tensors",
+           "materialize_tensors"]
+
+_STAND_IN = "_parcae_stand_in"
+"""Attribute set on a stand-in tensor (see the module docstring)."""
 
 
 _STACK_TYPES = (nn.Sequential, nn.ModuleList)
@@ -197,11 +209,86 @@ def materialize_storage(layers: Sequence[tuple[str, nn.Module]], device: torch.d
 
 
 def resident_bytes(module: nn.Module) -> int:
-    """Bytes of ``module``'s parameters and buffers that have storage on this process (``meta`` ones do not)."""
+    """Bytes of ``module``'s parameters and buffers that have storage on this process (``meta`` ones and stand-ins
+    do not)."""
     seen: set[int] = set()
     total = 0
     for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen and not t.is_meta:
+        if id(t) not in seen and not is_released(t):
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
+
+
+def is_released(t: Tensor) -> bool:
+    """Whether ``t`` has no storage of its own on this process: a ``meta`` tensor or a stand-in."""
+    return bool(t.is_meta or getattr(t, _STAND_IN, False))
+
+
+def stand_in(t: Tensor, device: torch.device) -> Tensor:
+    """A stand-in for ``t`` (see the module docstring): a zero of ``t``'s dtype on ``device`` broadcast to ``t``'s
+    shape; a parameter stays a parameter (same ``requires_grad`` and attributes)."""
+    zeros = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+    if isinstance(t, nn.Parameter):
+        new: Tensor = nn.Parameter(zeros, requires_grad=t.requires_grad)
+        new.__dict__.update({k: v for k, v in t.__dict__.items() if k != _STAND_IN})
+    else:
+        new = zeros
+    setattr(new, _STAND_IN, True)
+    return new
+
+
+def own_tensor_sites(module: nn.Module) -> dict[str, tuple[nn.Module, str, str, Tensor]]:
+    """Every state-dict key of ``module``'s parameters and persistent buffers with where it lives: ``key ->
+    (owning module, kind, name, tensor)``; a tensor registered at two places (tied weights) under both keys."""
+    sites: dict[str, tuple[nn.Module, str, str, Tensor]] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        for kind, name, t in own_tensors(m):
+            sites[f"{path}.{name}" if path else name] = (m, kind, name, t)
+    return sites
+
+
+def release_tensors(module: nn.Module, keys: Collection[str], device: torch.device) -> int:
+    """Replace the tensors of ``module`` named by the state-dict ``keys`` by stand-ins on ``device`` (one tensor
+    under two keys gets one stand-in, kept at both places); already released ones stay as they are.
+
+    Returns:
+        The bytes released.
+    """
+    memo: dict[int, tuple[Tensor, Tensor]] = {}  # id(old) -> (old, stand-in); old kept alive so ids are not reused
+    released = 0
+    for key, (m, kind, name, t) in own_tensor_sites(module).items():
+        if key not in keys or is_released(t):
+            continue
+        if id(t) not in memo:
+            memo[id(t)] = (t, stand_in(t, device))
+            released += t.numel() * t.element_size()
+        put_own_tensor(m, kind, name, memo[id(t)][1])
+    return released
+
+
+def materialize_tensors(module: nn.Module, keys: Collection[str], device: torch.device) -> set[str]:
+    """Give the released tensors of ``module`` named by ``keys`` real, *uninitialized* storage on ``device`` (the
+    caller fills them from a payload), keeping shape, dtype, ``requires_grad`` and sharing.
+
+    Returns:
+        The keys given storage (every key of a shared tensor, also one not in ``keys``).
+    """
+    sites = own_tensor_sites(module)
+    chosen = {id(sites[k][3]) for k in keys if k in sites and is_released(sites[k][3])}
+    memo: dict[int, tuple[Tensor, Tensor]] = {}
+    names: set[str] = set()
+    for key, (m, kind, name, t) in sites.items():
+        if id(t) not in chosen:
+            continue
+        if id(t) not in memo:
+            if kind == "param":
+                new: Tensor = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=device),
+                                           requires_grad=t.requires_grad)
+                new.__dict__.update({k: v for k, v in t.__dict__.items() if k != _STAND_IN})
+            else:
+                new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            memo[id(t)] = (t, new)
+        put_own_tensor(m, kind, name, memo[id(t)][1])
+        names.add(key)
+    return names

@@ -193,7 +193,8 @@ class Switch:
         sends: dict[int, dict[str, Any]] = {}
         for t in plan.sends(ctx.member):
             box = sends.setdefault(transition.index(t.dst), {"layers": {}})
-            box["layers"][t.layer] = layer_payload(module, s.layer_key(s.layer_names[t.layer]), opts)
+            box["layers"][t.layer] = layer_payload(module, s.layer_key(s.layer_names[t.layer]), opts,
+                                                   s.outside_keys_of(t.layer))  # the embedding / head ride along
         if loop is not None:
             for j in joiners:
                 sends.setdefault(transition.index(j), {"layers": {}})["loop"] = loop

@@ -4,7 +4,10 @@ Problem: under ParcaeStrategy no process holds the whole model -- stage ``s`` ho
 optimizer state -- yet a checkpoint must be a single ordinary Lightning file that resumes at *any* (D, P), and a
 save must neither tear ``last.ckpt`` nor stall an elastic job on the disk. This part of the strategy gathers the
 stages of replica 0 into one state dict with global keys and one name-keyed optimizer state, writes it atomically
-(from a background thread when the job is elastic), and on load hands each process only the keys it holds.
+(from a background thread when the job is elastic), and on load hands each process only the keys it holds. The
+parts outside the stack that belong to a stage (the embedding on the first, the head on the last) are gathered
+from their holders and loaded only there; a checkpoint written before they had owners (every key on every stage)
+reads the same way.
 
 Where it goes: a path as Lightning gives it, or -- when the launcher names a checkpoint directory
 (``--checkpoint-dir``, :data:`~lightning_parcae.contract.CHECKPOINT_DIR_ENV`) and the save targets that directory --
@@ -32,6 +35,7 @@ from torch.optim import Optimizer
 
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.runtime.checkpoint_store import CheckpointStore, SaveFailed, read_url
+from lightning_parcae.runtime.stage import is_released
 from lightning_parcae.runtime.checkpoint import (
     to_cpu,
     atomic_save,
@@ -128,7 +132,10 @@ class StrategyCheckpoints:
         s = self.host
         module = s.lightning_module
         assert module is not None
-        local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        # a part this process does not hold (another stage's embedding or head: a stand-in here) is left out; its
+        # holder's part of the gather has it
+        local = {k: v.detach().cpu() for k, v in module.state_dict(keep_vars=True).items()
+                 if not is_released(v) and k not in self.state.released_outside()}
         if self.local_dump:
             return local
         parts = self._replica0_gather(local)
@@ -250,10 +257,12 @@ class StrategyCheckpoints:
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load the keys this process holds from a full (any-layout) state dict."""
+        """Load the keys this process holds from a full (any-layout) state dict (a part outside the stack that
+        another stage holds is neither loaded nor required here)."""
         module = self.host.lightning_module
         assert module is not None
-        own = set(module.state_dict().keys())
+        released = self.state.released_outside()
+        own = {k for k, v in module.state_dict(keep_vars=True).items() if not is_released(v) and k not in released}
         full = checkpoint["state_dict"]
         missing = sorted(own - set(full.keys()))
         if strict and missing:

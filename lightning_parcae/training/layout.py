@@ -18,13 +18,22 @@ but only the layers it holds have parameter storage: :meth:`StageLayout.build` r
 persistent buffers to the ``meta`` device (:func:`~lightning_parcae.runtime.stage.release_storage`), and
 :meth:`StageLayout.apply` gives a layer that arrives storage again and fills it from the payload its previous
 holder sent -- never from this process (a layer that arrives without a payload is an error).
+
+Parts outside the stack (issue 22): the embedding before the stack rides with layer 0 and the final norm and head
+with the last layer (:attr:`StageState.outside <lightning_parcae.training.stage_state.StageState.outside>`, classified
+once by :meth:`~lightning_parcae.training.profiling.LayerProfiler.classify_outside` when the module is partitioned,
+and recorded in every generation so a joiner adopts it). :meth:`StageLayout.build` replaces those this process does
+not hold by stand-ins (:func:`~lightning_parcae.runtime.stage.release_tensors`: one element of storage; the user's
+step still runs them on every stage, and the stage discards what they give), and :meth:`StageLayout.apply` gives
+those it newly holds storage and fills them from the payload of layer 0 or the last layer, under the same rule.
+Their memory (and measured time) counts on the first and the last layer when the stack is partitioned.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,9 +46,13 @@ from lightning_parcae.runtime.pipeline import P2P, BlockListProxy, StageProxy
 from lightning_parcae.runtime.stage import (
     cut_stage,
     is_block_list,
+    is_released,
     locate_layer_stack,
     materialize_storage,
+    materialize_tensors,
+    own_tensor_sites,
     release_storage,
+    release_tensors,
     replace_submodule,
 )
 from lightning_parcae.training.lightning_internals import inner_optimizer
@@ -49,7 +62,7 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
     from lightning_parcae.training.options import StrategyOptions
-    from lightning_parcae.training.profiling import LayerProfiler
+    from lightning_parcae.training.profiling import LayerProfiler, OutsideParts
 
 __all__ = ["StageLayout", "LayoutHost", "named_layers"]
 
@@ -114,13 +127,15 @@ class StageLayout:
         self.state.groups = groups
 
     def adopt_admitted(self, partition: list[int], stack_path: str, layer_names: list[str],
-                       layer_times: list[float]) -> None:
-        """A joiner: take the layout of the generation that admitted it (its stage is built in :meth:`place`)."""
+                       layer_times: list[float], outside: Optional[Mapping[str, str]] = None) -> None:
+        """A joiner: take the layout of the generation that admitted it (its stage is built in :meth:`place`),
+        with the classes of the parts outside the stack (``None``: a record without them -- all replicated)."""
         st = self.state
         st.partition = list(partition)
         st.stack_path = stack_path
         st.layer_names = list(layer_names)
         st.layer_times = list(layer_times)
+        st.outside = dict(outside or {})
 
     # -------------------------------------------------------------------------------------------- first placement
     def place(self, trainer: "pl.Trainer", joining: bool) -> None:
@@ -171,7 +186,11 @@ class StageLayout:
         st.layer_names = [n for n, _ in layers]
         n_layers = len(st.layer_names)
         world = st.groups.world
+        outside = self.classify_outside(trainer, stack)
+        st.outside = dict(outside.classes)
         memory = [layer_memory_bytes(m, o.optimizer_state_factor) for _, m in layers]
+        memory[0] += self.outside_memory(st.pre_keys)
+        memory[-1] += self.outside_memory(st.post_keys)
         p_opt = o.pipeline_stages
         if p_opt is not None and p_opt > n_layers:
             raise ModelLayoutError(
@@ -193,6 +212,8 @@ class StageLayout:
                 _check_sizes_memory(sizes, memory, o.max_stage_memory_bytes)
         else:
             times = self.profiler.profile(trainer, stack)
+            times[0] += outside.pre_seconds  # the outside parts run on the first and the last stage
+            times[-1] += outside.post_seconds
             if p_opt is None:
                 p_opt = choose_pipeline_stages(times, world, o.micro_batches, memory, o.max_stage_memory_bytes)
                 log.info("ParcaeStrategy chose pipeline_stages=%d from the profile %s", p_opt, times)
@@ -203,6 +224,34 @@ class StageLayout:
         st.partition = sizes
         st.full_stack = stack
         self.build()
+
+    def classify_outside(self, trainer: "pl.Trainer", stack: nn.Module) -> "OutsideParts":
+        """The classes of the parts outside the stack (:meth:`LayerProfiler.classify_outside`), when the job may
+        ever run at P > 1; otherwise (and without a profiler: the layout's unit tests) all replicated."""
+        from lightning_parcae.training.profiling import OutsideParts  # noqa: PLC0415
+
+        o, g = self.options, self.state.groups
+        assert g is not None
+        may_cut = o.elastic or (g.world > 1 and o.pipeline_stages != 1) or (o.balance is not None and
+                                                                          len(o.balance) > 1)
+        if self.profiler is None or not may_cut:
+            return OutsideParts({})
+        return self.profiler.classify_outside(trainer, stack)
+
+    def outside_memory(self, keys: set[str]) -> int:
+        """Training memory of the outside parts named by ``keys`` (parameters, gradients, optimizer state and
+        buffers, each tensor once), as :func:`~lightning_parcae.runtime.partition.layer_memory_bytes` counts a
+        layer."""
+        module = self.host.lightning_module
+        total, seen = 0, set()
+        for key, (_, kind, _, t) in own_tensor_sites(module).items():
+            if key not in keys or id(t) in seen:
+                continue
+            seen.add(id(t))
+            size = t.numel() * t.element_size()
+            trainable = kind == "param" and t.requires_grad
+            total += int(size + (size * (1.0 + self.options.optimizer_state_factor) if trainable else 0))
+        return total
 
     def whole_model_fallback(self, module: nn.Module, why: str) -> None:
         """No layer stack to cut: train the whole module at P = 1 (elastic data parallelism only).
@@ -242,6 +291,9 @@ class StageLayout:
         st.stage = stage
         replace_submodule(module, st.stack_path, stage)
         self.release_others(full, module)
+        released = release_tensors(module, st.released_outside(), self.host.root_device)
+        if released:
+            log.debug("released %d bytes of the parts outside the stack other stages hold", released)
         if is_block_list(stage):
             st.proxy = BlockListProxy(stage, full, arity=self.profiler.block_arity)  # type: ignore[arg-type]
         else:
@@ -266,21 +318,38 @@ class StageLayout:
         return released
 
     def sync_replicas(self) -> None:
-        """Make replica 0's stage (and rank 0's replicated parameters) authoritative on every rank."""
+        """Make replica 0's stage (and rank 0's replicated parameters) authoritative on every rank.
+
+        A stage's tensors go from replica 0 of that stage over its data group; replicated ones from rank 0 to
+        everyone; a tied outside part (``"both"``) from rank 0 too, to its holders on the first and the last stage
+        (a stage without it receives into a scratch tensor), so that its two copies start equal.
+        """
         g = self.state.groups
         module = self.host.lightning_module
         assert g is not None and module is not None
         if g.world == 1:
             return
-        stage_keys = self.state.stage_key_set()
+        st = self.state
+        stage_keys = st.stage_key_set()
+        tied = {k for k, c in st.outside.items() if c == "both"}
+        own, world = [], []
+        for name, t in module.state_dict(keep_vars=True).items():
+            tensor = t.data if isinstance(t, nn.Parameter) else t
+            if not isinstance(tensor, Tensor):
+                continue
+            if name in tied:
+                world.append((tensor, is_released(t)))
+            elif name in stage_keys:
+                own.append(tensor)
+            elif not st.is_stage_key(name):
+                world.append((tensor, False))
         with torch.no_grad():
-            for name, t in module.state_dict(keep_vars=True).items():
-                tensor = t.data if isinstance(t, nn.Parameter) else t
-                if not isinstance(tensor, Tensor):
-                    continue
-                if name in stage_keys:
-                    if g.data_parallel > 1:
-                        dist.broadcast(tensor, g.data_ranks(g.coords.stage)[0], group=g.data_group)
+            if g.data_parallel > 1:
+                for tensor in own:
+                    dist.broadcast(tensor, g.data_ranks(g.coords.stage)[0], group=g.data_group)
+            for tensor, scratch in world:
+                if scratch:
+                    dist.broadcast(torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device), 0)
                 else:
                     dist.broadcast(tensor, 0)
 
@@ -312,6 +381,7 @@ class StageLayout:
         st = self.state
         module = self.host.lightning_module
         assert module is not None and st.full_stack is not None
+        held_outside = st.held_outside()
         st.groups = groups
         st.partition = list(partition)
         # layers that arrived: load into the full stack (global names are "<stack_path>.<layer>.<param>")
@@ -325,12 +395,14 @@ class StageLayout:
             # the device, then fill it from its payload -- every tensor of it, or it would train on garbage
             arriving = [(st.layer_key(n), m) for n, m in named_layers(st.full_stack) if n in held]
             unfilled = materialize_storage(arriving, device)
+            unfilled |= materialize_tensors(module, st.held_outside() - held_outside, device)  # with layer 0 / L-1
             for payload in received.values():
                 load_layer_payload(module, payload, device)
                 unfilled -= set(payload["tensors"])
             if unfilled:
                 raise RuntimeError(
-                    f"this process now holds layers {a}..{b - 1} of '{st.stack_path}' but received no state for "
+                    f"this process now holds layers {a}..{b - 1} of '{st.stack_path}' (and the parts outside it that "
+                    f"ride with them) but received no state for "
                     f"{len(unfilled)} of their tensors (e.g. {sorted(unfilled)[:3]}); a layer another stage held "
                     "has no copy here, so its state must arrive in the migration's payload from a live holder. "
                     "The migration plan must send every layer a member newly holds"

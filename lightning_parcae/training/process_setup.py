@@ -308,7 +308,7 @@ class ProcessSetup:
         self.set_ranks(rank, len(layout.members))
         # a model without a cuttable stack (stack_path "") keeps P = 1 (the strategy's max_pipeline_stages says so)
         self.layout.adopt_admitted(list(layout.partition), rec["stack_path"], list(rec["layer_names"]),
-                                   list(rec.get("layer_times") or []))
+                                   list(rec.get("layer_times") or []), rec.get("outside"))
         try:
             self.layout.use_groups(self.build_groups(int(rec["generation"]), rank, len(layout.members),
                                                      layout.data_parallel, layout.pipeline_stages))

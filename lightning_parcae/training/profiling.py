@@ -5,13 +5,33 @@ for a ``ModuleList`` of blocks it must first know that ``forward`` chains the bl
 ``i``'s output), or cutting it would change the model. Both need one sample input to the stack, taken from the
 module's ``example_input_array`` or the training data, with the user's step run under inspection. Rank 0 measures
 and every rank receives the result as plain numbers, so all agree on the split.
+
+Parts outside the stack (:meth:`LayerProfiler.classify_outside`): the embedding before the stack belongs to the
+first stage and the final norm and head after it to the last (issue 22), so each outside parameter is classified
+once, on one training step run with the stack under inspection (blocks without gradients, the stack's output
+handed back as a detached leaf): ``pre`` if the stack's input has a gradient path to it, ``post`` if the loss
+has one other than through the stack, ``both`` if both (tied input/output embeddings), and *replicated* (kept on
+every stage, as before) if the blocks' extra arguments (masks, positions) depend on it, if nothing does (a part
+only validation uses: unclassified parts stay where the step can always reach them), or if it is shared with the
+stack. A frozen parameter is traced like a trainable one (``requires_grad`` on for the trace). A persistent buffer
+takes the class its module's own parameters share, and is replicated otherwise (a mask registered outside any
+module with parameters must stay on every stage). The classification is then checked by value: the step is
+replayed (block outputs from the first run, no block recomputed) as a middle stage, the last and the first stage
+would run it -- with the parts they do not hold replaced by stand-ins (:func:`~lightning_parcae.runtime.stage.
+stand_in`) -- and whatever the blocks' arguments, the stack's input (first stage) or the loss (last stage) would
+see differently (a mask computed from the embedding's values), or a replay that fails (an in-place update of a
+released part), makes the parts involved replicated. The same run times the outside parts (forward and backward
+before and after the stack) so that the partitioner counts them on the first and the last layer.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import warnings
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,7 +41,8 @@ from lightning_parcae.errors import ModelLayoutError
 from lightning_parcae.runtime.data import global_batch_size
 from lightning_parcae.runtime.partition import profile_layer_times
 from lightning_parcae.runtime.pipeline import StageBoundary, StageProxy, hidden_of
-from lightning_parcae.runtime.stage import is_block_list, swapped
+from lightning_parcae.runtime.stage import is_block_list, own_tensor_sites, stand_in, swapped
+from lightning_parcae.runtime.torch_internals import put_own_tensor
 from lightning_parcae.training.lightning_internals import fit_data_source
 from lightning_parcae.training.log_replay import LogRecorder
 from lightning_parcae.training.stage_state import StageState
@@ -29,7 +50,7 @@ from lightning_parcae.training.stage_state import StageState
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["LayerProfiler", "ProfilerHost", "BLOCK_VERDICTS"]
+__all__ = ["LayerProfiler", "ProfilerHost", "BLOCK_VERDICTS", "OutsideParts", "OUTSIDE_CLASSES"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +73,26 @@ BLOCK_VERDICTS = {
     7: "the block list holds the same module at two positions (weights shared between depths): its parameters "
        "cannot live on two stages; give each position its own block, or train with pipeline_stages=1",
 }
+
+
+OUTSIDE_CLASSES = ("replicated", "pre", "post", "both")
+"""The classes of a part outside the stack, by code (0: replicated on every stage)."""
+_REPLICATED, _PRE, _POST, _BOTH = range(4)
+
+
+@dataclass(frozen=True)
+class OutsideParts:
+    """How the parts outside the layer stack are placed (see the module docstring).
+
+    Attributes:
+        classes: State-dict key -> ``"pre"`` / ``"post"`` / ``"both"``; a key left out is replicated.
+        pre_seconds: Forward + backward time of what runs before the stack (0 when not measured).
+        post_seconds: Forward + backward time of what runs after it, up to the loss (0 when not measured).
+    """
+
+    classes: dict[str, str]
+    pre_seconds: float = 0.0
+    post_seconds: float = 0.0
 
 
 class ProfilerHost(Protocol):
@@ -168,6 +209,57 @@ class LayerProfiler:
         self._probed_arity = arities[0]
         return 0, (first[1].detach(), first[3], first[4])
 
+    def classify_outside(self, trainer: Any, stack: nn.Module) -> OutsideParts:
+        """Classify the parts outside ``stack`` on rank 0 (see the module docstring); every rank gets the result.
+
+        Returns:
+            The classes (replicated parts left out) and the outside parts' measured times.
+        """
+        module = self.host.lightning_module
+        assert module is not None and self.state.stack_path is not None and self.state.groups is not None
+        keys = outside_keys(module, self.state.stack_path)
+        if not keys:
+            return OutsideParts({})
+        codes, pre_s, post_s = [_REPLICATED] * len(keys), 0.0, 0.0
+        if self.host.global_rank == 0:
+            try:
+                batch = self._sample_batch(trainer)
+                codes, pre_s, post_s = _classify(module, self.state.stack_path, stack, keys,
+                                                 lambda: self._step_loss(module, batch))
+            except Exception as err:  # noqa: BLE001 -- replicated is always right, only larger
+                log.warning("ParcaeStrategy could not classify the parts outside the layer stack (%s: %s); they "
+                            "stay on every stage", type(err).__name__, err)
+                codes, pre_s, post_s = [_REPLICATED] * len(keys), 0.0, 0.0
+        if self.state.groups.world > 1:
+            t = torch.tensor([*codes, pre_s, post_s], dtype=torch.float64)
+            dist.broadcast(t, src=0)
+            values = t.tolist()
+            codes, pre_s, post_s = [int(v) for v in values[:-2]], float(values[-2]), float(values[-1])
+        classes = {k: OUTSIDE_CLASSES[c] for k, c in zip(keys, codes) if c != _REPLICATED}
+        if classes:
+            log.info("ParcaeStrategy: outside the layer stack, %d keys ride with the first layer and %d with the "
+                     "last; %d stay on every stage", sum(c in ("pre", "both") for c in classes.values()),
+                     sum(c in ("post", "both") for c in classes.values()), len(keys) - len(classes))
+        return OutsideParts(classes, pre_s, post_s)
+
+    def _step_loss(self, module: Any, batch: Any) -> Optional[Tensor]:
+        """The loss of one training step on ``batch`` (the sum of the module's outputs on its
+        ``example_input_array`` when there is no batch); None when there is neither."""
+        if batch is not None:
+            return _loss_tensor(module.training_step(self.host.batch_to_device(batch), 0))
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            return None
+        example = self.host.batch_to_device(example)
+        if isinstance(example, (tuple, list)):
+            out = module(*example)
+        elif isinstance(example, dict):
+            out = module(**example)
+        else:
+            out = module(example)
+        floats = [t for t in _tensors_of(out) if t.is_floating_point()]
+        return torch.stack([t.float().sum() for t in floats]).sum() if floats else None
+
     def profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
         """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
         assert self.state.groups is not None
@@ -255,3 +347,275 @@ class LayerProfiler:
         except Exception as err:
             log.warning("ParcaeStrategy could not read a sample batch: %s", err)
             return None
+
+
+def outside_keys(module: nn.Module, stack_path: str) -> list[str]:
+    """The state-dict keys of ``module``'s parameters and persistent buffers outside the stack at ``stack_path``, in
+    registration order (the same on every rank)."""
+    return [k for k in own_tensor_sites(module) if not k.startswith(stack_path + ".")]
+
+
+def _tensors_of(obj: Any) -> list[Tensor]:
+    """Every tensor in ``obj`` (through tuples, lists and dicts)."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors_of(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors_of(v)]
+    return []
+
+
+def _loss_tensor(result: Any) -> Optional[Tensor]:
+    """The loss of a ``training_step`` result (a tensor or a dict with ``"loss"``), else None."""
+    if isinstance(result, Tensor):
+        return result
+    if isinstance(result, Mapping) and isinstance(result.get("loss"), Tensor):
+        return result["loss"]
+    return None
+
+
+def _same(a: list[Tensor], b: list[Tensor]) -> bool:
+    """Whether two lists of tensors are equal (floating ones to a relative 1e-5)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+            return False
+        x, y = x.detach(), y.detach()
+        if x.is_floating_point() or x.is_complex():
+            if not torch.allclose(x, y, rtol=1e-5, atol=1e-7, equal_nan=True):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+class _StackTrace:
+    """Stands in for the layer stack while the outside parts are classified (see the module docstring).
+
+    Records the stack's input, the tensors among each block's extra arguments and (first run) each block's output;
+    hands the stack's output back as a detached leaf. A replay (``replay`` given) returns the first run's block
+    outputs without running a block; ``stop`` raises :class:`StageBoundary` at the stack's end, as the first and the
+    middle stages stop there.
+    """
+
+    def __init__(self, stack: nn.Module, replay: Optional["_StackTrace"], stop: bool,
+                 clock: Callable[[], float]) -> None:
+        self.blocks: Optional[list[nn.Module]] = list(stack) if is_block_list(stack) else None
+        self.stack = stack
+        self.replay = replay
+        self.stop = stop
+        self.clock = clock
+        self.inputs: Optional[Any] = None
+        self.args: list[Tensor] = []
+        self.outs: list[Any] = []
+        self.leaf: Optional[Tensor] = None
+        self.loss: Optional[Tensor] = None
+        self.t_enter = self.t_exit = 0.0
+        self.calls = 0
+
+    def stand_in(self) -> nn.Module:
+        """The module to put at the stack's path."""
+        trace = self
+        if self.blocks is None:
+            class _Seq(nn.Module):
+                def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+                    return trace.call(0, x, args, kwargs, last=True)
+
+            return _Seq()
+        n = len(self.blocks)
+
+        class _Entry(nn.Module):
+            def __init__(self, i: int, block: nn.Module) -> None:
+                super().__init__()
+                object.__setattr__(self, "_i", i)
+                object.__setattr__(self, "_b", block)
+
+            def __getattr__(self, name: str) -> Any:  # what the loop reads from a block (attention_type)
+                try:
+                    return super().__getattr__(name)
+                except AttributeError:
+                    return getattr(self.__dict__["_b"], name)
+
+            def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+                return trace.call(self._i, x, args, kwargs, last=self._i == n - 1)  # type: ignore[attr-defined]
+
+        entries = [_Entry(i, b) for i, b in enumerate(self.blocks)]
+
+        class _List(nn.Module):
+            def __iter__(self) -> Any:
+                return iter(entries)
+
+            def __len__(self) -> int:
+                return n
+
+            def __getitem__(self, idx: Any) -> Any:
+                if isinstance(idx, slice):
+                    return entries[idx]
+                raise IndexError("indexed")
+
+        return _List()
+
+    def call(self, i: int, x: Any, args: tuple, kwargs: dict[str, Any], last: bool) -> Any:
+        """One block (or the whole nn.Sequential) of the stack."""
+        self.calls += 1
+        if i == 0:
+            self.t_enter = self.clock()
+            self.inputs = x
+        self.args += _tensors_of((args, kwargs))
+        if self.replay is None:
+            with torch.no_grad():
+                out = (self.blocks[i](x, *args, **kwargs) if self.blocks is not None  # type: ignore[index]
+                       else self.stack(x, *args, **kwargs))
+            self.outs.append(out)
+        else:
+            out = self.replay.outs[i]
+        if not last:
+            return out
+        hidden = hidden_of(out) if self.replay is None else self.replay.leaf
+        if not isinstance(hidden, Tensor):
+            raise ModelLayoutError("the layer stack's output is not a tensor")
+        self.leaf = hidden.detach().requires_grad_(hidden.is_floating_point())
+        self.t_exit = self.clock()
+        if self.stop:
+            raise StageBoundary
+        if isinstance(out, tuple) and out:
+            return (self.leaf, *out[1:])
+        if isinstance(out, list) and out:
+            return [self.leaf, *out[1:]]
+        return self.leaf
+
+
+def _classify(module: nn.Module, path: str, stack: nn.Module, keys: list[str],
+              step_loss: Callable[[], Optional[Tensor]]) -> tuple[list[int], float, float]:
+    """Rank 0's classification of the outside ``keys`` (codes into :data:`OUTSIDE_CLASSES`) and the measured
+    seconds before and after the stack at ``path`` (see the module docstring); ``step_loss`` runs one step."""
+    sites = own_tensor_sites(module)
+    on_stack = {id(t) for t in stack.parameters()} | {id(t) for t in stack.buffers()}
+    traced: list[Tensor] = []
+    index: dict[int, int] = {}
+    for k in keys:
+        _, kind, _, t = sites[k]
+        if kind == "param" and id(t) not in on_stack and t.is_floating_point() and id(t) not in index:
+            index[id(t)] = len(traced)
+            traced.append(t)
+    nothing = ([_REPLICATED] * len(keys), 0.0, 0.0)
+    if not traced:
+        return nothing
+    device = traced[0].device
+    cuda = device.type == "cuda"
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def run(trace: _StackTrace) -> None:
+        torch.manual_seed(0)  # the same random stream in every run (dropout)
+        with swapped(module, path, trace.stand_in()), LogRecorder(module).active():
+            try:
+                trace.loss = step_loss()
+            except StageBoundary:
+                pass
+
+    saved = [(b, b.detach().clone()) for b in module.buffers()]  # running statistics: the trace leaves no trace
+    frozen = [p for p in traced if not p.requires_grad]
+    try:
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            try:
+                for p in frozen:
+                    p.requires_grad_(True)
+                first = _StackTrace(stack, None, False, clock)
+                t0 = clock()
+                run(first)
+                t_end = clock()
+                depth = len(first.blocks) if first.blocks is not None else 1
+                if first.loss is None or first.leaf is None or not isinstance(first.inputs, Tensor) \
+                        or first.calls != depth:
+                    return nothing
+
+                def reached(outputs: list[Tensor]) -> set[int]:
+                    outs = [o for o in outputs if o.requires_grad]
+                    if not outs:
+                        return set()
+                    grads = torch.autograd.grad(outs, traced, grad_outputs=[torch.ones_like(o) for o in outs],
+                                                allow_unused=True, retain_graph=True)
+                    return {i for i, g in enumerate(grads) if g is not None}
+
+                t1 = clock()
+                pre = reached([first.inputs])
+                t2 = clock()
+                via_args = reached(first.args)
+                t3 = clock()
+                post = reached([first.loss])
+                t4 = clock()
+            finally:
+                for p in frozen:
+                    p.requires_grad_(False)
+            pre_s = (first.t_enter - t0) + (t2 - t1)
+            post_s = (t_end - first.t_exit) + (t4 - t3)
+            param_codes = [_REPLICATED if i in via_args else
+                           _BOTH if i in pre and i in post else
+                           _PRE if i in pre else _POST if i in post else _REPLICATED
+                           for i in range(len(traced))]
+            codes: list[int] = []
+            for k in keys:
+                m, kind, _, t = sites[k]
+                if id(t) in on_stack:
+                    codes.append(_REPLICATED)
+                elif kind == "param":
+                    codes.append(param_codes[index[id(t)]] if id(t) in index else _REPLICATED)
+                else:  # a persistent buffer: the class its module's own parameters share, else replicated
+                    own = {param_codes[index[id(q)]] if id(q) in index else _REPLICATED
+                           for q in m.parameters(recurse=False)}
+                    codes.append(own.pop() if len(own) == 1 else _REPLICATED)
+
+            def replay(stand: set[int], stop: bool) -> Optional[_StackTrace]:
+                """The step as run by a stage that holds none of the parts of the classes ``stand``, those parts
+                replaced by stand-ins (``first`` itself when there are none; None when the step fails so)."""
+                chosen = {k: sites[k] for k, c in zip(keys, codes) if c in stand}
+                if not chosen:
+                    return first
+                made: dict[int, Tensor] = {}
+                trace = _StackTrace(stack, first, stop, clock)
+                try:
+                    for m, kind, name, t in chosen.values():
+                        if id(t) not in made:
+                            made[id(t)] = stand_in(t, t.device)
+                        put_own_tensor(m, kind, name, made[id(t)])
+                    with torch.no_grad():
+                        run(trace)
+                    return trace
+                except Exception as err:  # noqa: BLE001 -- a part a stage cannot do without is replicated
+                    log.info("ParcaeStrategy replicates %s: the step fails without them (%s)", sorted(chosen), err)
+                    return None
+                finally:
+                    for m, kind, name, t in chosen.values():
+                        put_own_tensor(m, kind, name, t)
+
+            def demote(which: set[int]) -> None:
+                for i, c in enumerate(codes):
+                    if c in which:
+                        codes[i] = _REPLICATED
+
+            def middle_ok(stand: set[int]) -> bool:  # a middle stage: its blocks' arguments
+                middle = replay(stand, stop=True)
+                return middle is not None and _same(middle.args, first.args)
+
+            if not middle_ok({_PRE, _POST, _BOTH}):  # which side the blocks' arguments need, if only one
+                demote({_PRE} if middle_ok({_POST, _BOTH}) else {_POST, _BOTH} if middle_ok({_PRE})
+                       else {_PRE, _POST, _BOTH})
+            last = replay({_PRE}, stop=False)  # the last stage: its blocks' arguments and the loss
+            if last is None or last.loss is None or not _same(last.args, first.args) \
+                    or not _same([last.loss], [first.loss]):
+                demote({_PRE})
+            head = replay({_POST}, stop=True)  # the first stage: the stack's input and the blocks' arguments
+            if head is None or not isinstance(head.inputs, Tensor) or not _same(head.args, first.args) \
+                    or not _same([head.inputs], [first.inputs]):
+                demote({_POST})
+            return codes, max(pre_s, 0.0), max(post_s, 0.0)
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)

@@ -11,6 +11,16 @@ Ownership: :class:`~lightning_parcae.training.layout.StageLayout` owns it and is
 them). Everyone else -- the strategy's read-only properties (and through them the runtime's ``TrainingHost``
 reads of ``groups`` / ``partition`` / ``full_stack`` ...), the step runner, the data path, the checkpoints, the
 collectives, the profiler -- only reads it.
+
+Parts outside the stack: the parameters and persistent buffers outside ``stack_path`` (an embedding, a final norm
+and head) are classified once, when the module is partitioned (:meth:`LayerProfiler.classify_outside
+<lightning_parcae.training.profiling.LayerProfiler.classify_outside>`), into ``"pre"`` (the stack's input depends on
+them), ``"post"`` (the loss depends on them other than through the stack's output) and ``"both"`` (tied input and
+output embeddings). ``outside`` maps each such state-dict key to its class; the holders of layer 0 hold the
+``pre`` and ``both`` keys, the holders of the last layer the ``post`` and ``both`` keys, and they move with those
+layers. A key not in ``outside`` (what the classification could not place -- a part the blocks' extra arguments
+depend on, an unused one, a tensor shared with the stack, any outside part when no sample could be run) is
+*replicated*: every stage keeps it, as before.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ class StageState:
             whole model). Only the layers this process holds have parameter storage: the others' parameters and
             persistent buffers are on the ``meta`` device until a migration hands them here with their state.
         no_cut_reason: Why the model trains whole (``None`` when it is cut into stages).
+        outside: State-dict key -> ``"pre"`` / ``"post"`` / ``"both"`` of the parts outside the stack that belong to
+            a stage (see the module docstring; empty: every outside part is replicated).
     """
 
     groups: Optional[ProcessGroups] = None
@@ -57,6 +69,7 @@ class StageState:
     p2p: Optional[P2P] = None
     full_stack: Optional[nn.Module] = None
     no_cut_reason: Optional[str] = None
+    outside: dict[str, str] = field(default_factory=dict)
 
     @property
     def whole_model(self) -> bool:
@@ -68,15 +81,54 @@ class StageState:
         return f"{self.stack_path}.{name}" if self.stack_path else name
 
     def is_stage_key(self, key: str) -> bool:
-        """Whether a state-dict / optimizer-state key belongs to a layer of the stack (not a replicated part)."""
+        """Whether a state-dict / optimizer-state key belongs to a stage -- a layer of the stack or a part outside it
+        that rides with the first or the last layer -- not a replicated part."""
+        if key in self.outside:
+            return True
         if self.stack_path:
             return key.startswith(self.stack_path + ".")
         return key.split(".", 1)[0] in set(self.layer_names)
 
     def stage_key_set(self) -> set[str]:
-        """The state-dict keys (global names) of the layers this process holds."""
+        """The state-dict keys (global names) this process holds as a stage: its layers' and the outside parts that
+        ride with them."""
         assert self.stack_path is not None and self.stage is not None
-        return {self.layer_key(k) for k in self.stage.state_dict().keys()}
+        return {self.layer_key(k) for k in self.stage.state_dict().keys()} | self.held_outside()
+
+    @property
+    def pre_keys(self) -> set[str]:
+        """The outside keys the holders of layer 0 hold (``"pre"`` and ``"both"``)."""
+        return {k for k, c in self.outside.items() if c in ("pre", "both")}
+
+    @property
+    def post_keys(self) -> set[str]:
+        """The outside keys the holders of the last layer hold (``"post"`` and ``"both"``)."""
+        return {k for k, c in self.outside.items() if c in ("post", "both")}
+
+    def outside_keys_of(self, index: int) -> list[str]:
+        """The outside keys that ride with layer ``index`` (in a migration's payload of that layer), sorted."""
+        keys: set[str] = set()
+        if index == 0:
+            keys |= self.pre_keys
+        if index == len(self.layer_names) - 1:
+            keys |= self.post_keys
+        return sorted(keys)
+
+    def held_outside(self) -> set[str]:
+        """The outside keys this process holds (by the layers it holds in ``partition``)."""
+        if not self.outside or self.groups is None or not self.partition:
+            return set()
+        a, b = self.held_bounds()
+        held: set[str] = set()
+        if a == 0:
+            held |= self.pre_keys
+        if b == len(self.layer_names):
+            held |= self.post_keys
+        return held
+
+    def released_outside(self) -> set[str]:
+        """The outside keys of a stage this process does not hold (stand-ins here; see ``runtime/stage.py``)."""
+        return set(self.outside) - self.held_outside()
 
     def held_bounds(self) -> tuple[int, int]:
         """``(a, b)``: this process holds the stack's layers ``a .. b - 1`` (by its stage in ``groups``)."""

@@ -4,8 +4,10 @@ Problem: Lightning calls ``training_step`` once per batch and expects a loss, lo
 one process. Under ParcaeStrategy each process holds one stage of the layer stack, so the step must run the user's
 code around a stage proxy (head / middle / tail), follow a pipeline schedule (GPipe or 1F1B), scale the
 micro-batch losses, give every rank the same logs and step result, keep the step's gradients aside across
-Lightning's ``zero_grad`` and then reduce them: replicated parameters summed over the pipeline, everything averaged
-over the D replicas, clipping by the norm over all stages.
+Lightning's ``zero_grad`` and then reduce them: replicated parameters summed over the pipeline, a tied outside part
+(an input embedding that is also the LM head) summed between its two holders -- the first and the last stage --
+only, everything this process holds averaged over the D replicas, clipping by the norm over all stages (each
+logical parameter once).
 
 Only what is small crosses stages: the last stage runs the user's step (on its micro-batches in training; once on
 the concatenated stack outputs in evaluation) and is the only one that does. What the other stages need from it --
@@ -34,7 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parcae.errors import ConfigurationError, ModelLayoutError
-from lightning_parcae.runtime.liveness import guarded
+from lightning_parcae.runtime.liveness import guarded, guarded_post, guarded_wait
 from lightning_parcae.runtime.pipeline import (
     BlockListProxy,
     StageBoundary,
@@ -44,7 +46,7 @@ from lightning_parcae.runtime.pipeline import (
     schedule_ops,
     split_micro_batches,
 )
-from lightning_parcae.runtime.stage import swapped
+from lightning_parcae.runtime.stage import is_released, swapped
 from lightning_parcae.training.lightning_internals import inner_optimizer
 from lightning_parcae.training.log_replay import LogCall, LogRecorder, local_calls, portable_calls, replay_calls
 from lightning_parcae.training.loss_scaling import LossScaling
@@ -360,35 +362,67 @@ class StepRunner:
         return closure_loss
 
     def replicated_params(self) -> list[nn.Parameter]:
-        """Trainable parameters outside the layer stack (present on every stage)."""
+        """Trainable parameters outside the layer stack that every stage keeps (not classified to a stage)."""
+        return self._outside_params()[0]
+
+    def tied_params(self) -> list[nn.Parameter]:
+        """Trainable outside parameters held by the first and the last stage (``"both"``: tied input and output
+        embeddings) that this process holds."""
+        return self._outside_params()[1]
+
+    def _outside_params(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         s, host = self.state, self.host
-        assert host.lightning_module is not None and s.stage is not None
+        module = host.lightning_module
+        assert module is not None and s.stage is not None
         local = {id(p) for p in s.stage.parameters()}
-        return [p for p in host.lightning_module.parameters() if p.requires_grad and id(p) not in local]
+        replicated: list[nn.Parameter] = []
+        tied: list[nn.Parameter] = []
+        for name, p in module.named_parameters():
+            if not p.requires_grad or id(p) in local or is_released(p):
+                continue
+            kind = s.outside.get(name)
+            if kind is None:
+                replicated.append(p)
+            elif kind == "both":
+                tied.append(p)
+        return replicated, tied
 
     def reduce_gradients(self) -> None:
-        """Sum replicated parameters' gradients over the pipeline, then average everything over the D replicas."""
+        """Sum the gradients of replicated parameters over the pipeline and those of a tied outside part between
+        its two holders (the first and the last stage), then average everything this process holds over the D
+        replicas (parameters without storage here have no gradient and are left out)."""
         s, host = self.state, self.host
         g = s.groups
         module = host.lightning_module
         assert g is not None and module is not None
-        replicated = self.replicated_params()
+        replicated, tied = self._outside_params()
         if g.pipeline_stages > 1 and replicated:
             _all_reduce_grads(replicated, g.pipeline_group, 1.0)
+        if g.pipeline_stages > 1 and tied and (g.is_first_stage or g.is_last_stage):
+            ranks = g.pipeline_ranks(g.coords.replica)
+            _exchange_sum_grads(tied, ranks[-1] if g.is_first_stage else ranks[0])
         if g.data_parallel > 1:
-            _all_reduce_grads([p for p in module.parameters() if p.requires_grad], g.data_group,
-                              1.0 / g.data_parallel)
+            special = {id(p) for p in replicated} | {id(p) for p in tied}
+            held = [p for p in module.parameters() if p.requires_grad and not is_released(p)]
+            # one flat buffer per kind: a part kept on several stages is reduced in the same order everywhere, so
+            # its copies stay bitwise equal
+            for part in ([p for p in held if id(p) not in special], replicated, tied):
+                if part:
+                    _all_reduce_grads(part, g.data_group, 1.0 / g.data_parallel)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        """Clip by the norm of the gradients of ALL parameters of the model (every stage's), like one process."""
+        """Clip by the norm of the gradients of ALL parameters of the model (every stage's), like one process: each
+        logical parameter counted once (a replicated or tied one on stage 0)."""
         s, host = self.state, self.host
         g = s.groups
         assert g is not None
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        replicated = {id(p) for p in self.replicated_params()}
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None and not is_released(p)]
+        replicated, tied = self._outside_params()
+        shared = {id(p) for p in replicated} | {id(p) for p in tied}
         sq = torch.zeros((), dtype=torch.float32, device=host.root_device)
         for p in params:
-            if id(p) in replicated and not g.is_first_stage:
+            if id(p) in shared and not g.is_first_stage:
                 continue  # counted once, on stage 0
             sq += p.grad.detach().float().pow(2).sum()
         if g.pipeline_stages > 1:
@@ -467,6 +501,35 @@ def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> N
         guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce", collective=True)
         if scale != 1.0:
             flat.mul_(scale)
+        offset = 0
+        for p in same:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+
+_TIED_GRAD_TAG = 1 << 20
+"""Point-to-point tag of the tied outside parts' gradients (far above the pipeline's ``3m + k`` tags)."""
+
+
+def _exchange_sum_grads(params: list[nn.Parameter], peer: int) -> None:
+    """Sum ``params``' gradients with the same parameters' on global rank ``peer`` (the other holder of a tied
+    part): each side sends its flat gradients and adds the other's (missing gradients count as zero; addition is
+    commutative, so both sides get bitwise the same sum)."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for k, same in enumerate(by_dtype.values()):
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+        other = torch.empty_like(flat)
+        tag = _TIED_GRAD_TAG + k
+        send = (lambda: dist.isend(flat, peer, tag=tag), "tied gradient send")
+        recv = (lambda: dist.irecv(other, peer, tag=tag), "tied gradient receive")
+        # the lower rank sends first, the other receives first (NCCL runs a pair's operations in issue order)
+        works = [guarded_post(*op) for op in ((send, recv) if dist.get_rank() < peer else (recv, send))]
+        for w in works:
+            guarded_wait(w, "tied gradient exchange")
+        flat.add_(other)
         offset = 0
         for p in same:
             n = p.numel()

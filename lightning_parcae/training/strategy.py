@@ -380,6 +380,17 @@ class ParcaeStrategyMixin:
         """The state-dict keys (global names) of the layers this process holds."""
         return self.layout.stage_key_set()
 
+    @property
+    def outside_parts(self) -> dict[str, str]:
+        """The parts outside the layer stack that belong to a stage: state-dict key -> ``"pre"`` / ``"post"`` /
+        ``"both"`` (recorded in each generation, so a joiner adopts them)."""
+        return dict(self.stage_state.outside)
+
+    def outside_keys_of(self, index: int) -> list[str]:
+        """The outside keys that ride with layer ``index`` in a migration (layer 0: the embedding; the last: the
+        head)."""
+        return self.stage_state.outside_keys_of(index)
+
     # --- TrainingHost: what the runtime asks of Lightning (runtime/host.py; owned by the runtime's helper) ---
     def torch_optimizers(self) -> list[Optimizer]:
         """The torch optimizers inside Lightning's ``LightningOptimizer`` wrappers, in the order of ``optimizers``."""
