@@ -35,9 +35,8 @@ from typing import Any, Callable, Optional, Sequence
 from lightning_parcae.launch.rendezvous import ALIVE, DEAD, BeatWatch, Rendezvous
 from lightning_parcae.launch.startup import Candidate, RosterDecision, decide_roster
 from lightning_parcae.runtime.coordinator import Coordinator
-from lightning_parcae.runtime.liveness import notice_key, read_notice
+from lightning_parcae.runtime.liveness import NoticeCheck
 from lightning_parcae.runtime.startup import StartupRoster, arrival_key, roster_key
-from lightning_parcae.runtime.store import TamperedRecordError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class StartupComposer:
                  event: Optional[Callable[..., None]] = None) -> None:
         self.records, self.store = records, records.store
         self.event: Callable[..., None] = event if event is not None else (lambda name, /, **fields: None)
-        self._refused: dict[str, bytes] = {}  # member -> the notice bytes refused (warned about once)
+        self._noticed = NoticeCheck(records.token, lambda name, /, **f: self.event(name, **f), "start-up candidate")
         self.agent, self.round = agent, int(round_)
         self.agents = list(agents)
         self.clock = clock
@@ -83,28 +82,9 @@ class StartupComposer:
         return Rendezvous.key(self.round, "cbeat", agent)
 
     def noticed(self, member: str) -> bool:
-        """Whether ``member``'s worker has a valid notice (:func:`~lightning_parcae.runtime.liveness.read_notice`
-        with the job token of :attr:`records`).
-
-        One that fails verification (not signed with the job token, altered, or copied from another member's key)
-        does not leave the candidate out: it is ignored with a warning and a ``notice_refused`` event, once per
-        notice. Regression: a bare existence check let a forged notice key leave a live machine out of the
-        round, while the worker itself -- whose heartbeat thread verifies its notice -- kept waiting.
-        """
-        try:
-            return read_notice(self.store, member, self.records.token) is not None
-        except TamperedRecordError as exc:
-            raw: bytes = b""
-            try:
-                raw = bytes(self.store.get(notice_key(member)))
-            except Exception:  # noqa: BLE001 -- only for warning once per notice
-                pass
-            if self._refused.get(member) != raw:
-                self._refused[member] = raw
-                log.warning("ignoring the notice under %s for start-up candidate %s: %s", notice_key(member), member,
-                            exc)
-                self.event("notice_refused", about=member, key=notice_key(member), error=str(exc))
-            return False
+        """Whether ``member``'s worker has a valid notice (:class:`~lightning_parcae.runtime.liveness.NoticeCheck`
+        with the job token of :attr:`records`: a forged one does not leave a live machine out of the round)."""
+        return self._noticed(self.store, member)
 
     def roster(self) -> Optional[StartupRoster]:
         """The round's roster once written (by any agent)."""

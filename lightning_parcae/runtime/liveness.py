@@ -49,7 +49,7 @@ from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.store import TamperedRecordError, decode_record, encode_record
 
 __all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key",
-           "read_beats", "notice_record", "encode_notice", "decode_notice", "write_notice", "read_notice"]
+           "read_beats", "notice_record", "encode_notice", "decode_notice", "write_notice", "read_notice", "NoticeCheck"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,44 @@ def read_notice(store: dist.Store, member: str, token: Optional[str]) -> Optiona
     if not store.check([key]):
         return None
     return decode_notice(member, bytes(store.get(key)), token)
+
+
+class NoticeCheck:
+    """Whether members have a valid preemption notice, as a planner counts them (the leader's standby filter, the
+    agents' start-up roster): :func:`read_notice` with the job token.
+
+    A notice that fails verification (not signed with the job token, altered, or copied from another member's key)
+    never leaves a member out: it is ignored with a warning and a ``notice_refused`` event, once per notice.
+
+    Regression: a bare existence check of the notice key let anyone who can write to the store (but does not hold
+    the job token) keep standbys or start-up candidates out, while the worker's own heartbeat thread ignored the
+    same forged notice.
+
+    Args:
+        token: The job token (None: records are unsigned).
+        event: The event log (``notice_refused``).
+        who: What the members are, for the warning (``standby``, ``start-up candidate``).
+    """
+
+    def __init__(self, token: Optional[str], event: Callable[..., None], who: str) -> None:
+        self.token, self.event, self.who = token, event, who
+        self._refused: dict[str, bytes] = {}  # member -> the notice bytes refused (warned about once)
+
+    def __call__(self, store: dist.Store, member: str) -> bool:
+        """Whether ``member`` has a valid notice in ``store``."""
+        try:
+            return read_notice(store, member, self.token) is not None
+        except TamperedRecordError as exc:
+            raw: bytes = b""
+            try:
+                raw = bytes(store.get(notice_key(member)))
+            except Exception:  # noqa: BLE001 -- only for warning once per notice
+                pass
+            if self._refused.get(member) != raw:
+                self._refused[member] = raw
+                log.warning("ignoring the notice under %s for %s %s: %s", notice_key(member), self.who, member, exc)
+                self.event("notice_refused", about=member, key=notice_key(member), error=str(exc))
+            return False
 
 
 class Liveness:

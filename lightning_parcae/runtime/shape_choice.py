@@ -40,7 +40,7 @@ from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator, booting_key
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
-from lightning_parcae.runtime.liveness import notice_key, read_beats, read_notice
+from lightning_parcae.runtime.liveness import NoticeCheck, read_beats
 from lightning_parcae.runtime.part import EventSink
 from lightning_parcae.runtime.store import TamperedRecordError
 from lightning_parcae.runtime.torch_internals import child
@@ -157,7 +157,7 @@ class ShapeChooser:
         self._try: Optional[_Try] = None  # the exploration try being accounted for
         # launch batch -> when its first member was seen ready (None: its grace is over, it is never held again)
         self._batch_ready_since: dict[str, Optional[float]] = {}
-        self._refused_notices: dict[str, bytes] = {}  # member -> the notice bytes refused (warned about once)
+        self._notice_check = NoticeCheck(config.token, lambda name, /, **f: self.event(name, **f), "standby")
 
     def mark_step(self, generation: int, step: int) -> None:
         """A step boundary's work is done: the next step is timed from here (planning, agreement and migrations
@@ -504,30 +504,10 @@ class ShapeChooser:
                 if m not in self.state.layout.members and not self._noticed(m)]
 
     def _noticed(self, member: str) -> bool:
-        """Whether ``member`` has a valid preemption notice (:func:`~.liveness.read_notice` with the job token).
-
-        A notice that fails verification (not signed with the job token, altered, or copied from another member's
-        key) is ignored -- never a reason to leave a standby out -- with a warning and a ``notice_refused`` event,
-        once per notice.
-
-        Regression: a bare existence check of the notice key let anyone who can write to the store (but does not
-        hold the job token) keep every standby out of the job, while the worker's own heartbeat thread ignored
-        the same forged notice.
-        """
+        """Whether ``member`` has a valid preemption notice (:class:`~.liveness.NoticeCheck`: a forged one is
+        ignored, never a reason to leave a standby out)."""
         assert self.store is not None
-        try:
-            return read_notice(self.store, member, self.config.token) is not None
-        except TamperedRecordError as exc:
-            raw: bytes = b""
-            try:
-                raw = bytes(self.store.get(notice_key(member)))
-            except Exception:  # noqa: BLE001 -- only for warning once per notice
-                pass
-            if self._refused_notices.get(member) != raw:
-                self._refused_notices[member] = raw
-                log.warning("ignoring the notice under %s for standby %s: %s", notice_key(member), member, exc)
-                self.event("notice_refused", about=member, key=notice_key(member), error=str(exc))
-            return False
+        return self._notice_check(self.store, member)
 
     def _booting_record(self, member: str) -> Optional[dict[str, Any]]:
         """``member``'s launch-batch record (``parcae/booting/<member>``: ``{"batch", "members", "t"}``, written
