@@ -490,22 +490,31 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> None:
-    """Sum gradients over ``group`` in one flat buffer (missing gradients count as zero), times ``scale``."""
+def _flat_grads_by_dtype(params: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], Tensor]]:
+    """``params`` grouped by dtype, each group with its gradients in one new flat buffer (missing ones as zeros)."""
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
-    for same in by_dtype.values():
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    return [(same, torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same]))
+            for same in by_dtype.values()]
+
+
+def _set_grads_from_flat(params: list[nn.Parameter], flat: Tensor) -> None:
+    """Give each of ``params`` its slice of ``flat`` (in order) as its gradient."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> None:
+    """Sum gradients over ``group`` in one flat buffer (missing gradients count as zero), times ``scale``."""
+    for same, flat in _flat_grads_by_dtype(params):
         guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce", collective=True)
         if scale != 1.0:
             flat.mul_(scale)
-        offset = 0
-        for p in same:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
+        _set_grads_from_flat(same, flat)
 
 
 _TIED_GRAD_TAG = 1 << 20
@@ -516,11 +525,7 @@ def _exchange_sum_grads(params: list[nn.Parameter], peer: int) -> None:
     """Sum ``params``' gradients with the same parameters' on global rank ``peer`` (the other holder of a tied
     part): each side sends its flat gradients and adds the other's (missing gradients count as zero; addition is
     commutative, so both sides get bitwise the same sum)."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for k, same in enumerate(by_dtype.values()):
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+    for k, (same, flat) in enumerate(_flat_grads_by_dtype(params)):
         other = torch.empty_like(flat)
         tag = _TIED_GRAD_TAG + k
         send = (lambda: dist.isend(flat, peer, tag=tag), "tied gradient send")
@@ -530,8 +535,4 @@ def _exchange_sum_grads(params: list[nn.Parameter], peer: int) -> None:
         for w in works:
             guarded_wait(w, "tied gradient exchange")
         flat.add_(other)
-        offset = 0
-        for p in same:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
+        _set_grads_from_flat(same, flat)
