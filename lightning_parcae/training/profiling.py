@@ -107,6 +107,23 @@ class ProfilerHost(Protocol):
     def batch_to_device(self, batch: Any) -> Any: ...
 
 
+class _BlockWrapper(nn.Module):
+    """Stands in for block ``i`` of a block list while the profiler traces the user's loop: not registered as a
+    child (so the block's parameters are not counted twice), and every attribute the loop reads from a block
+    (``attention_type``, ...) comes from the block itself. Subclasses define ``forward``."""
+
+    def __init__(self, i: int, block: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_i", i)
+        object.__setattr__(self, "_b", block)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_b"], name)
+
+
 class LayerProfiler:
     """Probe and profile the layer stack of one strategy's module (see the module docstring).
 
@@ -149,18 +166,7 @@ class LayerProfiler:
         calls: list[tuple[int, Any, Any, tuple, dict]] = []
         arities: list[int] = []
 
-        class _Trace(nn.Module):
-            def __init__(self, i: int, block: nn.Module) -> None:
-                super().__init__()
-                object.__setattr__(self, "_i", i)
-                object.__setattr__(self, "_b", block)
-
-            def __getattr__(self, name: str) -> Any:  # what the loop reads from a block (attention_type)
-                try:
-                    return super().__getattr__(name)
-                except AttributeError:
-                    return getattr(self.__dict__["_b"], name)
-
+        class _Trace(_BlockWrapper):
             def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
                 out = self._b(x, *args, **kwargs)  # type: ignore[operator]
                 calls.append((self._i, x, hidden_of(out), args, kwargs))  # type: ignore[attr-defined]
@@ -426,18 +432,7 @@ class _StackTrace:
             return _Seq()
         n = len(self.blocks)
 
-        class _Entry(nn.Module):
-            def __init__(self, i: int, block: nn.Module) -> None:
-                super().__init__()
-                object.__setattr__(self, "_i", i)
-                object.__setattr__(self, "_b", block)
-
-            def __getattr__(self, name: str) -> Any:  # what the loop reads from a block (attention_type)
-                try:
-                    return super().__getattr__(name)
-                except AttributeError:
-                    return getattr(self.__dict__["_b"], name)
-
+        class _Entry(_BlockWrapper):
             def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
                 return trace.call(self._i, x, args, kwargs, last=self._i == n - 1)  # type: ignore[attr-defined]
 
