@@ -66,3 +66,16 @@ def test_a_fallback_record_keeps_the_current_layout_and_says_whether_to_save() -
     rec = GenerationRecords(_stack(), state).fallback(5, 30, "stage lost", checkpoint=True)  # type: ignore[arg-type]
     assert rec["generation"] == 5 and rec["kind"] == "fallback" and rec["checkpoint"] is True
     assert Layout.from_json(rec["layout"]) == state.layout
+
+
+def test_the_embedding_and_head_are_priced_with_the_first_and_last_layer_they_ride_with() -> None:
+    """Issue 22: the parts outside the stack move with layer 0 and the last layer, so the migration planner must
+    price them there -- before, a repartition that moved the head (50k x 1.6k in GPT-1.5B) looked free."""
+    module = nn.Module()
+    module.emb = nn.Embedding(10, 2)  # 20 parameters
+    module.head = nn.Linear(2, 5)  # 15 parameters
+    stack = _stack()
+    stack.lightning_module = module
+    stack.outside_keys_of = lambda i: {0: ["emb.weight"], 1: ["head.weight", "head.bias", "emb.weight"]}[i]
+    records = GenerationRecords(stack, GenerationState(member="a"))  # type: ignore[arg-type]
+    assert records.layer_bytes() == [3 * (6 + 20) * 4, 3 * (9 + 15 + 20) * 4]  # a tied weight rides with both

@@ -136,8 +136,18 @@ class GenerationRecords:
         full = self.stack.full_stack
         assert full is not None
         factor = 1.0 + self.stack.optimizer_state_factor
-        return [int(factor * sum(p.numel() * p.element_size() for p in child(full, n).parameters()))
-                for n in self.stack.layer_names]
+        sizes = [int(factor * sum(p.numel() * p.element_size() for p in child(full, n).parameters()))
+                 for n in self.stack.layer_names]
+        # the parts outside the stack that ride with layer 0 (the embedding) and the last layer (the head) move with
+        # them: price them there (their logical size -- a stage without them holds a stand-in of the same shape)
+        module = getattr(self.stack, "lightning_module", None)
+        riding = getattr(self.stack, "outside_keys_of", None)
+        if sizes and module is not None and callable(riding):
+            params = dict(module.named_parameters())
+            for i in sorted({0, len(sizes) - 1}):
+                sizes[i] += int(factor * sum(params[k].numel() * params[k].element_size()
+                                             for k in riding(i) if k in params))
+        return sizes
 
     def record(self, generation: int, layout: Layout, plan: Optional[MigrationPlan], kind: str, step: int,
                alive: Optional[list[str]] = None, **extra: Any) -> dict[str, Any]:
