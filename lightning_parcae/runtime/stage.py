@@ -142,6 +142,16 @@ def _releasable(m: nn.Module) -> Iterator[tuple[str, str, Tensor]]:
             yield kind, name, t
 
 
+def _replacement(t: Tensor, kind: str, data: Tensor) -> Tensor:
+    """``data`` in ``t``'s place: a parameter stays a parameter (same ``requires_grad`` and attributes, less the
+    stand-in mark), a buffer is ``data`` itself."""
+    if kind != "param":
+        return data
+    new = nn.Parameter(data, requires_grad=t.requires_grad)
+    new.__dict__.update({k: v for k, v in t.__dict__.items() if k != _STAND_IN})
+    return new
+
+
 def release_storage(layers: Sequence[nn.Module], keep: Collection[int] = ()) -> int:
     """Drop the storage of ``layers``' parameters and persistent buffers: each becomes a ``meta`` tensor of the
     same shape, dtype and ``requires_grad`` (a parameter's attributes are kept; one tensor shared by several
@@ -163,12 +173,7 @@ def release_storage(layers: Sequence[nn.Module], keep: Collection[int] = ()) -> 
                 if t.is_meta or id(t) in keep:
                     continue
                 if id(t) not in memo:
-                    if kind == "param":
-                        new: Tensor = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
-                        new.__dict__.update(t.__dict__)
-                    else:
-                        new = torch.empty_like(t, device="meta")
-                    memo[id(t)] = (t, new)
+                    memo[id(t)] = (t, _replacement(t, kind, torch.empty_like(t, device="meta")))
                     released += t.numel() * t.element_size()
                 put_own_tensor(m, kind, name, memo[id(t)][1])
             for name, b in own_buffers(m):
@@ -197,12 +202,7 @@ def materialize_storage(layers: Sequence[tuple[str, nn.Module]], device: torch.d
                 if not t.is_meta:
                     continue
                 if id(t) not in memo:
-                    if kind == "param":
-                        new: Tensor = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
-                        new.__dict__.update(t.__dict__)
-                    else:
-                        new = torch.empty_like(t, device=device)
-                    memo[id(t)] = (t, new)
+                    memo[id(t)] = (t, _replacement(t, kind, torch.empty_like(t, device=device)))
                 put_own_tensor(m, kind, name, memo[id(t)][1])
                 names.add(".".join(x for x in (prefix, path, name) if x))
     return names
@@ -229,11 +229,7 @@ def stand_in(t: Tensor, device: torch.device) -> Tensor:
     """A stand-in for ``t`` (see the module docstring): a zero of ``t``'s dtype on ``device`` broadcast to ``t``'s
     shape; a parameter stays a parameter (same ``requires_grad`` and attributes)."""
     zeros = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
-    if isinstance(t, nn.Parameter):
-        new: Tensor = nn.Parameter(zeros, requires_grad=t.requires_grad)
-        new.__dict__.update({k: v for k, v in t.__dict__.items() if k != _STAND_IN})
-    else:
-        new = zeros
+    new = _replacement(t, "param" if isinstance(t, nn.Parameter) else "buffer", zeros)
     setattr(new, _STAND_IN, True)
     return new
 
@@ -282,13 +278,7 @@ def materialize_tensors(module: nn.Module, keys: Collection[str], device: torch.
         if id(t) not in chosen:
             continue
         if id(t) not in memo:
-            if kind == "param":
-                new: Tensor = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=device),
-                                           requires_grad=t.requires_grad)
-                new.__dict__.update({k: v for k, v in t.__dict__.items() if k != _STAND_IN})
-            else:
-                new = torch.empty(t.shape, dtype=t.dtype, device=device)
-            memo[id(t)] = (t, new)
+            memo[id(t)] = (t, _replacement(t, kind, torch.empty(t.shape, dtype=t.dtype, device=device)))
         put_own_tensor(m, kind, name, memo[id(t)][1])
         names.add(key)
     return names
