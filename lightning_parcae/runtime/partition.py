@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Callable, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_parcae.errors import InfeasibleShapeError, ModelLayoutError, StageMemoryError
 from lightning_parcae.planning.costmodel import min_max_partition
@@ -29,6 +29,7 @@ from lightning_parcae.runtime.pipeline import without_caches
 __all__ = [
     "profile_layer_times",
     "layer_memory_bytes",
+    "tensors_memory_bytes",
     "balance_stages",
     "stage_bounds",
     "choose_pipeline_stages",
@@ -103,10 +104,17 @@ def layer_memory_bytes(layer: nn.Module, optimizer_state_factor: float = 2.0) ->
     Returns:
         Bytes (activations are not counted: they depend on the micro-batch size and the schedule).
     """
-    params = sum(p.numel() * p.element_size() for p in layer.parameters())
-    trainable = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
-    buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
-    return int(params + trainable * (1.0 + optimizer_state_factor) + buffers)
+    return tensors_memory_bytes(list(layer.parameters()), list(layer.buffers()), optimizer_state_factor)
+
+
+def tensors_memory_bytes(params: Sequence[Tensor], buffers: Sequence[Tensor], optimizer_state_factor: float = 2.0
+                         ) -> int:
+    """Resident training memory of these parameters (with, if trainable, their gradients and optimizer state) and
+    buffers -- :func:`layer_memory_bytes` for tensors that are not one module (the parts outside the stack)."""
+    size = sum(p.numel() * p.element_size() for p in params)
+    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    buffered = sum(b.numel() * b.element_size() for b in buffers)
+    return int(size + trainable * (1.0 + optimizer_state_factor) + buffered)
 
 
 def stage_bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:

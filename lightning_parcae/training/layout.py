@@ -41,7 +41,13 @@ from torch import Tensor, nn
 
 from lightning_parcae.errors import ModelLayoutError
 from lightning_parcae.runtime.groups import ProcessGroups
-from lightning_parcae.runtime.partition import balance_stages, choose_pipeline_stages, layer_memory_bytes, stage_bounds
+from lightning_parcae.runtime.partition import (
+    balance_stages,
+    choose_pipeline_stages,
+    layer_memory_bytes,
+    stage_bounds,
+    tensors_memory_bytes,
+)
 from lightning_parcae.runtime.pipeline import P2P, BlockListProxy, StageProxy
 from lightning_parcae.runtime.stage import (
     cut_stage,
@@ -242,16 +248,12 @@ class StageLayout:
         """Training memory of the outside parts named by ``keys`` (parameters, gradients, optimizer state and
         buffers, each tensor once), as :func:`~lightning_parcae.runtime.partition.layer_memory_bytes` counts a
         layer."""
-        module = self.host.lightning_module
-        total, seen = 0, set()
-        for key, (_, kind, _, t) in own_tensor_sites(module).items():
-            if key not in keys or id(t) in seen:
-                continue
-            seen.add(id(t))
-            size = t.numel() * t.element_size()
-            trainable = kind == "param" and t.requires_grad
-            total += int(size + (size * (1.0 + self.options.optimizer_state_factor) if trainable else 0))
-        return total
+        chosen: dict[int, tuple[str, Tensor]] = {}  # each tensor once (a tied weight has two keys)
+        for key, (_, kind, _, t) in own_tensor_sites(self.host.lightning_module).items():
+            if key in keys:
+                chosen.setdefault(id(t), (kind, t))
+        return tensors_memory_bytes([t for k, t in chosen.values() if k == "param"],
+                                    [t for k, t in chosen.values() if k != "param"], self.options.optimizer_state_factor)
 
     def whole_model_fallback(self, module: nn.Module, why: str) -> None:
         """No layer stack to cut: train the whole module at P = 1 (elastic data parallelism only).
