@@ -127,15 +127,20 @@ class StrategyCheckpoints:
             return None
         return gather_objects(obj, 0, g.pipeline_group_of(0))
 
+    def _held_state(self, module: Any) -> dict[str, Any]:
+        """``module``'s state dict (tensors as they are) without the parts this process does not hold -- another
+        stage's embedding or head, a stand-in here, known by its mark and by its key: its holder saves and loads
+        it."""
+        released = self.state.released_outside()
+        return {k: v for k, v in module.state_dict(keep_vars=True).items()
+                if not is_released(v) and k not in released}
+
     def module_state_dict(self) -> dict[str, Any]:
         """The full state dict with global keys (complete on rank 0)."""
         s = self.host
         module = s.lightning_module
         assert module is not None
-        # a part this process does not hold (another stage's embedding or head: a stand-in here) is left out; its
-        # holder's part of the gather has it
-        local = {k: v.detach().cpu() for k, v in module.state_dict(keep_vars=True).items()
-                 if not is_released(v) and k not in self.state.released_outside()}
+        local = {k: v.detach().cpu() for k, v in self._held_state(module).items()}
         if self.local_dump:
             return local
         parts = self._replica0_gather(local)
@@ -261,8 +266,7 @@ class StrategyCheckpoints:
         another stage holds is neither loaded nor required here)."""
         module = self.host.lightning_module
         assert module is not None
-        released = self.state.released_outside()
-        own = {k for k, v in module.state_dict(keep_vars=True).items() if not is_released(v) and k not in released}
+        own = set(self._held_state(module))
         full = checkpoint["state_dict"]
         missing = sorted(own - set(full.keys()))
         if strict and missing:
