@@ -358,3 +358,20 @@ def test_a_drop_after_the_roster_takes_standbys_before_members_still_forming_gen
     for seed in range(5):
         f, p = _launched(tmp_path / str(seed), monkeypatch, n=3, victims="random", seed=seed)
         assert f.removal_order([0, 1, 2])[0] == 2  # i2: the roster's standby
+
+
+def test_start_up_progress_is_the_latest_arrival_or_roster_not_the_launch(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 21, a 24-instance replay on 2 cores): the candidates' imports took 100 s, the roster formed
+    at 100.1 s and ``--startup-timeout`` 120 failed the run, counting from the launch, while the first generation was
+    still building its groups. The timeout now counts from the latest start-up progress."""
+    f, p = _launched(tmp_path, monkeypatch, n=4, seat=False)
+    t0 = p["state"].started_at
+    assert f.startup_progress_at() == t0  # nobody arrived: the launch is the latest progress
+    _arrive(f, p, "i0", at=t0 + 40.0)
+    _arrive(f, p, "i9", at=t0 + 500.0)  # not a worker of this launch: does not count
+    assert f.startup_progress_at() == t0 + 40.0
+    _arrive(f, p, "i1", "i2", "i3", at=t0 + 100.0)
+    assert f.startup_progress_at() == t0 + 100.0
+    assert f.form_roster(now=t0 + 100.5) is not None
+    assert f.startup_progress_at() == t0 + 100.5

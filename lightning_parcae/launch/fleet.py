@@ -58,6 +58,7 @@ class StartupRound:
         p: The P its workers were started with (0: ``auto``).
         launched_at: Wall time of the launch.
         roster: The roster once written (None while the candidates are arriving).
+        roster_at: Wall time the roster was written (None before).
         left_out: Candidates noticed or lost before the roster.
     """
 
@@ -65,6 +66,7 @@ class StartupRound:
     p: int
     launched_at: float
     roster: Optional[StartupRoster] = None
+    roster_at: Optional[float] = None
     left_out: list[str] = field(default_factory=list)
 
 
@@ -242,7 +244,7 @@ class Fleet:
         except Exception as exc:  # noqa: BLE001 -- a store hiccup: the candidates keep waiting, tried again next poll
             self.events("store_error", error=str(exc))
             return None
-        rnd.roster = roster
+        rnd.roster, rnd.roster_at = roster, now
         for r, m in enumerate(roster.members):
             live[m].candidate, live[m].rank = False, r
         for m in roster.standbys:
@@ -254,6 +256,23 @@ class Fleet:
                  + (f", warm standbys {list(roster.standbys)}" if roster.standbys else "")
                  + (f", left out {list(roster.left_out)}" if roster.left_out else "") + f" ({roster.why})")
         return roster
+
+    def startup_progress_at(self) -> float:
+        """Wall time of the current launch's latest start-up progress: the launch itself, a candidate's arrival (it
+        imported, built its Trainer and reached the store) or the roster.
+
+        The launcher's ``--startup-timeout`` counts from here, not from the launch. Regression (a 24-instance replay
+        on 2 cores, issue 21): the candidates' imports alone took 100 s, the roster formed at 100.1 s and the run was
+        failed at 120 s as "no training step" while the first generation was building its groups -- a timeout
+        that measured the machine's size, not a stall.
+        """
+        rnd = self.startup
+        if rnd is None:
+            return self.state.started_at
+        ours = {w.member for w in self.pool.workers if w.launch == rnd.launch}
+        arrivals = [t for m, t in self.reports.arrived.items() if m in ours]
+        return max([self.state.started_at, rnd.launched_at, *arrivals]
+                   + ([rnd.roster_at] if rnd.roster_at is not None else []))
 
     def notice(self, w: Worker) -> str:
         """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it holds no state -- a

@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use an existing store instead of hosting one: tcp://HOST:PORT or etcd://HOST:PORT/PREFIX")
     p.add_argument("--store-timeout", type=float, default=10.0, help="seconds to reach the store (default 10)")
     p.add_argument("--startup-timeout", type=float, default=120.0,
-                   help="seconds a generation may take to report its first step (default 120)")
+                   help="--elastic: seconds a launch may go without start-up progress (a candidate's arrival, the "
+                   "roster, the first step); --restart-fallback: seconds a generation may take to its first step "
+                   "(default 120)")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="how often one instance may be restarted after its process died by a signal nobody here "
                    "sent (kill -9, the OOM killer): it counts as a lost instance, the others recover and a fresh "
@@ -422,10 +424,12 @@ class Launcher:
             target = self.target_at(self.trace_elapsed())
             if target != len(fleet.instances):
                 fleet.change(target)
-            if st.phase is Phase.STARTING and time.time() - st.started_at > cfg.startup_timeout_s:
+            if st.phase is Phase.STARTING and time.time() - fleet.startup_progress_at() > cfg.startup_timeout_s:
                 pool.kill_all()
-                raise pool.failure(f"parcae run failed: launch {st.launch} reported no training step within "
-                                   f"{cfg.startup_timeout_s:g} s", fleet.this_launch(joiners=False)[:1])
+                raise pool.failure(f"parcae run failed: launch {st.launch} made no start-up progress (no candidate "
+                                   f"arrived, no roster, no training step) for {cfg.startup_timeout_s:g} s; if the "
+                                   "machine is merely slow, raise --startup-timeout",
+                                   fleet.this_launch(joiners=False)[:1])
             self.console.progress(instances=len(fleet.instances))
         self._read_events()
         fleet.reap()  # the exits seen by the last check
