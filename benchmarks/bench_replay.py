@@ -57,6 +57,11 @@ JOBS = {
     # real CPU compute only: every instance shares the machine's cores
     "cpu": ([PY, str(ROOT / "examples" / "gpt" / "train.py"), "--config", str(ROOT / "examples" / "gpt" / "config.yaml"),
              "--trainer.max_steps", "1000000", "--trainer.limit_val_batches", "0"], []),
+    # issue 21: the emulated cluster faithful to the artifact's GPT-1.5B on p3.2xlarge (P >= 6 by its memory rule;
+    # model.time_scale is set to --time-scale, so modelled kernels, links and boots are compressed like the trace)
+    "gpt15b": ([PY, str(ROOT / "examples" / "gpt" / "train.py"), "--config",
+                str(ROOT / "examples" / "gpt" / "emulated_gpt15b.yaml"), "--trainer.max_steps", "1000000"],
+               ["--emulated-devices", "--oversubscribe", "--startup-timeout", "300"]),
 }
 TRAIN, LAUNCH_EXTRA = JOBS["emulated"]
 SEGMENTS = ["hh_55_65", "hl_15_25", "lh_80_90", "ll_10_11"]
@@ -285,7 +290,21 @@ def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) ->
     r["forecast"] = forecast(seg_dir / "parcae" / "profile.json", r["schedule"], wall_interval,
                              r["runs"].get("parcae", {}).get("startup_s", 0.0),
                              statistics.mean(lost) if lost else None, r["n_min"],
+                             pipeline_stages=int(r.get("pipeline_stages", 2)),
                              restart_startup_s=restart.get("startup_s"), join_delay_s=r["join_delay_s"])
+
+
+def _sliced(seg: str, intervals: Optional[int], out: Path) -> str:
+    """The trace argument of segment ``seg``: its bundled name, or a file of its first ``intervals`` intervals."""
+    if intervals is None:
+        return seg
+    from lightning_parcae.signals.traces import bundled_trace_path  # noqa: PLC0415
+
+    lines = Path(bundled_trace_path(seg)).read_text().splitlines()[:intervals]
+    path = out / "traces" / f"{seg}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
 
 
 def main() -> int:
@@ -300,7 +319,15 @@ def main() -> int:
                     help="results.json of an earlier run: take its static shape measurements instead of measuring")
     ap.add_argument("--job", choices=sorted(JOBS), default="emulated",
                     help="emulated (default): examples/gpt/spot.yaml on one emulated accelerator per instance; cpu: "
-                    "examples/gpt/config.yaml on the shared CPU cores")
+                    "examples/gpt/config.yaml on the shared CPU cores; gpt15b: examples/gpt/emulated_gpt15b.yaml, the "
+                    "artifact's GPT-1.5B emulated per layer (use --pipeline-stages 6 and a --max-instances of 6+)")
+    ap.add_argument("--max-instances", type=int, default=4,
+                    help="each segment's peak count is scaled to this many instances (default 4; the p3 segments' "
+                    "real peaks are 18-32)")
+    ap.add_argument("--intervals", type=int, default=None,
+                    help="replay only the first K intervals of each segment (default: all 60)")
+    ap.add_argument("--pipeline-stages", type=int, default=2,
+                    help="P the jobs launch with and the restart fallback keeps (default 2; 6 for --job gpt15b)")
     ap.add_argument("--reforecast", action="store_true",
                     help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
     ap.add_argument("--combine", default=None, metavar="DIR,DIR,...",
@@ -310,6 +337,8 @@ def main() -> int:
         return combine([Path(x) for x in a.combine.split(",") if x])
     global TRAIN, LAUNCH_EXTRA
     TRAIN, LAUNCH_EXTRA = JOBS[a.job]
+    if a.job == "gpt15b":
+        TRAIN = [*TRAIN, "--model.time_scale", str(a.time_scale)]
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if a.reforecast:
@@ -327,7 +356,7 @@ def main() -> int:
         results["static"][f"{sh[0]}x{sh[1]}"] = thr
         print(f"static {sh[0]}x{sh[1]}: {thr:.1f} samples/s", flush=True)
     best_by_n: dict[int, tuple[str, float]] = {}
-    for n in range(1, 5):
+    for n in range(1, a.max_instances + 1):
         fits = {k: v for k, v in results["static"].items() if int(k.split("x")[0]) * int(k.split("x")[1]) <= n}
         if fits:
             k = max(fits, key=fits.get)  # type: ignore[arg-type]
@@ -336,12 +365,14 @@ def main() -> int:
     wall_interval = 60.0 / a.time_scale
     static_runs: dict[int, dict[str, Any]] = {}
     for seg in [s for s in a.segments.split(",") if s]:
-        _, schedule = _load_schedule(seg, 60.0, 4)
+        trace_arg = _sliced(seg, a.intervals, out)
+        _, schedule = _load_schedule(trace_arg, 60.0, a.max_instances)
         seconds = len(schedule) * wall_interval
         n_min = min(schedule)
         r: dict[str, Any] = {"schedule": schedule, "seconds": seconds, "n_min": n_min, "runs": {}}
-        common = ["--trace", seg, "--time-scale", str(a.time_scale), "--instances", str(max(schedule)),
-                  "--pipeline-stages", "2"]
+        common = ["--trace", trace_arg, "--time-scale", str(a.time_scale), "--instances", str(max(schedule)),
+                  "--pipeline-stages", str(a.pipeline_stages)]
+        r["pipeline_stages"] = a.pipeline_stages
         for pol in [p for p in a.policies.split(",") if p]:
             run_dir = out / seg / pol
             if pol == "parcae":
@@ -355,7 +386,7 @@ def main() -> int:
                     r["runs"][pol] = static_runs[n_min]
                     continue
                 # the best statically measured shape for the minimum count (P=2 on 3 instances would idle one)
-                best_p = best_by_n[n_min][0].split("x")[1] if n_min in best_by_n else "2"
+                best_p = best_by_n[n_min][0].split("x")[1] if n_min in best_by_n else str(a.pipeline_stages)
                 ev = launch(["--instances", str(n_min), "--pipeline-stages", best_p, "--restart-fallback"], run_dir,
                             seconds)
             else:
