@@ -271,8 +271,7 @@ class Fleet:
             return self.state.started_at
         ours = {w.member for w in self.pool.workers if w.launch == rnd.launch}
         arrivals = [t for m, t in self.reports.arrived.items() if m in ours]
-        return max([self.state.started_at, rnd.launched_at, *arrivals]
-                   + ([rnd.roster_at] if rnd.roster_at is not None else []))
+        return max([self.state.started_at, *arrivals] + ([rnd.roster_at] if rnd.roster_at is not None else []))
 
     def notice(self, w: Worker) -> str:
         """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it holds no state -- a
