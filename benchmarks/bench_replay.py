@@ -66,6 +66,11 @@ JOBS = {
 TRAIN, LAUNCH_EXTRA = JOBS["emulated"]
 SEGMENTS = ["hh_55_65", "hl_15_25", "lh_80_90", "ll_10_11"]
 POLICIES = ["parcae", "reactive", "restart", "static"]
+CLOCK = "launch"
+"""``--trace-clock`` of the runs (set by :func:`main`): ``launch`` -- the segment starts at the launch, start-up
+counts in it; ``first-step`` -- it starts at the first training step, as the artifact counts a segment."""
+STARTUP_WAIT_S = 420.0
+"""Under ``first-step``: how long a run may take to its first step before the bench stops waiting for it."""
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
@@ -81,17 +86,33 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def segment_start(ev: list[dict[str, Any]], clock: Optional[str] = None) -> Optional[float]:
+    """Wall time the replayed segment starts in a run's events: the launch (``run_start``), or under
+    ``--trace-clock first-step`` the launcher's ``trace_clock`` event (the first training step; a run without a
+    trace may have none: its first worker step); None while it has not started."""
+    clock = CLOCK if clock is None else clock
+    if clock != "first-step":
+        return next((e["time"] for e in ev if e.get("event") == "run_start"), None)
+    t = next((e["time"] for e in ev if e.get("source") == "launcher" and e.get("event") == "trace_clock"), None)
+    if t is None:
+        t = next((e["time"] for e in ev if e.get("source") == "worker" and e.get("event") == "progress"), None)
+    return t
+
+
 def launch(args: list[str], run_dir: Path, seconds: float, train_extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Run ``parcae run ARGS`` for ``seconds`` after its first event (then SIGINT: it stops every worker)."""
+    """Run ``parcae run ARGS`` for ``seconds`` after the segment's start (:func:`segment_start`; then SIGINT: it
+    stops every worker). Under ``--trace-clock first-step`` the start-up before it may take up to
+    :data:`STARTUP_WAIT_S`."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [*PARCAE, *args, *LAUNCH_EXTRA, "--run-dir", str(run_dir), "--progress-every", "30", "--no-plot", "--", *TRAIN,
-           *train_extra]
+    clock = ["--trace-clock", CLOCK] if CLOCK != "launch" else []
+    cmd = [*PARCAE, *args, *clock, *LAUNCH_EXTRA, "--run-dir", str(run_dir), "--progress-every", "30", "--no-plot",
+           "--", *TRAIN, *train_extra]
+    wait = seconds + 60 + (STARTUP_WAIT_S if CLOCK == "first-step" else 0.0)
     with open(run_dir / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         t0 = time.time()
-        while time.time() - t0 < seconds + 60 and proc.poll() is None:
-            ev = read_events(run_dir)
-            start = next((e["time"] for e in ev if e.get("event") == "run_start"), None)
+        while time.time() - t0 < wait and proc.poll() is None:
+            start = segment_start(read_events(run_dir))
             if start is not None and time.time() - start >= seconds:
                 break
             time.sleep(0.5)
@@ -106,17 +127,23 @@ def launch(args: list[str], run_dir: Path, seconds: float, train_extra: tuple[st
 
 
 def summarize(ev: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-    """Samples at ``run_start + seconds``, start-up, shapes, time lost by kind."""
-    start = next(e["time"] for e in ev if e.get("event") == "run_start")
+    """Samples trained within the segment (``seconds`` from :func:`segment_start`), start-up, shapes, time lost by
+    kind. ``startup_s`` is the launch's time to its first step; ``counted_startup_s`` the part of it inside the
+    segment (all of it under the launch clock, none under ``first-step``)."""
+    run_start = next(e["time"] for e in ev if e.get("event") == "run_start")
+    start = segment_start(ev)
+    if start is None:  # never trained: the whole window is start-up
+        start = run_start
     end = start + seconds
-    prog = [e for e in ev if e.get("source") == "worker" and e.get("event") in ("progress", "start", "end")
-            and e["time"] <= end]
-    samples = prog[-1]["samples"] if prog else 0
+    prog = [e for e in ev if e.get("source") == "worker" and e.get("event") in ("progress", "start", "end")]
+    at_end = [e for e in prog if e["time"] <= end]
+    before = [e for e in prog if e["time"] <= start] if start > run_start else []
+    samples = (at_end[-1]["samples"] if at_end else 0) - (before[-1]["samples"] if before else 0)
     first = next((e["time"] for e in ev if e.get("source") == "worker" and e.get("event") == "progress"), end)
     lost: dict[str, float] = {}
     seen: dict[int, dict[str, Any]] = {}
     for e in ev:
-        if e.get("source") == "elastic" and e.get("event") == "migration" and e["time"] <= end:
+        if e.get("source") == "elastic" and e.get("event") == "migration" and start <= e["time"] <= end:
             g = int(e["generation"])
             if g not in seen or e["duration_s"] > seen[g]["duration_s"]:
                 seen[g] = e
@@ -125,8 +152,10 @@ def summarize(ev: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     restarts = [e for e in ev if e.get("event") == "restart_done" and e["time"] <= end]
     lost["restart"] = sum(float(e.get("lost_s", 0.0)) for e in restarts)
     shapes = [(int(e["D"]), int(e["P"]), int(e["N"])) for e in sorted(seen.values(), key=lambda m: m["time"])]
-    explores = sum(1 for e in ev if e.get("event") == "explore" and e["time"] <= end)
-    return {"samples": int(samples), "startup_s": round(first - start, 2), "explorations": explores, "lost_s": {k: round(v, 3) for k, v in lost.items()},
+    explores = sum(1 for e in ev if e.get("event") == "explore" and start <= e["time"] <= end)
+    return {"samples": int(samples), "startup_s": round(first - run_start, 2),
+            "counted_startup_s": round(max(0.0, min(first, end) - start), 2), "clock": CLOCK,
+            "explorations": explores, "lost_s": {k: round(v, 3) for k, v in lost.items()},
             "migrations": {k: sum(1 for m in seen.values() if m["kind"] == k) for k in {m["kind"] for m in seen.values()}},
             "restarts": len(restarts), "shapes": shapes,
             "restart_lost_s": [float(e.get("lost_s", 0.0)) for e in restarts]}
@@ -146,17 +175,18 @@ def join_delays(ev: list[dict[str, Any]]) -> list[float]:
 
 
 def shape_timeline(ev: list[dict[str, Any]], seconds: float) -> list[tuple[float, int, int, int]]:
-    """(time since start, D, P, N) of each shape the run trained in (in-place migrations and launches)."""
-    start = next(e["time"] for e in ev if e.get("event") == "run_start")
+    """(time since the segment's start, D, P, N) of each shape the run trained in (in-place migrations and
+    launches; under ``first-step`` the first generation's start is at 0)."""
+    start = segment_start(ev) or next(e["time"] for e in ev if e.get("event") == "run_start")
     out = []
     for e in ev:
         if e["time"] > start + seconds:
             break
         if e.get("source") == "worker" and e.get("event") == "start":
-            out.append((e["time"] - start, int(e["D"]), int(e["P"]), int(e["N"])))
+            out.append((max(0.0, e["time"] - start), int(e["D"]), int(e["P"]), int(e["N"])))
         if e.get("source") == "elastic" and e.get("event") == "migration" and e.get("member") and e.get("D"):
             if not out or out[-1][1:3] != (int(e["D"]), int(e["P"])):
-                out.append((e["time"] - start, int(e["D"]), int(e["P"]), int(e["N"])))
+                out.append((max(0.0, e["time"] - start), int(e["D"]), int(e["P"]), int(e["N"])))
     return out
 
 
@@ -288,10 +318,19 @@ def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) ->
     lost = restart.get("restart_lost_s") or []
     r["join_delay_s"] = _join_delay(seg_dir)
     r["forecast"] = forecast(seg_dir / "parcae" / "profile.json", r["schedule"], wall_interval,
-                             r["runs"].get("parcae", {}).get("startup_s", 0.0),
-                             statistics.mean(lost) if lost else None, r["n_min"],
+                             counted_startup(r["runs"].get("parcae", {})),
+                             # no restart measured: a relaunch costs what the launch's own start-up did
+                             statistics.mean(lost) if lost else r["runs"].get("parcae", {}).get("startup_s"),
+                             r["n_min"],
                              pipeline_stages=int(r.get("pipeline_stages", 2)),
-                             restart_startup_s=restart.get("startup_s"), join_delay_s=r["join_delay_s"])
+                             restart_startup_s=counted_startup(restart) if restart else None,
+                             join_delay_s=r["join_delay_s"])
+
+
+def counted_startup(run: dict[str, Any]) -> float:
+    """The start-up seconds inside a run's segment (results written before ``--trace-clock`` have only
+    ``startup_s``: the launch clock, all of it)."""
+    return float(run.get("counted_startup_s", run.get("startup_s", 0.0)))
 
 
 def _sliced(seg: str, intervals: Optional[int], out: Path) -> str:
@@ -328,6 +367,10 @@ def main() -> int:
                     help="replay only the first K intervals of each segment (default: all 60)")
     ap.add_argument("--pipeline-stages", type=int, default=2,
                     help="P the jobs launch with and the restart fallback keeps (default 2; 6 for --job gpt15b)")
+    ap.add_argument("--trace-clock", choices=["launch", "first-step"], default="launch",
+                    help="when each segment starts (parcae run --trace-clock): at the launch (default; start-up is "
+                    "inside the segment), or at the first training step (start-up outside it, as the artifact "
+                    "counts a segment: use it where start-up is long against the segment, e.g. --job gpt15b)")
     ap.add_argument("--reforecast", action="store_true",
                     help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
     ap.add_argument("--combine", default=None, metavar="DIR,DIR,...",
@@ -335,8 +378,9 @@ def main() -> int:
     a = ap.parse_args()
     if a.combine:
         return combine([Path(x) for x in a.combine.split(",") if x])
-    global TRAIN, LAUNCH_EXTRA
+    global TRAIN, LAUNCH_EXTRA, CLOCK
     TRAIN, LAUNCH_EXTRA = JOBS[a.job]
+    CLOCK = a.trace_clock
     if a.job == "gpt15b":
         TRAIN = [*TRAIN, "--model.time_scale", str(a.time_scale)]
     out = Path(a.out).resolve()
@@ -346,7 +390,7 @@ def main() -> int:
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                               "cores": os.cpu_count(), "static": {}, "segments": {}}
+                               "cores": os.cpu_count(), "trace_clock": CLOCK, "static": {}, "segments": {}}
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
     if a.static_from:  # re-run some segments or policies against an earlier run's static measurements
         results["static"] = dict(json.loads(Path(a.static_from).read_text())["static"])
@@ -400,7 +444,7 @@ def main() -> int:
             print(f"{seg} {pol}: {s['samples']} samples, start-up {s['startup_s']} s, lost {s['lost_s']}, "
                   f"shapes {s['shapes']}", flush=True)
         # ideal: each interval at the best static throughput for its count, from when training started
-        startup = r["runs"].get("parcae", {}).get("startup_s", 0.0)
+        startup = counted_startup(r["runs"].get("parcae", {}))
         ideal = 0.0
         for k, n in enumerate(schedule):
             t_a, t_b = k * wall_interval, (k + 1) * wall_interval
@@ -469,6 +513,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines = ["Static throughput per shape (samples/s): " + ", ".join(
         f"{k} {v:.0f}" for k, v in results["static"].items()) + "; best per instance count: " + ", ".join(
         f"N={n}: {k}" for n, (k, _) in sorted(results["best_by_n"].items(), key=lambda x: int(x[0]))), "",
+        "Each segment starts " + ("at the first training step (`--trace-clock first-step`): start-up is outside it "
+                                  "and not counted; a relaunch's is" if results.get("trace_clock") == "first-step"
+                                  else "at the launch: start-up is inside it") + ".", "",
         "| segment | policy | samples | vs ideal | forecast | forecast / measured | start-up s | migrations | time lost s by kind |",
         "|---|---|---|---|---|---|---|---|---|"]
     for seg, r in results["segments"].items():

@@ -1,0 +1,83 @@
+"""benchmarks/bench_replay.py counts a run's samples within its replayed segment, from the clock the run used.
+
+Regression (issue 21, the GPT-1.5B replay at 9-12 instances): the segment always started at the launch, so of a
+180 s segment the 75-140 s start-up of 12 processes on 2 cores took most of the window, and the replay compared
+start-ups rather than policies. Under ``--trace-clock first-step`` the segment starts at the first training step
+(the launcher's ``trace_clock`` event), as the artifact counts one: the samples are those trained in the
+``seconds`` after it and the start-up is reported but not counted (the forecast and the ideal leave it out).
+
+No processes: synthetic ``events.jsonl`` records shaped like those of ``parcae run``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_replay  # noqa: E402
+
+
+def _run(startup: float, with_clock_event: bool = True) -> list[dict[str, Any]]:
+    """A run launched at t=100 whose first step comes ``startup`` s later; 10 samples per second afterwards and an
+    intra-stage migration 5 s into training."""
+    first = 100.0 + startup
+    ev: list[dict[str, Any]] = [{"source": "launcher", "event": "run_start", "time": 100.0},
+                                {"source": "worker", "event": "start", "time": first - 0.5, "D": 1, "P": 2, "N": 2,
+                                 "samples": 0}]
+    if with_clock_event:
+        ev.append({"source": "launcher", "event": "trace_clock", "time": first})
+    ev += [{"source": "worker", "event": "progress", "time": first + t, "samples": int(10 * t)} for t in range(0, 61)]
+    ev.append({"source": "elastic", "event": "migration", "generation": 1, "kind": "intra-stage", "duration_s": 0.3,
+               "time": first + 5.0, "member": "i0", "D": 1, "P": 3, "N": 3})
+    return sorted(ev, key=lambda e: e["time"])
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    def use(name: str) -> None:
+        monkeypatch.setattr(bench_replay, "CLOCK", name)
+    return use
+
+
+@pytest.mark.parametrize("startup", [2.0, 30.0, 45.0])
+def test_launch_clock_counts_the_start_up_inside_the_segment(clock, startup: float) -> None:  # type: ignore[no-untyped-def]
+    clock("launch")
+    s = bench_replay.summarize(_run(startup), 50.0)
+    assert s["samples"] == int(10 * (50.0 - startup))
+    assert s["startup_s"] == s["counted_startup_s"] == startup
+
+
+@pytest.mark.parametrize("startup", [2.0, 30.0, 45.0])
+def test_first_step_clock_counts_the_segment_after_the_first_step(clock, startup: float) -> None:  # type: ignore[no-untyped-def]
+    clock("first-step")
+    s = bench_replay.summarize(_run(startup), 50.0)
+    assert s["samples"] == 500  # the same whatever the start-up took
+    assert s["startup_s"] == startup and s["counted_startup_s"] == 0.0
+    assert s["migrations"] == {"intra-stage": 1}
+    tl = bench_replay.shape_timeline(_run(startup), 50.0)
+    assert tl[0][0] == 0.0 and tl[1][0] == pytest.approx(5.0)  # timeline from the segment's start, none negative
+
+
+def test_first_step_without_a_trace_starts_at_the_first_worker_step(clock) -> None:  # type: ignore[no-untyped-def]
+    """A run without the launcher's ``trace_clock`` event (e.g. older logs) starts at its first worker step."""
+    clock("first-step")
+    ev = _run(30.0, with_clock_event=False)
+    assert bench_replay.segment_start(ev) == pytest.approx(130.0)
+    assert bench_replay.summarize(ev, 20.0)["samples"] == 200
+
+
+def test_a_run_that_never_trained_counts_nothing(clock) -> None:  # type: ignore[no-untyped-def]
+    clock("first-step")
+    ev = [{"source": "launcher", "event": "run_start", "time": 100.0}]
+    s = bench_replay.summarize(ev, 50.0)
+    assert s["samples"] == 0 and s["counted_startup_s"] == 50.0
+
+
+def test_older_results_without_the_counted_field_read_as_the_launch_clock() -> None:
+    assert bench_replay.counted_startup({"startup_s": 12.5}) == 12.5
+    assert bench_replay.counted_startup({"startup_s": 12.5, "counted_startup_s": 0.0}) == 0.0
