@@ -559,3 +559,35 @@ def test_an_exploration_cap_of_zero_never_explores() -> None:
     job = _Job(max_share=0.0)
     job.run(200.0)
     assert "explore" not in job.names() and job.names().count("explore_refused") >= 1 and job.explored_s == 0.0
+
+
+@pytest.mark.parametrize("notice", [True, False])
+def test_a_noticed_departure_from_a_one_pipeline_shape_goes_straight_to_the_best_shape_left(notice: bool) -> None:
+    """Regression (issue 21, GPT-1.5B replay, hh_55_65): a notice for one stage of 1x10 left 9 instances, and the
+    leader chose 1x6 (0.73 of the measured 1x9's samples/s) and trained 26 s in it. The runtime priced the notice
+    as a sudden loss: a D=1 stage with no replica left is a 24 s checkpoint restart whatever the target; it
+    outlasted the interval, and the optimizer's unfinished-migration rule made a detour through 1x6 look cheaper
+    than going to 1x9 at once -- while the migration itself (the leaver hands its state over) took 0.46 s. The
+    simulator's forecast priced the same replay with ``preemption_notice``; now the runtime does too (the
+    default), and without notices (``preemption_notice=False``) the price is the restart, as before."""
+    host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
+    ch = _chooser(host, _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10),
+                  _config(look_ahead=12, interval_s=2.0, preemption_notice=notice), [],
+                  coord=Coordinator(dist.HashStore()))
+    model = ch.model()
+    assert model is not None and model.limits.min_p == 2
+    for shape in ((1, 4), (1, 3), (1, 2)):
+        for _ in range(10):
+            model.record(*shape, model.prior.step_ms(*shape))
+    assert model.throughput(1, 3) > 1.15 * model.throughput(1, 2)
+    for _ in range(6):
+        ch.choose(4, 4, observe=True)  # the history: 4 instances
+    shape = ch.choose(4, 3, observe=False)  # a notice for d: 3 instances next
+    cm = ch._optimizer.cm if ch._optimizer is not None else None
+    assert cm is not None and cm.preemption_notice is notice
+    cost = ch._optimizer.transition_costs(4, (1, 4), 0, 1, [(1, 3)])[0]
+    if notice:
+        assert shape == (1, 3)
+        assert cost < 2000.0  # a copy from the leaver and a group rebuild, inside the 2 s interval
+    else:
+        assert cost > 20_000.0  # restart + checkpoint: the stage has no other replica

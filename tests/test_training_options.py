@@ -94,7 +94,8 @@ def test_planning_interval_comes_from_launcher_unless_given(clean_env: pytest.Mo
     s = ParcaeStrategy(interval_s=given)
     assert s.elastic_options["interval_s"] == expected
     assert set(s.elastic_options) == {"interval_s", "interval_steps", "look_ahead", "predictor", "heartbeat_s",
-                                      "dead_after_s", "stall_after_s", "throughput", "max_exploration_share"}
+                                      "dead_after_s", "stall_after_s", "throughput", "max_exploration_share",
+                                      "preemption_notice"}
 
 
 @pytest.mark.parametrize("given, env, expected", [
@@ -120,3 +121,17 @@ def test_options_are_frozen(clean_env: pytest.MonkeyPatch) -> None:
 ])
 def test_op_name_maps_strings_and_reduce_ops(given: Any, name: str) -> None:
     assert op_name(given) == name
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_preemption_notice_reaches_the_runtime_config(clean_env: pytest.MonkeyPatch, tmp_path: Any,
+                                                      given: bool) -> None:
+    """The strategy's ``preemption_notice`` is what the leader's optimizer prices departures with (the runtime's
+    RuntimeConfig); default True: spot departures come with a notice and the leaver hands its state over."""
+    from lightning_parcae.training.environment import runtime_config
+
+    _under_launcher(clean_env, tmp_path, interval="2.0")
+    clean_env.setenv("PARCAE_STORE", "tcp://127.0.0.1:1")
+    assert ParcaeStrategy().elastic_options["preemption_notice"] is True
+    s = ParcaeStrategy(preemption_notice=given)
+    assert runtime_config(s.elastic_options).preemption_notice is given

@@ -54,6 +54,10 @@ class RuntimeConfig:
             far, the try included at its expected cost, would exceed it -- the first try excepted). In ``[0, 1]``:
             0 never explores, 1 is no cap; default 0.1 (see
             :class:`~lightning_parcae.planning.measured.ExplorationBudget`).
+        preemption_notice: Departures come with a notice and the leaver hands its state over (spot instances:
+            AWS gives two minutes, GCP 30 s; ``parcae run`` replays every drop of a trace as one): the optimizer
+            prices a stage whose every replica leaves as a copy from the leavers, not a checkpoint restart. False
+            where instances vanish without one: a D=1 shape then prices each departure as a restart.
 
     Raises:
         ConfigurationError: ``stall_after_s`` is not positive, ``throughput`` is unknown, ``max_instances`` is
@@ -77,6 +81,7 @@ class RuntimeConfig:
     shared_cores: Optional[int] = None
     roster_key: Optional[str] = None
     max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE
+    preemption_notice: bool = True
 
     def __post_init__(self) -> None:
         if not self.stall_after_s > 0:

@@ -251,6 +251,13 @@ class ShapeChooser:
             cm = measured.cost_model(RUNTIME_CONSTANTS)
             if not by_measurement:
                 cm = DefaultCostModel(measured.prior, cm.layer_params, RUNTIME_CONSTANTS)
+            # a noticed leaver hands its state over (the simulator's forecast prices the replay the same way:
+            # benchmarks/bench_replay.py). Regression (issue 21, GPT-1.5B replay, hh_55_65 at N=9): priced as a
+            # sudden loss, a notice for one stage of 1x10 was a 24 s checkpoint restart whatever the target, the
+            # restart outlasted the 6 s interval, and the optimizer's unfinished-migration rule made a detour
+            # through 1x6 (0.73 of 1x9's samples/s) look cheaper than going to 1x9 at once; the job trained
+            # 26 s in 1x6 while the migration itself took 0.46 s
+            cm.preemption_notice = self.config.preemption_notice
             # the simulator's parcae policy builds the very same decider (planning/policy.py: one predictor factory)
             options = DecisionOptions(look_ahead=self.config.look_ahead, predictor=self.config.predictor,
                                       max_instances=self.config.max_instances)

@@ -63,6 +63,7 @@ class StrategyOptions:
     max_pipeline_stages: Optional[int]
     throughput: str
     max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE
+    preemption_notice: bool = True
 
     @classmethod
     def resolve(cls, **given: Any) -> "StrategyOptions":
@@ -106,7 +107,7 @@ class StrategyOptions:
             interval_s=self.interval_s, interval_steps=self.interval_steps, look_ahead=self.look_ahead,
             predictor=self.predictor, heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,
             stall_after_s=self.stall_after_s, throughput=self.throughput,
-            max_exploration_share=self.max_exploration_share,
+            max_exploration_share=self.max_exploration_share, preemption_notice=self.preemption_notice,
         )
 
 

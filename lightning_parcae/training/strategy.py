@@ -115,6 +115,10 @@ class ParcaeStrategyMixin:
             shapes (a try's migrations and its trial there), in ``[0, 1]``; default 0.1. A try is refused while
             the share so far, the try included at its expected cost, would exceed it (``explore_refused`` event;
             the first try is always allowed); 0 never explores, 1 is no cap. See ``docs/elastic.md``.
+        preemption_notice: elastic only: departures come with a notice (spot instances: AWS two minutes, GCP
+            30 s; ``parcae run`` replays every drop as one), so the leaver hands its state over and the optimizer
+            prices a stage that loses every replica as a copy, not a checkpoint restart (default True). Set False
+            where instances vanish without one: a D=1 shape then prices every departure as a restart.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
     """
@@ -146,6 +150,7 @@ class ParcaeStrategyMixin:
         max_pipeline_stages: Optional[int] = None,
         throughput: Literal["measured", "profile"] = "measured",
         max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE,
+        preemption_notice: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
