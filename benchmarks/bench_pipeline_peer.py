@@ -42,7 +42,11 @@ Measures, precisely:
   the *structure* of the layers other stages hold on every stage (its full stack, so that the stack can be re-cut
   after a membership change) but not their parameters (``meta`` until a migration hands them over); the bytes of
   such parameters that still have storage on a stage are printed per stage (0 unless a weight is tied to a held
-  layer), with the worst ratio they leave without them.
+  layer), with the worst ratio they leave without them. Each stage's peak is also split into its **set-up** share
+  (anonymous RSS at the first timed step above the baseline: parameters, optimizer state, process groups, the
+  framework's objects, thread stacks) and the **rise** the timed steps add on top (activations, gradients,
+  buffers in flight), with the process's thread count: a gap in set-up is what a process holds before the
+  schedule runs, a gap in the rise is the schedule's.
 - **bubble ratio** of a P-stage run with M micro-batches: ``samples/s(P) / (P x samples/s(one process) x
   M / (M + P - 1))`` -- the fraction of the GPipe/1F1B bubble bound ``M / (M + P - 1)`` reached, taking P
   perfectly balanced stages that each run at one process's speed as the ideal. It is 1.0 only with perfectly
@@ -144,10 +148,16 @@ class _Memory:
 
     def __init__(self) -> None:
         self.baseline_anon_kib = _status_kib("RssAnon")
+        self.setup_anon_kib = self.baseline_anon_kib
+        self.threads = 0
         self.reset_ok = False
 
     def reset(self) -> None:
-        """Restart the high-water mark (``VmHWM``) from the current RSS: the first timed step begins."""
+        """Restart the high-water mark (``VmHWM``) from the current RSS: the first timed step begins. What is
+        resident then (parameters, optimizer state, process groups, the framework's objects, thread stacks) is
+        the set-up share of the peak; the rest is what the timed steps add."""
+        self.setup_anon_kib = _status_kib("RssAnon")
+        self.threads = _status_kib("Threads")
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -160,6 +170,8 @@ class _Memory:
         hwm, file, shmem = _status_kib("VmHWM"), _status_kib("RssFile"), _status_kib("RssShmem")
         anon_peak = hwm - file - shmem
         return {"peak_rss_mib": hwm / 1024, "peak_above_baseline_mib": (anon_peak - self.baseline_anon_kib) / 1024,
+                "setup_mib": (self.setup_anon_kib - self.baseline_anon_kib) / 1024,
+                "step_rise_mib": (anon_peak - self.setup_anon_kib) / 1024, "threads": self.threads,
                 "file_mib": file / 1024, "hwm_reset": self.reset_ok}
 
 
@@ -495,6 +507,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     row[e] = {"samples_per_s": res[0]["samples_per_s"],
                               "bubble_ratio": bubble_ratio(res[0]["samples_per_s"], one, p, m),
                               "peak_above_baseline_mib": [r["peak_above_baseline_mib"] for r in res],
+                              "setup_mib": [r.get("setup_mib", 0.0) for r in res],
+                              "step_rise_mib": [r.get("step_rise_mib", 0.0) for r in res],
+                              "threads": [r.get("threads", 0) for r in res],
                               "peak_rss_mib": [r["peak_rss_mib"] for r in res]}
                     if e == "parcae":
                         row[e]["elastic_copy_mib"] = [r.get("elastic_copy_mib", 0.0) for r in res]
@@ -531,6 +546,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             print(f"  {name}: of Parcae's peak, {copy} MiB per stage are the other stages' parameters it keeps for "
                   f"re-partitioning (host memory on a GPU); without them the worst ratio is "
                   f"{r['memory_ratio_without_copy']:.3f}")
+    print("  where each stage's peak comes from, MiB (set-up = resident at the first timed step above the import "
+          "baseline: parameters, optimizer state, groups, framework, thread stacks; rise = peak - set-up: what the "
+          "timed steps add), threads per process:")
+    for name, r in rows.items():
+        for e in ENGINES:
+            if e in r and "setup_mib" in r[e]:
+                per = ", ".join(f"{s:.1f}+{q:.1f}" for s, q in zip(r[e]["setup_mib"], r[e]["step_rise_mib"]))
+                print(f"  {name} {e:>6}: set-up+rise per stage {per}; threads {'/'.join(map(str, r[e]['threads']))}")
     losses = [f"{name}: {r['throughput_ratio']:.3f}" for name, r in rows.items()
               if "throughput_ratio" in r and r["throughput_ratio"] < 0.95]
     heavier = [f"{name}: {r['memory_ratio']:.3f}" for name, r in rows.items()

@@ -51,6 +51,11 @@ def test_tiny_run_has_a_row_per_stage_count_and_schedule_with_both_engines(
         for engine in ("parcae", "peer"):
             assert row[engine]["samples_per_s"] > 0, (name, engine)
             assert len(row[engine]["peak_above_baseline_mib"]) == 2, (name, engine)  # one figure per stage
+            for peak, setup, rise in zip(row[engine]["peak_above_baseline_mib"], row[engine]["setup_mib"],
+                                         row[engine]["step_rise_mib"]):
+                assert peak == pytest.approx(setup + rise), (name, engine)  # the split adds up to the peak
+                assert setup > 0, (name, engine)  # the stage's parameters are resident before the first timed step
+            assert min(row[engine]["threads"]) >= 1, (name, engine)
         assert row["throughput_ratio"] == pytest.approx(row["parcae"]["samples_per_s"]
                                                         / row["peer"]["samples_per_s"])
         p, m, schedule = row["P"], row["M"], row["schedule"]
