@@ -67,10 +67,13 @@ def _chooser(look_ahead: int, predictor: str) -> ShapeChooser:
 
 
 def _cost_model(chooser: ShapeChooser) -> DefaultCostModel:
-    """The cost model the chooser plans with in ``throughput="profile"`` mode (the runtime's constants)."""
+    """The cost model the chooser plans with in ``throughput="profile"`` mode (the runtime's constants, and its
+    pricing of departures: ``RuntimeConfig.preemption_notice``, default True -- a noticed leaver hands its state
+    over)."""
     model = chooser.model()
     assert model is not None
-    return DefaultCostModel(model.prior, model.cost_model(RUNTIME_CONSTANTS).layer_params, RUNTIME_CONSTANTS)
+    return DefaultCostModel(model.prior, model.cost_model(RUNTIME_CONSTANTS).layer_params, RUNTIME_CONSTANTS,
+                            preemption_notice=chooser.config.preemption_notice)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
