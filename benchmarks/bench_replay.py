@@ -272,11 +272,10 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
     from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
     from lightning_parcae.signals.traces import from_counts, usable_counts  # noqa: PLC0415
 
-    cm = load_cost_model("default", profile_path=str(profile_path))
     # the replay gives every drop a notice and the runtime hands the leaver's state over: no preemption restarts
     # (regression: priced as sudden losses, a 1x3 losing any instance meant a checkpoint restart, and the
     # forecast ran 1x2 on 3 instances "for safety" where the job ran 1x3)
-    cm.preemption_notice = True
+    cm = load_cost_model("default", profile_path=str(profile_path), preemption_notice=True)
     # the job's start (process start, imports, profiling) is cut off by _after below, not priced as a restart:
     # a restart still unfinished when the next decision comes is replaced by that decision's migration in the
     # artifact's accounting, and the optimizer took that to skip most of the start-up

@@ -59,6 +59,7 @@ def test_cli_simulate_scales_the_trace_like_parcae_run_if_max_instances_given(
         (["simulate", "--look-ahead", "0"], "--look-ahead 0"),
         (["simulate", "--price", "-1", "--policy", "ideal"], "price=-1"),
         (["simulate", "--start-hour", "50", "--policy", "ideal"], "select no interval"),
+        (["simulate", "--cost-model", "artifact", "--preemption-notice", "--policy", "ideal"], "--preemption-notice"),
         (["predict", "--horizon", "0"], "--horizon 0"),
         (["predict", "--predictors", "crystal-ball"], "crystal-ball"),
     ],
@@ -67,6 +68,25 @@ def test_cli_exits_2_with_message_if_bad_input(argv: list, needle: str, capsys: 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and "error" in err
+
+
+def test_cli_simulate_prices_departures_as_the_runtime_does_unless_told_they_vanish(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Regression (issue 21): the runtime prices a noticed departure as the leaver's copy
+    (``ParcaeStrategy(preemption_notice=True)``, the default) but ``parcae simulate --cost-model default`` priced
+    every departure as a sudden loss, so its forecast paid checkpoint restarts the run never makes. Now the default
+    cost model takes the notice unless ``--no-preemption-notice`` says instances vanish."""
+    lost = {}
+    for flag in ([], ["--no-preemption-notice"]):
+        report = tmp_path / f"r{len(flag)}.json"
+        assert main(["simulate", "--trace", "hh_55_65", "--model-table", "gpt-1.5b", "--cost-model", "default",
+                     "--policy", "live-reactive", "--report", str(report), *flag]) == 0
+        out = capsys.readouterr().out
+        data = json.loads(report.read_text())
+        assert data["settings"]["preemption_notice"] is (not flag)
+        assert ("departures noticed" in out) is (not flag)
+        lost[bool(flag)] = data["policies"]["live-reactive"]["lost_s"]
+    assert lost[False] < lost[True]  # a stage whose holders all leave is copied from them, not restarted
 
 
 def test_cli_predict_prints_mae_per_predictor_if_segment_trace(capsys: pytest.CaptureFixture) -> None:

@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--look-ahead", type=int, default=12, help="intervals the parcae policies plan over (default 12)")
     s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence (default), arima, artifact, hazard, ensemble")
     s.add_argument("--cost-model", default="artifact", choices=["artifact", "default"], help="artifact: the Parcae artifact's accounting (needs --model-table); default: our runtime's costs")
+    s.add_argument("--preemption-notice", action=argparse.BooleanOptionalAction, default=None,
+                   help="--cost-model default: departures come with a notice and the leavers hand their state over, "
+                   "so no departure forces a checkpoint restart -- as the runtime prices them (ParcaeStrategy("
+                   "preemption_notice=True), the default). Default: on with --cost-model default; "
+                   "--no-preemption-notice prices every departure as a sudden loss (instances that vanish)")
     s.add_argument("--price", type=float, default=0.918, help="USD per instance-hour (default 0.918: p3.2xlarge at a 70%% spot discount)")
     s.add_argument("--interval", type=float, default=None, help="interval length in seconds (default: the trace file's own grid, e.g. 300 for a 5-minute trace; 60 if it has none)")
     s.add_argument("--start-hour", type=float, default=0.0, help="simulate from this hour of the trace")
@@ -140,13 +145,17 @@ def _simulate(a: argparse.Namespace) -> int:
         if a.max_instances < 1:
             raise ConfigurationError(f"--max-instances {a.max_instances}: scale the trace to at least 1 instance")
         trace = scaled(trace, a.max_instances)
-    cm = load_cost_model(a.cost_model, model=None if a.profile else model, profile_path=a.profile)
+    notice = a.cost_model == "default" if a.preemption_notice is None else a.preemption_notice
+    cm = load_cost_model(a.cost_model, model=None if a.profile else model, profile_path=a.profile,
+                         preemption_notice=notice)
     policies = [x.strip() for x in a.policy.split(",") if x.strip()]
-    settings = {"model": model if not a.profile else a.profile, "cost_model": a.cost_model, "trace": a.trace}
+    settings = {"model": model if not a.profile else a.profile, "cost_model": a.cost_model, "trace": a.trace,
+                "preemption_notice": notice}
     comp = simulate(trace, cm, policies, look_ahead=a.look_ahead, predictor=a.predictor, price=a.price, settings=settings)
     print(
         f"trace {a.trace}: {len(trace)} intervals of {trace.interval_s:g} s, up to {trace.max_n} instances; "
-        f"model {settings['model']}; cost model {a.cost_model}; look-ahead {a.look_ahead}; predictor {a.predictor}"
+        f"model {settings['model']}; cost model {a.cost_model}"
+        f"{' (departures noticed)' if notice else ''}; look-ahead {a.look_ahead}; predictor {a.predictor}"
     )
     print(comp.table())
     if a.report:

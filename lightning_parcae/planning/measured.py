@@ -672,7 +672,8 @@ def load_measured_profile(path: str) -> Optional[MeasuredThroughput]:
     return MeasuredThroughput.from_json(raw, source=path)
 
 
-def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Optional[str] = None) -> MigrationCostModel:
+def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Optional[str] = None, *,
+                    preemption_notice: bool = False) -> MigrationCostModel:
     """Build a cost model from CLI-style options.
 
     Args:
@@ -680,6 +681,9 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
         model: A bundled table name (:func:`reference_models`).
         profile_path: A per-layer profile JSON (:meth:`LayerProfile.from_json`) or a run's measured profile
             (``run_dir/profile.json``, :mod:`lightning_parcae.planning.measured`), for ``default`` only.
+        preemption_notice: ``default`` only: departures come with a notice and the leavers hand their state over
+            (:class:`DefaultCostModel`), as the runtime prices them by default (``ParcaeStrategy(
+            preemption_notice=True)``); the artifact's accounting has its own rule and refuses it.
 
     Returns:
         The cost model (its ``throughput`` attribute is the matching throughput model).
@@ -692,6 +696,11 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
                 "--cost-model artifact needs --model-table NAME: the artifact's accounting only exists for its "
                 f"own tables ({', '.join(reference_models())})"
             )
+        if preemption_notice:
+            raise ConfigurationError(
+                "--cost-model artifact prices departures by the artifact's own rule; --preemption-notice applies to "
+                "--cost-model default (drop it, or use --cost-model default)"
+            )
         return ArtifactCostModel(model)
     if kind == "default":
         if model is not None:
@@ -701,9 +710,11 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
             # a profile a run measured and fitted (run_dir/profile.json): the same model the runtime planned with
             measured = load_measured_profile(profile_path)  # type: ignore[arg-type]
             if measured is not None:
-                return measured.cost_model()
+                cm = measured.cost_model()
+                cm.preemption_notice = bool(preemption_notice)
+                return cm
             prof = LayerProfile.from_json(profile_path)  # type: ignore[arg-type]
             thr = ProfileThroughput(prof)
             layers = [b / 4.0 for b in prof.param_bytes]  # fp32 weights: 4 bytes per parameter
-        return DefaultCostModel(thr, layers)
+        return DefaultCostModel(thr, layers, preemption_notice=preemption_notice)
     raise ConfigurationError(f"unknown cost model {kind!r}: use 'artifact' or 'default'")
