@@ -47,6 +47,13 @@ Measures, precisely:
   framework's objects, thread stacks) and the **rise** the timed steps add on top (activations, gradients,
   buffers in flight), with the process's thread count: a gap in set-up is what a process holds before the
   schedule runs, a gap in the rise is the schedule's.
+- **live tensor peak per stage**: what a GPU's ``max_memory_allocated`` would report, without any allocator's
+  cache -- RSS includes what glibc's malloc keeps after a free, which differs between the engines' allocation
+  patterns by up to ~150 MiB on the head stage while their live tensors differ by a few MiB (with jemalloc
+  preloaded the head stage's RSS gap reverses). Two untimed steps follow the timed ones under ``torch.profiler``
+  (``profile_memory=True``); the second is measured: tensors reachable from Python at its start (unique storages)
+  plus the maximum of its allocations minus frees, in time order (:class:`_LiveTensors` says why two steps).
+  ``BENCH_LIVE_DETAIL=/tmp/x`` also writes, per rank, the profiler's category breakdown at the peak to ``/tmp/x.RANK``.
 - **bubble ratio** of a P-stage run with M micro-batches: ``samples/s(P) / (P x samples/s(one process) x
   M / (M + P - 1))`` -- the fraction of the GPipe/1F1B bubble bound ``M / (M + P - 1)`` reached, taking P
   perfectly balanced stages that each run at one process's speed as the ideal. It is 1.0 only with perfectly
@@ -120,7 +127,7 @@ def build_layers(cfg: dict[str, Any]) -> nn.Sequential:
 
 
 def _data(cfg: dict[str, Any]) -> TensorDataset:
-    n = cfg["batch"] * (cfg["steps"] + cfg["warmup"])
+    n = cfg["batch"] * (cfg["steps"] + cfg["warmup"] + 2)  # + the two profiled steps (_LiveTensors)
     tokens = torch.randint(0, cfg["vocab"], (n, cfg["seq"] + 1), generator=torch.Generator().manual_seed(0))
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
@@ -173,6 +180,97 @@ class _Memory:
                 "setup_mib": (self.setup_anon_kib - self.baseline_anon_kib) / 1024,
                 "step_rise_mib": (anon_peak - self.setup_anon_kib) / 1024, "threads": self.threads,
                 "file_mib": file / 1024, "hwm_reset": self.reset_ok}
+
+
+class _LiveTensors:
+    """Peak bytes of live tensors over one step, from the profiler's allocation records (allocator-independent).
+
+    RSS says what the process holds, including what the C allocator keeps after a free, which moves by tens of MiB
+    between runs of the same engine. This measures what a GPU's ``max_memory_allocated`` would. Two untimed steps
+    follow the timed ones: the profiler (``profile_memory=True``: every allocation and free c10's CPU allocator
+    makes) starts with the first, and the second is measured -- c10 reports the free of a block only if the block
+    was allocated while profiling, so the first step is there to have the previous step's gradients and
+    activations allocated under the profiler. At the second step's start (:meth:`mark`) the storages of the tensors
+    reachable from Python are summed (parameters, gradients, optimizer state: unique storages, ``meta`` skipped);
+    the step's allocations and frees are then added in time order; peak = that start + the sum's maximum.
+    """
+
+    _MARK = "bench_pipeline_peer.live_mark"
+
+    def __init__(self) -> None:
+        self.prof: Any = None
+        self.start_bytes = 0
+        self.peak_rise_bytes = 0
+
+    @staticmethod
+    def _reachable_bytes() -> int:
+        import gc
+
+        import warnings
+
+        seen: dict[int, int] = {}
+        with warnings.catch_warnings():  # isinstance() on deprecated module attributes (torch.distributed.reduce_op)
+            warnings.simplefilter("ignore")
+            objects = gc.get_objects()
+            tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+        del objects
+        for obj in tensors:
+            try:
+                if obj.is_meta or obj.device.type != "cpu":
+                    continue
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            except (RuntimeError, ReferenceError):  # a tensor without storage (sparse, functional wrappers)
+                continue
+        return sum(seen.values())
+
+    def start(self) -> None:
+        """Start profiling (the first untimed step begins)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        detail = bool(os.environ.get("BENCH_LIVE_DETAIL"))
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=detail,
+                            with_stack=detail)
+        self.prof.__enter__()
+
+    def mark(self) -> None:
+        """The measured step begins: what is live now, and a marker in the profile's clock."""
+        self.start_bytes = self._reachable_bytes()
+        with torch.profiler.record_function(self._MARK):
+            pass
+
+    def stop(self) -> None:
+        """Stop profiling (the measured step ended) and take the peak."""
+        if self.prof is None:
+            return
+        self.prof.__exit__(None, None, None)
+        events = self.prof.profiler.kineto_results.events()
+        marks = [e.start_ns() for e in events if e.name() == self._MARK]
+        since = marks[-1] if marks else 0
+        mem = sorted((e for e in events if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+                      and e.start_ns() >= since), key=lambda e: e.start_ns())
+        cur = peak = 0
+        for e in mem:
+            cur += e.nbytes()
+            peak = max(peak, cur)
+        self.peak_rise_bytes = peak
+        if os.environ.get("BENCH_LIVE_DETAIL"):  # where the peak is, by the profiler's categories (diagnosis)
+            from torch.profiler import _memory_profiler as mp
+
+            times, sizes = mp.MemoryProfileTimeline(self.prof._memory_profile())._coalesce_timeline("cpu")
+            i = max(range(len(sizes)), key=lambda k: sum(sizes[k]) if times[k] * 1000 >= since else -1)
+            names = ["unknown"] + [c.name for c in mp.Category]
+            with open(os.environ["BENCH_LIVE_DETAIL"] + f".{os.environ.get('LOCAL_RANK')}", "a") as f:
+                f.write(", ".join(f"{n} {v / 2**20:.1f}" for n, v in zip(names, sizes[i]) if v) + "\n")
+        self.prof = None
+
+    def report(self) -> dict[str, Any]:
+        """``live_peak_mib`` (start + rise), ``live_start_mib``, MiB."""
+        return {"live_peak_mib": (self.start_bytes + self.peak_rise_bytes) / 2**20,
+                "live_start_mib": self.start_bytes / 2**20}
+
+
+_LIVE = _LiveTensors()
 
 
 class _Spans:
@@ -230,16 +328,21 @@ def _single_worker(cfg: dict[str, Any], mem: _Memory) -> None:
     """One process, plain PyTorch: the whole model on the full batch, one SGD step per batch."""
     model = build_layers(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    t0 = 0.0
+    t0, rate, rss = 0.0, 0.0, {}
     for step, (x, y) in enumerate(DataLoader(_data(cfg), batch_size=cfg["batch"])):
         if step == cfg["warmup"]:
             mem.reset()
             t0 = time.perf_counter()
+        if step == cfg["warmup"] + cfg["steps"]:  # the profiled steps, after the timed ones
+            rate, rss = cfg["batch"] * cfg["steps"] / (time.perf_counter() - t0), mem.report()
+            _LIVE.start()
+        if step == cfg["warmup"] + cfg["steps"] + 1:
+            _LIVE.mark()
         _loss(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    rate = cfg["batch"] * cfg["steps"] / (time.perf_counter() - t0)
-    _write(cfg, 0, {"samples_per_s": rate, **mem.report()})
+    _LIVE.stop()
+    _write(cfg, 0, {"samples_per_s": rate, **rss, **_LIVE.report()})
 
 
 def _parcae_worker(cfg: dict[str, Any], mem: _Memory) -> None:
@@ -267,11 +370,27 @@ def _parcae_worker(cfg: dict[str, Any], mem: _Memory) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Timer(_Timer):
+        rss: dict[str, Any] = {}
+
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_step == self.warmup:
                 mem.reset()
                 _SPANS.on = cfg.get("diagnose", False)
+            if trainer.global_step == self.warmup + cfg["steps"] + 1:  # the measured step
+                _LIVE.mark()
+                return
+            if trainer.global_step == self.warmup + cfg["steps"]:  # the profiled steps, after the timed ones
+                self.rss, _SPANS.on = mem.report(), False
+                _LIVE.start()
+                return
             super().on_train_batch_start(trainer, *args)
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step > self.warmup + cfg["steps"]:
+                if trainer.global_step > self.warmup + cfg["steps"] + 1:
+                    _LIVE.stop()
+                return
+            super().on_train_batch_end(trainer, *args)
 
     if cfg.get("diagnose", False):
         _instrument_parcae()
@@ -281,12 +400,12 @@ def _parcae_worker(cfg: dict[str, Any], mem: _Memory) -> None:
                               balance=cfg["balance"])
     timer = Timer(cfg["warmup"])
     trainer = pl.Trainer(accelerator="cpu", devices=cfg["P"], strategy=strategy,
-                         max_steps=cfg["steps"] + cfg["warmup"], logger=False, enable_checkpointing=False,
+                         max_steps=cfg["steps"] + cfg["warmup"] + 2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[timer])
     trainer.fit(LM(), DataLoader(_data(cfg), batch_size=cfg["batch"]))
     rank = trainer.global_rank
-    result: dict[str, Any] = {"partition": list(strategy.partition), **mem.report(),
+    result: dict[str, Any] = {"partition": list(strategy.partition), **timer.rss, **_LIVE.report(),
                               "parts_ms": _SPANS.per_step_ms(cfg["steps"]),
                               "elastic_copy_mib": _elastic_copy_mib(strategy, trainer.lightning_module)}
     if rank == 0:
@@ -323,12 +442,18 @@ def _peer_worker(cfg: dict[str, Any], mem: _Memory) -> None:
     schedule = kind(stage, n_microbatches=cfg["M"], loss_fn=_loss)  # scale_grads: gradients / M, as Parcae
     run = _SPANS.wrap("schedule (fwd+bwd+p2p)", schedule.step)
     step_opt = _SPANS.wrap("optimizer step + zero_grad", lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
-    t0 = 0.0
+    t0 = t1 = 0.0
+    rss: dict[str, Any] = {}
     for step, (x, y) in enumerate(DataLoader(_data(cfg), batch_size=cfg["batch"])):
         if step == cfg["warmup"]:
             mem.reset()
             _SPANS.on = cfg.get("diagnose", False)
             t0 = time.perf_counter()
+        if step == cfg["warmup"] + cfg["steps"]:  # the profiled steps, after the timed ones
+            t1, rss, _SPANS.on = time.perf_counter(), mem.report(), False
+            _LIVE.start()
+        if step == cfg["warmup"] + cfg["steps"] + 1:
+            _LIVE.mark()
         if rank == 0:
             run(x)
         elif rank == world - 1:
@@ -336,8 +461,8 @@ def _peer_worker(cfg: dict[str, Any], mem: _Memory) -> None:
         else:
             run()
         step_opt()
-    t1 = time.perf_counter()
-    result: dict[str, Any] = {"partition": list(cfg["balance"]), **mem.report(),
+    _LIVE.stop()
+    result: dict[str, Any] = {"partition": list(cfg["balance"]), **rss, **_LIVE.report(),
                               "parts_ms": _SPANS.per_step_ms(cfg["steps"])}
     if rank == 0:
         result["samples_per_s"] = cfg["batch"] * cfg["steps"] / (t1 - t0)
@@ -510,7 +635,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                               "setup_mib": [r.get("setup_mib", 0.0) for r in res],
                               "step_rise_mib": [r.get("step_rise_mib", 0.0) for r in res],
                               "threads": [r.get("threads", 0) for r in res],
-                              "peak_rss_mib": [r["peak_rss_mib"] for r in res]}
+                              "peak_rss_mib": [r["peak_rss_mib"] for r in res],
+                              "live_peak_mib": [r.get("live_peak_mib", 0.0) for r in res],
+                              "live_start_mib": [r.get("live_start_mib", 0.0) for r in res]}
                     if e == "parcae":
                         row[e]["elastic_copy_mib"] = [r.get("elastic_copy_mib", 0.0) for r in res]
             both = "parcae" in row and "peer" in row
@@ -518,6 +645,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 row["throughput_ratio"] = row["parcae"]["samples_per_s"] / row["peer"]["samples_per_s"]
                 row["memory_ratio"] = max(a / b for a, b in zip(row["parcae"]["peak_above_baseline_mib"],
                                                                 row["peer"]["peak_above_baseline_mib"]))
+                row["live_ratio"] = max(a / b for a, b in zip(row["parcae"]["live_peak_mib"],
+                                                              row["peer"]["live_peak_mib"]) if b > 0)
                 row["memory_ratio_without_copy"] = max(
                     (a - c) / b for a, b, c in zip(row["parcae"]["peak_above_baseline_mib"],
                                                    row["peer"]["peak_above_baseline_mib"],
@@ -554,6 +683,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             if e in r and "setup_mib" in r[e]:
                 per = ", ".join(f"{s:.1f}+{q:.1f}" for s, q in zip(r[e]["setup_mib"], r[e]["step_rise_mib"]))
                 print(f"  {name} {e:>6}: set-up+rise per stage {per}; threads {'/'.join(map(str, r[e]['threads']))}")
+    print("  live tensor peak per stage, MiB (a profiled step after the timed ones: storages reachable from "
+          "Python at its start + the peak of the allocations it makes; no allocator cache -- a GPU's "
+          "max_memory_allocated), and the worst Parcae / peer ratio:")
+    print(f"  one process: {one_mem.get('live_peak_mib', 0.0):.1f}")
+    for name, r in rows.items():
+        per = {e: "/".join(f"{v:.1f} (start {b:.1f})" for v, b in zip(r[e]["live_peak_mib"], r[e]["live_start_mib"]))
+               for e in ENGINES if e in r}
+        worst = f"; worst {r['live_ratio']:.3f}" if "live_ratio" in r else ""
+        print(f"  {name}: Parcae {per.get('parcae', '-')} vs peer {per.get('peer', '-')}{worst}")
     losses = [f"{name}: {r['throughput_ratio']:.3f}" for name, r in rows.items()
               if "throughput_ratio" in r and r["throughput_ratio"] < 0.95]
     heavier = [f"{name}: {r['memory_ratio']:.3f}" for name, r in rows.items()

@@ -38,6 +38,36 @@ def test_bubble_ratio_is_measured_over_p_times_one_process_times_the_bound() -> 
     assert bench.bubble_ratio(4 * 50.0 * 8 / 11, 50.0, 4, 8) == pytest.approx(1.0)
 
 
+def test_live_tensor_peak_counts_a_buffer_replaced_every_step_once() -> None:
+    """Regression: the first version profiled one step and summed its allocations on top of what was reachable at
+    its start. c10 reports a free only for blocks allocated while profiling, so the previous step's gradients --
+    alive at the start, freed early in the step, never reported freed -- were counted twice: stage 0 read 98 MiB
+    against the peer's 85 when the profiler's own timeline put both at 85. Here a 32 MiB buffer stands for those
+    gradients: each step drops the previous one, then allocates its own."""
+    import torch
+
+    bench = _bench()
+    live = bench._LiveTensors()
+    mib = 2**20
+    held = {"buf": torch.ones(32 * mib // 4)}  # allocated before any profiling, like the warm-up's gradients
+
+    def step() -> None:
+        held["buf"] = None  # the previous step's buffer is freed first (Parcae drops old gradients so)
+        tmp = torch.ones(8 * mib // 4)  # a temporary: 8 MiB, freed at the end of the step
+        held["buf"] = torch.full((32 * mib // 4,), 2.0)  # this step's buffer, 32 MiB
+        del tmp
+
+    live.start()
+    step()  # the first profiled step: its buffer is allocated under the profiler
+    live.mark()
+    step()  # the measured step
+    live.stop()
+    got = live.report()
+    assert got["live_start_mib"] >= 32  # the buffer alive at the start is found by the reachability scan
+    # true peak: the new buffer and the temporary (40 MiB; the old one is gone first); counted twice it is 72
+    assert 39.5 <= got["live_peak_mib"] - (got["live_start_mib"] - 32) <= 41, got
+
+
 @pytest.mark.slow  # 1-4 min on 2 shared cores (220 s at load 3.6): five short multi-process runs, mostly start-up
 def test_tiny_run_has_a_row_per_stage_count_and_schedule_with_both_engines(
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,6 +86,9 @@ def test_tiny_run_has_a_row_per_stage_count_and_schedule_with_both_engines(
                 assert peak == pytest.approx(setup + rise), (name, engine)  # the split adds up to the peak
                 assert setup > 0, (name, engine)  # the stage's parameters are resident before the first timed step
             assert min(row[engine]["threads"]) >= 1, (name, engine)
+            assert len(row[engine]["live_peak_mib"]) == 2, (name, engine)
+            for peak, start in zip(row[engine]["live_peak_mib"], row[engine]["live_start_mib"]):
+                assert peak > start > 0, (name, engine)  # parameters at the start; a step allocates on top
         assert row["throughput_ratio"] == pytest.approx(row["parcae"]["samples_per_s"]
                                                         / row["peer"]["samples_per_s"])
         p, m, schedule = row["P"], row["M"], row["schedule"]
