@@ -46,11 +46,13 @@ Measures, precisely:
   (anonymous RSS at the first timed step above the baseline: parameters, optimizer state, process groups, the
   framework's objects, thread stacks) and the **rise** the timed steps add on top (activations, gradients,
   buffers in flight), with the process's thread count: a gap in set-up is what a process holds before the
-  schedule runs, a gap in the rise is the schedule's.
+  schedule runs, a gap in the rise is the schedule's. The high-water mark of everything before the timed steps
+  (start-up and warm-up) is printed too: a transient there (a full-batch pass) would show in it.
 - **live tensor peak per stage**: what a GPU's ``max_memory_allocated`` would report, without any allocator's
   cache -- RSS includes what glibc's malloc keeps after a free, which differs between the engines' allocation
-  patterns by up to ~150 MiB on the head stage while their live tensors differ by a few MiB (with jemalloc
-  preloaded the head stage's RSS gap reverses). Two untimed steps follow the timed ones under ``torch.profiler``
+  patterns by up to ~190 MiB on the head stage while their live tensors differ by a few MiB: with jemalloc
+  preloaded (``LD_PRELOAD=.../libjemalloc.so.2``) or glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=
+  1048576``: large blocks always mapped and returned on free) the head stage's RSS gap reverses. Two untimed steps follow the timed ones under ``torch.profiler``
   (``profile_memory=True``); the second is measured: tensors reachable from Python at its start (unique storages)
   plus the maximum of its allocations minus frees, in time order (:class:`_LiveTensors` says why two steps).
   ``BENCH_LIVE_DETAIL=/tmp/x`` also writes, per rank, the profiler's category breakdown at the peak to ``/tmp/x.RANK``.
@@ -164,6 +166,8 @@ class _Memory:
         resident then (parameters, optimizer state, process groups, the framework's objects, thread stacks) is
         the set-up share of the peak; the rest is what the timed steps add."""
         self.setup_anon_kib = _status_kib("RssAnon")
+        # the high-water mark of everything before (start-up, warm-up steps), as anonymous memory
+        self.before_peak_kib = _status_kib("VmHWM") - _status_kib("RssFile") - _status_kib("RssShmem")
         self.threads = _status_kib("Threads")
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -178,6 +182,7 @@ class _Memory:
         anon_peak = hwm - file - shmem
         return {"peak_rss_mib": hwm / 1024, "peak_above_baseline_mib": (anon_peak - self.baseline_anon_kib) / 1024,
                 "setup_mib": (self.setup_anon_kib - self.baseline_anon_kib) / 1024,
+                "before_peak_mib": (getattr(self, "before_peak_kib", self.setup_anon_kib) - self.baseline_anon_kib) / 1024,
                 "step_rise_mib": (anon_peak - self.setup_anon_kib) / 1024, "threads": self.threads,
                 "file_mib": file / 1024, "hwm_reset": self.reset_ok}
 
@@ -634,6 +639,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                               "peak_above_baseline_mib": [r["peak_above_baseline_mib"] for r in res],
                               "setup_mib": [r.get("setup_mib", 0.0) for r in res],
                               "step_rise_mib": [r.get("step_rise_mib", 0.0) for r in res],
+                              "before_peak_mib": [r.get("before_peak_mib", 0.0) for r in res],
                               "threads": [r.get("threads", 0) for r in res],
                               "peak_rss_mib": [r["peak_rss_mib"] for r in res],
                               "live_peak_mib": [r.get("live_peak_mib", 0.0) for r in res],
@@ -682,7 +688,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         for e in ENGINES:
             if e in r and "setup_mib" in r[e]:
                 per = ", ".join(f"{s:.1f}+{q:.1f}" for s, q in zip(r[e]["setup_mib"], r[e]["step_rise_mib"]))
-                print(f"  {name} {e:>6}: set-up+rise per stage {per}; threads {'/'.join(map(str, r[e]['threads']))}")
+                before = "/".join(f"{v:.0f}" for v in r[e]["before_peak_mib"])
+                print(f"  {name} {e:>6}: set-up+rise per stage {per}; threads {'/'.join(map(str, r[e]['threads']))}; "
+                      f"peak before the timed steps {before}")
     print("  live tensor peak per stage, MiB (a profiled step after the timed ones: storages reachable from "
           "Python at its start + the peak of the allocations it makes; no allocator cache -- a GPU's "
           "max_memory_allocated), and the worst Parcae / peer ratio:")

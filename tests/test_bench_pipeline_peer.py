@@ -86,6 +86,8 @@ def test_tiny_run_has_a_row_per_stage_count_and_schedule_with_both_engines(
                 assert peak == pytest.approx(setup + rise), (name, engine)  # the split adds up to the peak
                 assert setup > 0, (name, engine)  # the stage's parameters are resident before the first timed step
             assert min(row[engine]["threads"]) >= 1, (name, engine)
+            for before, setup in zip(row[engine]["before_peak_mib"], row[engine]["setup_mib"]):
+                assert before >= setup - 0.5, (name, engine)  # a high-water mark is never below the current RSS
             assert len(row[engine]["live_peak_mib"]) == 2, (name, engine)
             for peak, start in zip(row[engine]["live_peak_mib"], row[engine]["live_start_mib"]):
                 assert peak > start > 0, (name, engine)  # parameters at the start; a step allocates on top
