@@ -52,10 +52,12 @@ Measures, precisely:
   cache -- RSS includes what glibc's malloc keeps after a free, which differs between the engines' allocation
   patterns by up to ~190 MiB on the head stage while their live tensors differ by a few MiB: with jemalloc
   preloaded (``LD_PRELOAD=.../libjemalloc.so.2``) or glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=
-  1048576``: large blocks always mapped and returned on free) the head stage's RSS gap reverses. Two untimed steps follow the timed ones under ``torch.profiler``
-  (``profile_memory=True``); the second is measured: tensors reachable from Python at its start (unique storages)
-  plus the maximum of its allocations minus frees, in time order (:class:`_LiveTensors` says why two steps).
-  ``BENCH_LIVE_DETAIL=/tmp/x`` also writes, per rank, the profiler's category breakdown at the peak to ``/tmp/x.RANK``.
+  1048576``: large blocks always mapped and returned on free) the head stage's RSS gap reverses. Two untimed
+  steps follow the timed ones under ``torch.profiler`` (``profile_memory=True``); the second is measured: tensors
+  reachable from Python at its start (unique storages; nothing held only by C++ is alive between steps) plus the
+  maximum of its allocations minus frees, in time order (:class:`_LiveTensors` says why two steps).
+  ``BENCH_LIVE_DETAIL=/tmp/x`` also writes, per rank, the profiler's category breakdown at the peak to
+  ``/tmp/x.RANK``.
 - **bubble ratio** of a P-stage run with M micro-batches: ``samples/s(P) / (P x samples/s(one process) x
   M / (M + P - 1))`` -- the fraction of the GPipe/1F1B bubble bound ``M / (M + P - 1)`` reached, taking P
   perfectly balanced stages that each run at one process's speed as the ideal. It is 1.0 only with perfectly
@@ -210,7 +212,6 @@ class _LiveTensors:
     @staticmethod
     def _reachable_bytes() -> int:
         import gc
-
         import warnings
 
         seen: dict[int, int] = {}
