@@ -108,6 +108,41 @@ def test_survivors_adopt_a_record_made_by_survivors_or_a_fallback_as_it_is() -> 
     assert not store.check([Coordinator.verdict_key(1)])  # no verdict was needed
 
 
+def test_a_second_round_skips_the_survivors_generation_a_survivor_died_in_and_counts_it_dead() -> None:
+    """Regression (chaos seed 386, 5 instances): generation 0 lost i1 while the leader's planned generation 1
+    named it; the survivors abandoned 1 and proposed their own generation 2 with i3 in it -- and i3 was SIGKILLed
+    while 2 formed. In the next round from the same base, i3's announcement from the first round was still in the
+    store, so it counted alive, the survivors re-adopted generation 2 (a survivors' record binds everyone) and
+    waited for i3 again: 128 rounds in 400 s and no step trained, until the run was killed. Generation 2 is now
+    skipped (i3 was declared dead while it formed) and the survivors' generation 3 leaves i3 out."""
+    store = dist.HashStore()
+    events: list[tuple[str, dict[str, Any]]] = []
+    rec = _recovery(store, events)
+    rec.dead_after_s = 0.05  # i1 never announces: waited out quickly
+    coord = rec.ctx.coord
+    planned = _planned(coord, list(OLD))
+    assert rec.abandoned(planned, ["i1"])  # the first round's verdict on the planned generation 1
+    first_round = [m for m in OLD if m != "i1"]
+    for m in first_round:
+        coord.announce_survivor(0, m, {"step": 4})
+    second = coord.propose({"generation": 2, "kind": "intra-stage", "step": 4, "transition": first_round,
+                            "dead": ["i1"], "reason": "recovery: peer lost"})
+    assert not rec.abandoned(second, ["i1"])  # while it forms it binds everyone (and no "keep" is recorded)
+    store.set(dead_key(2, "i3"), "i3 missed heartbeats for 3.0 s (declared dead by i0)")  # i3 dies; 2 never forms
+    from lightning_parcae.runtime.lifecycle import Phase
+
+    rec.ctx.life.to(Phase.TRAINING)
+    out = rec.survivors_record(rec.begin(), 4)
+    assert out["generation"] == 3 and "i3" not in out["transition"] and "i1" not in out["transition"]
+    assert out["dead"] == ["i1", "i3"]
+    assert [f["generation"] for name, f in events if name == "abandoned"] == [1, 2]
+    assert rec.declared_dead_since(0, OLD) == {"i3"}
+    # a second survivor of the same round reaches the same generation 3
+    other = _recovery(store, [])
+    assert other.abandoned(coord.generation(2), ["i1"])  # the verdict is in the store, whatever its view
+    assert other._survivors_generation(3, 4, ["i0", "i2"], ["i1", "i3"], "peer lost") == out
+
+
 def test_survivors_propose_a_fallback_at_the_target_generation_if_no_shape_fits() -> None:
     store = dist.HashStore()
     rec = _recovery(store, [])

@@ -143,12 +143,15 @@ class Recovery:
         ctx.coord.announce_survivor(g, ctx.member, {"step": step})
         old = self.state.layout
         alive: list[str] = []
+        # a member declared dead while a later generation formed is dead, even if it announced itself in an
+        # earlier round of this recovery (see below)
+        declared = self.declared_dead_since(g, old.members)
         clock = SilenceClock(blind_after_s=self.dead_after_s / 3)
         clock.reset(old.members, time.monotonic())
         deadline = time.monotonic() + 4 * self.dead_after_s + 10.0
         while True:
-            alive = [m for m in old.members if ctx.coord.survivor(g, m) is not None]
-            raws = read_beats(ctx.store, [m for m in old.members if m not in alive])
+            alive = [m for m in old.members if ctx.coord.survivor(g, m) is not None and m not in declared]
+            raws = read_beats(ctx.store, [m for m in old.members if m not in alive and m not in declared])
             now = time.monotonic()
             clock.tick(now)
             pending = [m for m, raw in raws.items() if clock.silent_for(m, raw, now) <= self.dead_after_s]
@@ -157,15 +160,24 @@ class Recovery:
             time.sleep(0.05)
         dead = [m for m in old.members if m not in alive]
         ctx.event("recovering", survivors=alive, dead=dead, reason=reason, wait_s=time.monotonic() - t0)
-        rec = self._survivors_generation(g + 1, step, alive, dead, reason)
-        if self.abandoned(rec, dead + self.lost_joiners(rec)):
-            # Regression (chaos seed 44): a member was SIGKILLed at the step where the leader had just proposed
-            # the interval's planned generation g+1 (6 members, 2x3 -> 6x1). The survivors adopted that record --
-            # the dead member in it -- waited 15 s for its process-group key and fell back to the checkpoint,
-            # although every stage still had a live replica. The planned record is abandoned instead and the
-            # survivors' generation takes the next number.
-            ctx.event("abandoned", generation=g + 1, dead=[m for m in dead if m in rec.get("transition", ())])
-            rec = self._survivors_generation(g + 2, step, alive, dead, reason)
+        # Regression (chaos seed 44): a member was SIGKILLed at the step where the leader had just proposed the
+        # interval's planned generation g+1 (6 members, 2x3 -> 6x1). The survivors adopted that record -- the dead
+        # member in it -- waited 15 s for its process-group key and fell back to the checkpoint, although every
+        # stage still had a live replica. The planned record is abandoned instead and the survivors' generation
+        # takes the next number.
+        # Regression (chaos seed 386): the survivors' generation itself never formed -- a survivor (i3) was
+        # SIGKILLed while it formed -- and the next round of recovery from the same base counted i3 alive (its
+        # announcement from the first round was still in the store) and re-adopted the survivors' record naming
+        # it, whose groups could never form: 128 rounds in 400 s, no step trained. Every record from g+1 on that
+        # can no longer form is now skipped, and the announcements of the members declared dead since are not
+        # counted.
+        target = g + 1
+        rec = self._survivors_generation(target, step, alive, dead, reason)
+        while self.abandoned(rec, dead + self.lost_joiners(rec)):
+            ctx.event("abandoned", generation=target,
+                      dead=[m for m in rec.get("transition", ()) if m in dead or m in declared])
+            target += 1
+            rec = self._survivors_generation(target, step, alive, dead, reason)
         if ctx.member not in rec.get("transition", old.members):
             # e.g. a process that hung (SIGSTOP, a frozen VM) past the heartbeat timeout and then woke up
             msg = (f"{ctx.member} is not a member of generation {rec['generation']} (declared dead while "
@@ -214,18 +226,42 @@ class Recovery:
         return [m for m in rec.get("transition", ()) if m not in old and self.ctx.store.check([dead_key(g, m)])]
 
     def abandoned(self, rec: dict[str, Any], dead: list[str]) -> bool:
-        """Whether the survivors skip ``rec``, a *planned* generation whose transition names a member now dead.
+        """Whether the survivors skip ``rec``: a generation that can no longer form.
 
-        A record made by survivors (it lists ``dead``) or a fallback binds everyone. A planned one (the leader's
-        interval or notice decision, proposed just before the loss) can never form if a dead member is in it. The
-        survivors' views of who is dead may differ (one waited out a silent member that another then saw announce
-        itself), so the verdict is taken once in the store: the first survivor's "abandon" or "keep" holds for all.
+        A fallback binds everyone. A *planned* record (the leader's interval or notice decision, proposed just
+        before the loss) can never form if a dead member is in it. The survivors' views of who is dead may differ
+        (one waited out a silent member that another then saw announce itself), so the verdict is taken once in
+        the store: the first survivor's "abandon" or "keep" holds for all.
+
+        A record made by survivors (it lists ``dead``) binds everyone too -- unless it already failed to form: a
+        member of its transition was declared dead while it formed (:func:`~.liveness.dead_key` of its
+        generation, which the declaring heartbeat writes before it aborts the generation). That is a fact in the
+        store, not a view; its "abandon" is recorded for the others, and no "keep" is ever recorded for such a
+        record, so a round of recovery that saw it before the death does not bind a later round to it.
         """
-        if rec.get("kind") == "fallback" or "dead" in rec:
+        if rec.get("kind") == "fallback":
             return False
+        g = int(rec["generation"])
+        key = Coordinator.verdict_key(g)
+        if "dead" in rec:
+            if not any(self.ctx.store.check([dead_key(g, m)]) for m in rec.get("transition", ())):
+                return self.ctx.store.check([key]) and bytes(self.ctx.store.get(key)) == b"abandon"
+            return bytes(self.ctx.store.compare_set(key, "", b"abandon")) == b"abandon"
         proposal = b"abandon" if any(m in dead for m in rec.get("transition", ())) else b"keep"
-        key = Coordinator.verdict_key(int(rec["generation"]))
         return bytes(self.ctx.store.compare_set(key, "", proposal)) == b"abandon"
+
+    def declared_dead_since(self, g: int, members: tuple[str, ...] | list[str]) -> set[str]:
+        """Members declared dead while a generation after ``g`` formed (each proposed record from ``g + 1`` on).
+
+        Recovery from generation ``g`` runs again when the survivors' generation fails to form; a member that
+        announced itself in the first round and died while that generation formed is dead for the next round.
+        """
+        out: set[str] = set()
+        t = g + 1
+        while self.ctx.coord.generation(t) is not None:
+            out.update(m for m in members if self.ctx.store.check([dead_key(t, m)]))
+            t += 1
+        return out
 
     def fallback(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
         """Some stage has no live replica (or no instance is left): say so loudly and exit for a restart from the
