@@ -143,6 +143,27 @@ def test_a_second_round_skips_the_survivors_generation_a_survivor_died_in_and_co
     assert other._survivors_generation(3, 4, ["i0", "i2"], ["i1", "i3"], "peer lost") == out
 
 
+def test_recovery_that_keeps_failing_from_the_same_generation_stops_for_the_checkpoint() -> None:
+    """Defence behind seed 386: a survivors' generation that fails to form for a reason nobody declared (no death)
+    is re-adopted round after round. More rounds from one base than it has members (+2) is such a loop: the
+    survivors stop for a restart from the checkpoint, loudly, instead of retrying forever."""
+    from lightning_parcae.runtime.lifecycle import Phase
+
+    store = dist.HashStore()
+    rec = _recovery(store, [])
+    for m in OLD:
+        rec.ctx.coord.announce_survivor(0, m, {"step": 4})
+    seen = []
+    rec.ctx.life.to(Phase.TRAINING)
+    for _ in range(len(OLD) + 3):
+        seen.append(rec.survivors_record(rec.begin(), 4))
+        rec.ctx.life.to(Phase.MIGRATING)  # the switch to it, which fails: the next round begins
+    assert all(r["generation"] == 1 and r["kind"] != "fallback" for r in seen[:-1])  # the same record each round
+    last = seen[-1]
+    assert last["generation"] == 2 and last["kind"] == "fallback"
+    assert "recovery from generation 0 formed no generation in 8 rounds" in last["reason"]
+
+
 def test_survivors_propose_a_fallback_at_the_target_generation_if_no_shape_fits() -> None:
     store = dist.HashStore()
     rec = _recovery(store, [])

@@ -81,6 +81,7 @@ class Recovery:
         self.host = host
         self.dead_after_s = dead_after_s
         self.run_dir = run_dir
+        self._rounds: dict[int, int] = {}  # rounds of recovery from each base generation (see survivors_record)
 
     def propose_fallback(self, step: int, reason: str, checkpoint: bool = False,
                          generation: Optional[int] = None) -> dict[str, Any]:
@@ -171,13 +172,29 @@ class Recovery:
         # it, whose groups could never form: 128 rounds in 400 s, no step trained. Every record from g+1 on that
         # can no longer form is now skipped, and the announcements of the members declared dead since are not
         # counted.
+        # Each further round from the same base needs one more death, so more rounds than old members is a loop
+        # nobody foresaw: stop loudly for a restart from the checkpoint instead of retrying forever (a fallback
+        # record binds every survivor that reaches it; a survivor still forming an older record times out there
+        # and finds it).
+        rounds = self._rounds[g] = self._rounds.get(g, 0) + 1
+        give_up = rounds > len(old.members) + 2
+
+        def record(target: int) -> dict[str, Any]:
+            existing = ctx.coord.generation(target)
+            if give_up and (existing is None or existing.get("kind") != "fallback"):
+                if existing is not None:
+                    return {**existing, "_skip": True}
+                return self.propose_fallback(step, f"{reason}: recovery from generation {g} formed no generation "
+                                             f"in {rounds - 1} rounds", generation=target)
+            return self._survivors_generation(target, step, alive, dead, reason)
+
         target = g + 1
-        rec = self._survivors_generation(target, step, alive, dead, reason)
-        while self.abandoned(rec, dead + self.lost_joiners(rec)):
+        rec = record(target)
+        while rec.pop("_skip", False) or self.abandoned(rec, dead + self.lost_joiners(rec)):
             ctx.event("abandoned", generation=target,
                       dead=[m for m in rec.get("transition", ()) if m in dead or m in declared])
             target += 1
-            rec = self._survivors_generation(target, step, alive, dead, reason)
+            rec = record(target)
         if ctx.member not in rec.get("transition", old.members):
             # e.g. a process that hung (SIGSTOP, a frozen VM) past the heartbeat timeout and then woke up
             msg = (f"{ctx.member} is not a member of generation {rec['generation']} (declared dead while "
