@@ -160,6 +160,7 @@ class _Memory:
     def __init__(self) -> None:
         self.baseline_anon_kib = _status_kib("RssAnon")
         self.setup_anon_kib = self.baseline_anon_kib
+        self.before_peak_kib = self.baseline_anon_kib
         self.threads = 0
         self.reset_ok = False
 
@@ -184,7 +185,7 @@ class _Memory:
         anon_peak = hwm - file - shmem
         return {"peak_rss_mib": hwm / 1024, "peak_above_baseline_mib": (anon_peak - self.baseline_anon_kib) / 1024,
                 "setup_mib": (self.setup_anon_kib - self.baseline_anon_kib) / 1024,
-                "before_peak_mib": (getattr(self, "before_peak_kib", self.setup_anon_kib) - self.baseline_anon_kib) / 1024,
+                "before_peak_mib": (self.before_peak_kib - self.baseline_anon_kib) / 1024,
                 "step_rise_mib": (anon_peak - self.setup_anon_kib) / 1024, "threads": self.threads,
                 "file_mib": file / 1024, "hwm_reset": self.reset_ok}
 

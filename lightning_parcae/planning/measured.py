@@ -578,18 +578,21 @@ class MeasuredThroughput(ThroughputModel):
         trial = self._trial_s(shape, warmup_steps)
         return (trial if math.isfinite(trial) else 0.0) + 2.0 * max(0.0, float(move_cost_s))
 
-    def cost_model(self, constants: Optional[MigrationConstants] = None) -> DefaultCostModel:
+    def cost_model(self, constants: Optional[MigrationConstants] = None, *,
+                   preemption_notice: bool = False) -> DefaultCostModel:
         """The migration cost model over this throughput model (the one the runtime plans with).
 
         Args:
             constants: Migration constants; default: the ones saved with the profile (:attr:`constants`), else
                 :class:`MigrationConstants` defaults.
+            preemption_notice: Departures come with a notice (:class:`DefaultCostModel`).
         """
         if self.layer_bytes is None:
             params = [1.0] * len(self.prior.layer_ms)
         else:
             params = [max(b / self.bytes_per_param, 1.0) for b in self.layer_bytes]
-        return DefaultCostModel(self, params, constants or self.constants or MigrationConstants())
+        return DefaultCostModel(self, params, constants or self.constants or MigrationConstants(),
+                                preemption_notice=preemption_notice)
 
     # ------------------------------------------------------------------------------------------ persistence
     def to_json(self) -> Dict[str, Any]:
@@ -710,9 +713,7 @@ def load_cost_model(kind: str, model: Optional[str] = None, profile_path: Option
             # a profile a run measured and fitted (run_dir/profile.json): the same model the runtime planned with
             measured = load_measured_profile(profile_path)  # type: ignore[arg-type]
             if measured is not None:
-                cm = measured.cost_model()
-                cm.preemption_notice = bool(preemption_notice)
-                return cm
+                return measured.cost_model(preemption_notice=preemption_notice)
             prof = LayerProfile.from_json(profile_path)  # type: ignore[arg-type]
             thr = ProfileThroughput(prof)
             layers = [b / 4.0 for b in prof.param_bytes]  # fp32 weights: 4 bytes per parameter

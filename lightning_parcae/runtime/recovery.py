@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
 
 from lightning_parcae.contract import FALLBACK_EXIT, FENCED_EXIT
 from lightning_parcae.errors import PeerLostError
@@ -180,17 +180,20 @@ class Recovery:
         give_up = rounds > len(old.members) + 2
 
         def record(target: int) -> dict[str, Any]:
-            existing = ctx.coord.generation(target)
-            if give_up and (existing is None or existing.get("kind") != "fallback"):
-                if existing is not None:
-                    return {**existing, "_skip": True}
+            """Generation ``target``'s record (the existing one, else ours: a fallback once we give up)."""
+            if give_up and ctx.coord.generation(target) is None:
                 return self.propose_fallback(step, f"{reason}: recovery from generation {g} formed no generation "
                                              f"in {rounds - 1} rounds", generation=target)
             return self._survivors_generation(target, step, alive, dead, reason)
 
+        def skipped(rec: dict[str, Any]) -> bool:
+            if give_up:
+                return rec.get("kind") != "fallback"  # only a fallback ends a loop nobody foresaw
+            return self.abandoned(rec, dead + self.lost_joiners(rec))
+
         target = g + 1
         rec = record(target)
-        while rec.pop("_skip", False) or self.abandoned(rec, dead + self.lost_joiners(rec)):
+        while skipped(rec):
             ctx.event("abandoned", generation=target,
                       dead=[m for m in rec.get("transition", ()) if m in dead or m in declared])
             target += 1
@@ -239,8 +242,12 @@ class Recovery:
         """
         assert self.state.layout is not None
         old = set(self.state.layout.members)
-        g = int(rec["generation"])
-        return [m for m in rec.get("transition", ()) if m not in old and self.ctx.store.check([dead_key(g, m)])]
+        return [m for m in self._declared_dead(int(rec["generation"]), rec.get("transition", ())) if m not in old]
+
+    def _declared_dead(self, g: int, members: Iterable[str]) -> list[str]:
+        """Those of ``members`` a heartbeat declared dead while generation ``g`` formed or ran (their
+        :func:`~.liveness.dead_key`)."""
+        return [m for m in members if self.ctx.store.check([dead_key(g, m)])]
 
     def abandoned(self, rec: dict[str, Any], dead: list[str]) -> bool:
         """Whether the survivors skip ``rec``: a generation that can no longer form.
@@ -261,22 +268,23 @@ class Recovery:
         g = int(rec["generation"])
         key = Coordinator.verdict_key(g)
         if "dead" in rec:
-            if not any(self.ctx.store.check([dead_key(g, m)]) for m in rec.get("transition", ())):
+            if not self._declared_dead(g, rec.get("transition", ())):
                 return self.ctx.store.check([key]) and bytes(self.ctx.store.get(key)) == b"abandon"
             return bytes(self.ctx.store.compare_set(key, "", b"abandon")) == b"abandon"
         proposal = b"abandon" if any(m in dead for m in rec.get("transition", ())) else b"keep"
         return bytes(self.ctx.store.compare_set(key, "", proposal)) == b"abandon"
 
-    def declared_dead_since(self, g: int, members: tuple[str, ...] | list[str]) -> set[str]:
+    def declared_dead_since(self, g: int, members: Iterable[str]) -> set[str]:
         """Members declared dead while a generation after ``g`` formed (each proposed record from ``g + 1`` on).
 
         Recovery from generation ``g`` runs again when the survivors' generation fails to form; a member that
         announced itself in the first round and died while that generation formed is dead for the next round.
         """
+        members = list(members)
         out: set[str] = set()
         t = g + 1
         while self.ctx.coord.generation(t) is not None:
-            out.update(m for m in members if self.ctx.store.check([dead_key(t, m)]))
+            out.update(self._declared_dead(t, members))
             t += 1
         return out
 
