@@ -123,3 +123,32 @@ def test_modelled_link_charges_the_scaled_transfer_and_refuses_unknown_layers():
     assert math.isclose(link.charge([]), 0.0)
     with pytest.raises(ConfigurationError, match="coarsened"):
         link.charge([10])
+
+
+def test_modelled_link_charges_per_step_traffic_of_the_real_model_and_refuses_unknown_layers():
+    """One micro-batch of 8 samples across a GPT-1.5B stage boundary: 8 x 3.28 MB at 1.25 GB/s + 0.15 ms; a ring
+    all-reduce of two coarsened blocks' fp16 gradients (12 transformer layers) over 4 pipelines: 2 x 3/4 of the bytes."""
+    w = EmulatedWorkload.gpt_1_5b(time_scale=30.0).coarsened(8)
+    link = ModelledLink(w)
+    assert link.boundary_s(3, 8) == pytest.approx((0.15e-3 + 8 * 1024 * 1600 * 2 / 1.25e9) / 30.0)
+    grads = 2.0 * (w.params[3] + w.params[4])
+    assert link.allreduce_s([3, 4], 4) == pytest.approx(1.5 * grads / 1.25e9 / 30.0)
+    assert link.allreduce_s([3, 4], 1) == 0.0
+    with pytest.raises(ConfigurationError, match="coarsened"):
+        link.boundary_s(10, 8)
+    with pytest.raises(ConfigurationError, match="coarsened"):
+        link.allreduce_s([9, 10], 2)
+
+
+@pytest.mark.parametrize("blocks", [4, 8])
+def test_the_per_step_charges_add_up_to_the_network_part_of_the_simulated_step(blocks: int):
+    """What the runtime sleeps per step on an emulated cluster is what ``step_s`` charges for the network: with one
+    micro-batch at 1 x 2 the step is F0, send, F1, B1, send back, B0 -- two boundary messages of the whole batch; at
+    2 x 1 it is the pipeline plus one ring all-reduce of every layer's gradients."""
+    w = EmulatedWorkload.gpt_1_5b(time_scale=10.0).coarsened(blocks)
+    free = replace(w, bandwidth_bytes_per_s=1e30, latency_ms=0.0)
+    cut = w.partition(2)[1]
+    assert w.step_s(1, 2, micro_batches=1) - free.step_s(1, 2, micro_batches=1) == pytest.approx(
+        2 * w.boundary_s(cut - 1, w.global_batch))
+    assert w.step_s(2, 1, micro_batches=1) - free.step_s(2, 1, micro_batches=1) == pytest.approx(
+        w.allreduce_s(range(w.num_layers), 2))

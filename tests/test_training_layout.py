@@ -81,6 +81,7 @@ def test_partition_by_balance_builds_this_stages_layers_in_place_of_the_stack() 
     assert [n for n, _ in state.stage.named_children()] == ["1", "2", "3"]  # type: ignore[union-attr]
     assert module.net is state.stage and isinstance(state.proxy, StageProxy)
     assert state.full_stack is not None and len(state.full_stack) == 4
+    assert state.p2p is not None and state.p2p.layers == (1, 4)  # the transport knows its stage's layers
 
 
 def test_a_balance_that_does_not_sum_to_the_layers_is_refused() -> None:
@@ -139,6 +140,7 @@ def test_apply_installs_the_new_groups_and_holds_the_new_partitions_layers() -> 
     layout.apply([1, 3], new_groups, received=_payloads(Net(), [2, 3]), group_of=[])  # type: ignore[arg-type]
     assert state.groups is new_groups and state.partition == [1, 3]
     assert [n for n, _ in module.net.named_children()] == ["1", "2", "3"]
+    assert state.p2p is not None and state.p2p.layers == (1, 4)  # what an emulated cluster's link charges for
 
 
 def test_a_stage_keeps_no_parameter_storage_for_the_layers_other_stages_hold() -> None:

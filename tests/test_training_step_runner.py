@@ -228,3 +228,38 @@ def test_a_step_does_not_hold_the_previous_gradients_when_lightning_zeroes_them_
     assert not _zeroed_after_step(Keeps(), trainer)
     assert not _zeroed_after_step(Plain(), types.SimpleNamespace(accumulate_grad_batches=2))
     assert not _zeroed_after_step(Module(), trainer)  # not a LightningModule: keep them (as before)
+
+
+def test_on_an_emulated_cluster_the_data_parallel_all_reduce_charges_the_stages_layers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At D = 2 the gradient all-reduce first sleeps the modelled ring all-reduce of the layers this stage holds
+    (lightning_parcae.runtime.link); at D = 1 nothing is charged."""
+    from lightning_parcae.runtime import link
+    from lightning_parcae.training import step_runner
+
+    calls: list[tuple[list[int], int]] = []
+
+    class Link:
+        def charge(self, layers: Any) -> float:
+            return 0.0
+
+        def allreduce_s(self, layers: Any, replicas: int) -> float:
+            calls.append((list(layers), replicas))
+            return 0.0
+
+    reduced: list[int] = []
+    monkeypatch.setattr(step_runner, "_all_reduce_grads", lambda params, group, scale: reduced.append(len(params)))
+    before = link.set_modelled_link(Link())
+    try:
+        module = Module()
+        runner, _ = _runner(module)
+        runner.state.partition = [1]
+        loss = runner.training_step(torch.ones(1, 2), 0)
+        runner.backward(loss)
+        runner.reduce_gradients()  # D = 1
+        assert calls == [] and reduced == []
+        runner.state.groups.data_parallel = 2  # type: ignore[union-attr]
+        runner.reduce_gradients()
+        assert calls == [([0], 2)] and reduced == [1]
+    finally:
+        link.set_modelled_link(before)

@@ -15,10 +15,10 @@ transition world always uses gloo over CPU tensors, which works on CPU and GPU m
 device-to-host copy per moved layer).
 
 Modelled network (emulated clusters only): the moved state of a small emulated model is tiny, so its transfer costs
-nothing like the real model's would. :func:`set_modelled_link` installs a :class:`LinkModel` whose
-``charge(layer_indices)`` says how many seconds one process's link would need for those layers' state; every
-:func:`exchange` then also sleeps ``max(charge(sent), charge(received))`` after the real transfer. The default is
-no link (nothing is added); :mod:`lightning_parcae.testing.emulated_cluster` installs one from a workload profile.
+nothing like the real model's would. With a :class:`~lightning_parcae.runtime.link.LinkModel` installed
+(:func:`~lightning_parcae.runtime.link.set_modelled_link`, re-exported here), every :func:`exchange` also sleeps
+``max(charge(sent), charge(received))`` after the real transfer. The default is no link (nothing is added);
+:mod:`lightning_parcae.testing.emulated_cluster` installs one from a workload profile.
 """
 
 from __future__ import annotations
@@ -27,40 +27,19 @@ import io
 import time
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_parcae.runtime.link import LinkModel, modelled_link, set_modelled_link
 from lightning_parcae.runtime.liveness import guarded_post, guarded_wait
 from lightning_parcae.runtime.stage import is_released
 
 __all__ = ["pack", "unpack", "layer_payload", "exchange", "load_layer_payload", "rebind_optimizer", "LinkModel",
            "set_modelled_link"]
-
-
-class LinkModel(Protocol):
-    """A modelled network link: the seconds one process's link needs to move the given layers' state."""
-
-    def charge(self, layers: Sequence[int]) -> float:
-        """Seconds to move the state of ``layers`` (indices into the model's layer list) over one link."""
-        ...
-
-
-_modelled_link: Optional[LinkModel] = None
-
-
-def set_modelled_link(link: Optional[LinkModel]) -> Optional[LinkModel]:
-    """Install (or, with None, remove) the modelled link every :func:`exchange` of this process charges.
-
-    Returns:
-        The link installed before.
-    """
-    global _modelled_link
-    previous, _modelled_link = _modelled_link, link
-    return previous
 
 
 def _moved_layers(objs: Any) -> list[int]:
@@ -76,7 +55,7 @@ def _moved_layers(objs: Any) -> list[int]:
 def _charge_modelled_link(sent: Any, received: Any) -> float:
     """Sleep the modelled link time of this process's sent and received layers (both directions share a link
     pair in parallel: the longer one counts). Returns the seconds slept (0 without a link)."""
-    link = _modelled_link
+    link = modelled_link()
     if link is None:
         return 0.0
     seconds = max(link.charge(_moved_layers(sent)), link.charge(_moved_layers(received)))
@@ -145,7 +124,7 @@ def exchange(sends: Mapping[int, Any], recv_from: Sequence[int], what: str = "st
     Returns:
         ``{source rank: object}``.
 
-    With a modelled link installed (:func:`set_modelled_link`), also sleeps its charge for the layers moved.
+    With a modelled link installed (:func:`~lightning_parcae.runtime.link.set_modelled_link`), also sleeps its charge for the layers moved.
     """
     blobs = {dst: pack(obj) for dst, obj in sends.items()}
     sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in recv_from}

@@ -15,8 +15,9 @@ capacity, network bandwidth, checkpoint write/read bandwidth and boot time. Ever
 one ``time_scale`` (a 3 s modelled step runs in 0.1 s at scale 30), so a run keeps the workload's ratios while
 finishing in minutes. Real processes, the real protocol and real (small) state still run and move; only sizes and
 speeds are virtual: the emulated example (``examples/gpt``, ``model.emulate``) sleeps the scaled per-layer times
-(:func:`~lightning_parcae.testing.emulated_device.emulated_compute`) and the runtime's state transfers sleep the
-scaled transfer time of the layers they move (:func:`install_modelled_link`, on top of the real transfer).
+(:func:`~lightning_parcae.testing.emulated_device.emulated_compute`), and the runtime's state transfers, pipeline
+sends and data-parallel all-reduces sleep the scaled time the real model's bytes would take on the modelled network
+(:func:`install_modelled_link`, on top of the real transfer).
 
 Sources of the GPT-1.5B numbers (:meth:`EmulatedWorkload.gpt_1_5b`): per-layer times, parameters and boundary
 activations from the artifact's p3.2xlarge profile (:meth:`~lightning_parcae.planning.costmodel.LayerProfile.
@@ -31,8 +32,9 @@ see :meth:`EmulatedWorkload.stage_memory_bytes`).
 What it is not: a claim about any real cluster's speed. Figures measured on an emulated cluster say how the control
 plane behaves against this modelled workload; modelled seconds are the real seconds times ``time_scale``.
 
-The workload is pure Python (no torch): the planner side can price with it and the example can map onto it. Only
-:func:`install_modelled_link` touches torch, by importing the runtime's transfer module when it is called.
+The workload is pure Python (no torch): the planner side can price with it and the example can map onto it.
+:func:`install_modelled_link` imports the runtime's link module (:mod:`lightning_parcae.runtime.link`, no torch
+either) when it is called.
 """
 
 from __future__ import annotations
@@ -355,6 +357,30 @@ class EmulatedWorkload:
         """Scaled seconds to move the given layers' state (what a migration sleeps on top of the real transfer)."""
         return self.modelled_transfer_s(layers) / self.time_scale
 
+    def modelled_boundary_s(self, layer: int, samples: float) -> float:
+        """Modelled (unscaled) seconds of one pipeline message across the boundary after ``layer`` for ``samples``
+        samples: the activation forward, or its gradient back (same bytes); latency included, as :meth:`step_s`
+        charges each send."""
+        return self.latency_ms / 1000.0 + samples * self.boundary_bytes[layer] / self.bandwidth_bytes_per_s
+
+    def boundary_s(self, layer: int, samples: float) -> float:
+        """Scaled seconds of :meth:`modelled_boundary_s` (what a pipeline send sleeps before it is posted)."""
+        return self.modelled_boundary_s(layer, samples) / self.time_scale
+
+    def modelled_allreduce_s(self, layers: Sequence[int], replicas: int) -> float:
+        """Modelled (unscaled) seconds of a ring all-reduce of ``layers``' gradients (``grad_bytes_per_param``
+        each) over ``replicas`` pipelines: ``2 (d - 1) / d`` of the bytes cross each link, as :meth:`step_s`
+        charges it; 0 for one replica."""
+        if replicas <= 1:
+            return 0.0
+        grads = self.grad_bytes_per_param * sum(self.params[i] for i in layers)
+        return 2.0 * (replicas - 1) / replicas * grads / self.bandwidth_bytes_per_s
+
+    def allreduce_s(self, layers: Sequence[int], replicas: int) -> float:
+        """Scaled seconds of :meth:`modelled_allreduce_s` (what the data-parallel all-reduce sleeps before it
+        starts)."""
+        return self.modelled_allreduce_s(layers, replicas) / self.time_scale
+
     def checkpoint_write_s(self, layers: Sequence[int]) -> float:
         """Scaled seconds to write the given layers' state to the checkpoint store."""
         return self.state_bytes(layers) / self.checkpoint_write_bytes_per_s / self.time_scale
@@ -369,12 +395,16 @@ class EmulatedWorkload:
 
 
 class ModelledLink:
-    """The modelled network of a workload, in the form the runtime's transfer hook calls.
+    """The modelled network of a workload, in the form the runtime's link hooks call
+    (:class:`~lightning_parcae.runtime.link.LinkModel`).
 
-    ``charge(layers)`` returns the scaled seconds one process's link needs to move those layers' state
-    (:meth:`EmulatedWorkload.transfer_s`); :mod:`lightning_parcae.runtime.migration` sleeps it on top of the real
-    transfer. Layer indices are those of the emulated model's layer list (the workload must have been
-    :meth:`~EmulatedWorkload.coarsened` to the example's layers).
+    ``charge(layers)`` is the scaled seconds one process's link needs to move those layers' state
+    (:meth:`EmulatedWorkload.transfer_s`), slept by a migration on top of the real transfer; ``boundary_s(layer,
+    samples)`` one pipeline message across the boundary after ``layer`` (:meth:`EmulatedWorkload.boundary_s`),
+    slept before each pipeline send; ``allreduce_s(layers, replicas)`` the data-parallel ring all-reduce of those
+    layers' gradients (:meth:`EmulatedWorkload.allreduce_s`), slept before the real all-reduce. Layer indices are
+    those of the emulated model's layer list (the workload must have been :meth:`~EmulatedWorkload.coarsened` to
+    the example's layers).
 
     Args:
         workload: The workload whose network is modelled.
@@ -383,22 +413,35 @@ class ModelledLink:
     def __init__(self, workload: EmulatedWorkload) -> None:
         self.workload = workload
 
-    def charge(self, layers: Sequence[int]) -> float:
-        """Scaled seconds to move ``layers`` over one link (unknown indices are an error, not free)."""
+    def _check(self, layers: Sequence[int]) -> list[int]:
         bad = [i for i in layers if not 0 <= int(i) < self.workload.num_layers]
         if bad:
             raise ConfigurationError(f"modelled link of {self.workload.name!r} asked to move layers {bad}; the "
                                      f"workload has layers 0..{self.workload.num_layers - 1}: map the model onto it "
                                      "with EmulatedWorkload.coarsened(n_blocks)")
-        return self.workload.transfer_s([int(i) for i in layers])
+        return [int(i) for i in layers]
+
+    def charge(self, layers: Sequence[int]) -> float:
+        """Scaled seconds to move ``layers`` over one link (unknown indices are an error, not free)."""
+        return self.workload.transfer_s(self._check(layers))
+
+    def boundary_s(self, layer: int, samples: int) -> float:
+        """Scaled seconds of one pipeline message after ``layer`` for ``samples`` samples (unknown layer: error)."""
+        (i,) = self._check([layer])
+        return self.workload.boundary_s(i, samples)
+
+    def allreduce_s(self, layers: Sequence[int], replicas: int) -> float:
+        """Scaled seconds of the ring all-reduce of ``layers``' gradients over ``replicas`` pipelines."""
+        return self.workload.allreduce_s(self._check(layers), replicas)
 
 
 def install_modelled_link(workload: Optional[EmulatedWorkload]) -> Optional[Any]:
-    """Make every state transfer of this process also take ``workload``'s modelled network time (None: remove).
+    """Make every state transfer, pipeline send and data-parallel all-reduce of this process also take
+    ``workload``'s modelled network time (None: remove).
 
     Returns:
         The link installed before (to restore it).
     """
-    from lightning_parcae.runtime import migration  # runtime is below testing: this direction is allowed
+    from lightning_parcae.runtime import link  # runtime is below testing: this direction is allowed
 
-    return migration.set_modelled_link(None if workload is None else ModelledLink(workload))
+    return link.set_modelled_link(None if workload is None else ModelledLink(workload))

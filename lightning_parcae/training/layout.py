@@ -160,7 +160,8 @@ class StageLayout:
             self.partition_module(trainer)
         else:
             assert st.groups is not None
-            st.p2p = P2P(self.host.root_device, st.groups.pipeline_group)
+            st.p2p = P2P(self.host.root_device, st.groups.pipeline_group,
+                         st.held_bounds() if st.partition and not st.whole_model else None)
         self.host.model_to_device()
         if not joining:
             self.sync_replicas()
@@ -300,7 +301,7 @@ class StageLayout:
             st.proxy = BlockListProxy(stage, full, arity=self.profiler.block_arity)  # type: ignore[arg-type]
         else:
             st.proxy = StageProxy(stage)
-        st.p2p = P2P(self.host.root_device, st.groups.pipeline_group)
+        st.p2p = P2P(self.host.root_device, st.groups.pipeline_group, (a, b))
 
     def release_others(self, full: nn.Module, module: nn.Module) -> int:
         """Release the parameters and persistent buffers of ``full``'s layers this process does not hold (a tensor

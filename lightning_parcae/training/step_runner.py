@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parcae.errors import ConfigurationError, ModelLayoutError
+from lightning_parcae.runtime.link import charge_allreduce
 from lightning_parcae.runtime.liveness import guarded, guarded_post, guarded_wait
 from lightning_parcae.runtime.pipeline import (
     BlockListProxy,
@@ -390,7 +391,9 @@ class StepRunner:
     def reduce_gradients(self) -> None:
         """Sum the gradients of replicated parameters over the pipeline and those of a tied outside part between
         its two holders (the first and the last stage), then average everything this process holds over the D
-        replicas (parameters without storage here have no gradient and are left out)."""
+        replicas (parameters without storage here have no gradient and are left out). On an emulated cluster the
+        D-way all-reduce first sleeps the modelled ring all-reduce of the real model's gradients of this stage's
+        layers (:func:`~lightning_parcae.runtime.link.charge_allreduce`)."""
         s, host = self.state, self.host
         g = s.groups
         module = host.lightning_module
@@ -402,6 +405,8 @@ class StepRunner:
             ranks = g.pipeline_ranks(g.coords.replica)
             _exchange_sum_grads(tied, ranks[-1] if g.is_first_stage else ranks[0])
         if g.data_parallel > 1:
+            if s.partition and not s.whole_model:  # an emulated cluster's link: the real model's gradient bytes
+                charge_allreduce(range(*s.held_bounds()), g.data_parallel)
             special = {id(p) for p in replicated} | {id(p) for p in tied}
             held = [p for p in module.parameters() if p.requires_grad and not is_released(p)]
             # one flat buffer per kind: a part kept on several stages is reduced in the same order everywhere, so
