@@ -24,7 +24,11 @@ step's accelerator time, which is modelled (``device_ms_per_sample``, sleeps: no
 cores the real parts also include CPU contention, which this script cannot separate from the protocol's own
 growth; the ``load`` line records ``os.getloadavg()`` before each run. The heartbeat store operations per second
 are derived, not counted: the measured beat rate times the operations one beat issues in
-``runtime/liveness.py`` (the leader: 3 + 2 N, it watches every member; any other member: 5, it watches the leader).
+``runtime/liveness.py``: the leader's beat is its own write, the abort and notice checks, and the read of all N
+heartbeats -- counted by running ``liveness.read_beats`` for N members against an in-process store
+(:func:`leader_requests_per_beat`): 5 requests whatever N, one ``check`` and one ``multi_get`` for the heartbeats
+(until stop 35 a check and a get per member, 3 + 2 N requests in series, which earlier tables show); any other
+member: 5, it watches the leader.
 
     nice -n 5 python benchmarks/bench_scale.py                    # N = 4, 8, 16 (684 s on 2 loaded cores, 2026-12-02)
     nice -n 5 python benchmarks/bench_scale.py --counts 4,8,16,32 --batch-size 192 --out /tmp/scale
@@ -78,7 +82,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("store get latency p50, ms (side client)", "store_p50_ms", "real"),
     ("store get latency p95, ms (side client)", "store_p95_ms", "real"),
     ("heartbeat store ops/s, whole job", "hb_ops_per_s", "derived"),
-    ("heartbeat store ops per leader beat (serial)", "leader_ops_per_beat", "derived"),
+    ("heartbeat store requests per leader beat", "leader_ops_per_beat", "counted"),
 ]
 
 
@@ -191,6 +195,38 @@ def _median(xs: list[float]) -> Optional[float]:
     return float(statistics.median(xs)) if xs else None
 
 
+class _CountingStore:
+    """A store that counts the requests made through it."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.requests += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def leader_requests_per_beat(n: int) -> int:
+    """Store requests in one heartbeat of the leader watching ``n`` members: its write, the abort and notice
+    checks, and ``liveness.read_beats`` of every member (counted against an in-process ``HashStore``)."""
+    import torch.distributed as dist
+
+    from lightning_parcae.runtime.liveness import hb_key, read_beats
+
+    members = [f"i{k}" for k in range(n)]
+    base = dist.HashStore()
+    for m in members:
+        base.set(hb_key(m), "{}")
+    store = _CountingStore(base)
+    read_beats(store, members)  # type: ignore[arg-type]
+    return 3 + store.requests
+
+
 def summarize(fixed: list[dict[str, Any]], changes: list[dict[str, Any]], probes: list[HeartbeatProbe] | None = None,
               n: int = 0) -> dict[str, Any]:
     """One N's figures from the events of its fixed and changes runs (and the heartbeat probes of both).
@@ -242,8 +278,9 @@ def summarize(fixed: list[dict[str, Any]], changes: list[dict[str, Any]], probes
     out["hb_rate"] = _median(rates)
     out["hb_gap_s"] = max((p.max_gap_s for p in probes or []), default=None) if probes else None
     rate = out["hb_rate"] if out["hb_rate"] is not None else 1.0 / HEARTBEAT_S
-    out["leader_ops_per_beat"] = float(3 + 2 * n) if n else None
-    out["hb_ops_per_s"] = rate * ((3 + 2 * n) + 5 * (n - 1)) if n else None
+    leader = float(leader_requests_per_beat(n)) if n else None
+    out["leader_ops_per_beat"] = leader
+    out["hb_ops_per_s"] = rate * (leader + 5 * (n - 1)) if n and leader is not None else None
     return out
 
 

@@ -51,7 +51,10 @@ def test_summary_takes_the_slowest_member_and_separates_joins() -> None:
     assert s["join_delay_s"] == 3.0
     assert s["kinds"] == {"intra-stage": 1, "join": 1}
     assert abs(s["boundary_ms"] - 1.5) < 1e-9 and abs(s["boundary_max_ms"] - 2.0) < 1e-9  # ranks at 1 and 2 ms
-    assert s["leader_ops_per_beat"] == 11.0  # 3 + 2 N: the leader reads every member's heartbeat
+    # counted: the leader's write, two checks, and every member's heartbeat in one check and one multi_get (it was
+    # 3 + 2 N, one check and one get per member, until the reads were batched)
+    assert s["leader_ops_per_beat"] == 5.0
+    assert bench_scale.leader_requests_per_beat(32) == 5
 
 
 def test_growth_column_is_the_ratio_of_the_largest_n_to_the_smallest() -> None:
