@@ -417,6 +417,20 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
             raise ValueError("Value must be of type str or bytes")
         return urlsafe_b64decode(value)
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """All of ``keys`` in one read of the job's directory (torch's ``EtcdStore`` reads the whole directory for
+        each key, so the inherited ``multi_get`` -- one ``get`` per key -- read it N times); waits like ``get``
+        for keys not yet there.
+
+        Raises:
+            LookupError: A key was still missing after the store's timeout.
+        """
+        wanted = [self.prefix + self._encode(k) for k in keys]
+        kvs = self._try_wait_get(list(dict.fromkeys(wanted)))
+        if kvs is None:
+            raise LookupError(f"keys {list(keys)[:4]}... not all found in the etcd store within its timeout")
+        return [self._decode(kvs[k]) for k in wanted]
+
     def delete_key(self, key: str) -> bool:
         import etcd
 
