@@ -382,3 +382,28 @@ def test_a_record_encoded_for_one_key_decodes_only_there_and_only_with_the_token
         decode_record("parcae/y", raw, "tok")
     with pytest.raises(TamperedRecordError, match="without this job's token"):
         decode_record("parcae/x", raw, "other")
+
+
+@needs_etcd
+def test_etcd_reads_of_present_keys_cost_one_key_not_the_job_directory(etcd_server: EtcdServer) -> None:
+    """Regression (issue 21): torch's EtcdStore answered every ``get``, ``check`` and ``wait`` by reading the job's
+    whole directory, so each request grew with every key the job had ever written (gloo's rendezvous keys of every
+    generation stay: 7.4 ms a get at 3,000 keys against 0.4 ms at 10), and a group build's N x (N - 1) address reads
+    paid it each. A present key is now read alone; a missing one still waits for it (and times out) as before."""
+    url = etcd_server.store_url("/parcae/t-direct")
+    host_store(url, token="tok")
+    store = connect_store(url, token="tok", op_timeout_s=0.5)
+    for k in range(50):
+        store.set(f"gen/0/rank_{k}", "addr")
+    reads: list[str] = []
+    real_get = store.client.get
+    store.client.get = lambda key, **kw: (reads.append(key), real_get(key, **kw))[1]
+    directory = store.prefix
+    assert store.get("gen/0/rank_7") == b"addr"
+    assert store.check(["gen/0/rank_8"]) and not store.check(["gen/0/rank_99"])
+    store.wait(["gen/0/rank_1", "gen/0/rank_2"])
+    assert reads and directory not in reads  # every read above named its key
+    with pytest.raises(LookupError):
+        store.get("gen/0/never")  # waits for the op timeout, then fails like torch's get
+    store.set("late", "v")
+    assert store.get("late") == b"v"

@@ -396,12 +396,46 @@ def _etcd_store_base() -> type:
 
 
 class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
-    """torch's ``EtcdStore`` with URL-safe base64 keys, plus ``delete_key`` and ``compare_set``.
+    """torch's ``EtcdStore`` with URL-safe base64 keys, reads of present keys that cost one key, plus ``multi_get``,
+    ``delete_key`` and ``compare_set``.
 
     torch encodes keys with standard base64, whose alphabet contains ``/``; etcd v2 treats that as a directory, so
     such a key (e.g. any key with ``?`` at certain offsets) is never found again and ``get`` times out. The
     URL-safe alphabet has no ``/``.
+
+    torch's ``get``, ``check`` and ``wait`` read the job's *whole directory* and filter it, every time: a request
+    costs in proportion to every key the job has written (2.4 us a key here; gloo's rendezvous keys of every
+    generation stay, so a long job with churn reaches thousands), and the N x (N - 1) address reads of a process
+    group build at N members each paid it. Here a single key that is already there is read directly (one key's
+    request), and only a key that is not there yet goes the directory-and-watch way (to wait for it);
+    ``multi_get`` of many keys is one directory read (:meth:`multi_get`).
     """
+
+    def _read_one(self, key: str) -> bytes | None:
+        """The value of ``key`` if it is there now (one key's request), else None."""
+        import etcd
+
+        try:
+            return self._decode(self.client.get(key=self.prefix + self._encode(key)).value)
+        except etcd.EtcdKeyNotFound:
+            return None
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting for it like torch's ``get`` if it is not there yet."""
+        value = self._read_one(key)
+        return value if value is not None else super().get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key is there now: one key's request for a single key, one directory read for several."""
+        if len(keys) == 1:
+            return self._read_one(keys[0]) is not None
+        return super().check(keys)
+
+    def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
+        """Wait until every key is there: returns after one key's request each when they already are."""
+        if all(self._read_one(k) is not None for k in keys):
+            return
+        super().wait(keys, override_timeout)
 
     def _encode(self, value: str | bytes) -> str:
         if isinstance(value, str):
