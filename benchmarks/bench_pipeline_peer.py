@@ -65,7 +65,11 @@ Measures, precisely:
   the **split balance** ``sum(layer times) / (P x slowest stage's layer times)`` of the profile the split was
   chosen from (an imbalance no engine can remove), and **cores / P** when P processes share fewer cores (on a
   2-core machine a P=4 run whose stages are all busy reaches at most 2/4 of P x one process; the two limits do not
-  multiply, since an idle stage leaves its share of a core to the others).
+  multiply, since an idle stage leaves its share of a core to the others). The same ratio is also printed against
+  **one process over the same M micro-batches** (gradients accumulated, one step): a stage runs micro-batches of
+  ``B / M`` samples, whose smaller kernels are slower per sample than the full batch's, and that loss is the
+  micro-batching's, not the pipeline's -- the textbook bound ``M / (M + P - 1)`` is relative to the same work
+  done unpipelined. Both are printed; the issue's figure is the first.
 
 Every P-stage configuration is run with ``M = --micro-batches`` (one M per P, default 4 at P=2 and 8 at P=4: the
 issue's (1,2) M=4 and (1,4) M=8 points). ``--global-batch`` must be divisible by every M.
@@ -332,10 +336,21 @@ def _write(cfg: dict[str, Any], rank: int, result: dict[str, Any]) -> None:
 
 
 def _single_worker(cfg: dict[str, Any], mem: _Memory) -> None:
-    """One process, plain PyTorch: the whole model on the full batch, one SGD step per batch."""
+    """One process, plain PyTorch: the whole model, one SGD step per batch -- on the full batch at once (``M`` = 1)
+    or over ``M`` micro-batches with their gradients accumulated (the same kernels a stage of an M-micro-batch
+    pipeline runs, without the pipeline)."""
     model = build_layers(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    m = int(cfg.get("M", 1))
     t0, rate, rss = 0.0, 0.0, {}
+
+    def step_on(x: torch.Tensor, y: torch.Tensor) -> None:
+        if m == 1:
+            _loss(model(x), y).backward()
+            return
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            (_loss(model(xs), ys) / m).backward()
+
     for step, (x, y) in enumerate(DataLoader(_data(cfg), batch_size=cfg["batch"])):
         if step == cfg["warmup"]:
             mem.reset()
@@ -345,7 +360,7 @@ def _single_worker(cfg: dict[str, Any], mem: _Memory) -> None:
             _LIVE.start()
         if step == cfg["warmup"] + cfg["steps"] + 1:
             _LIVE.mark()
-        _loss(model(x), y).backward()
+        step_on(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
     _LIVE.stop()
@@ -596,6 +611,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     started = time.perf_counter()
     splits, balance = _split(base, args.stages, micro)
     configs: dict[str, dict[str, Any]] = {"one process": {**base, "engine": "single", "P": 1, "M": 1}}
+    for m in sorted(set(micro.values())):  # the same micro-batches, accumulated: the per-stage kernels' speed
+        configs[f"one process M={m}"] = {**base, "engine": "single", "P": 1, "M": m}
     for p in args.stages:
         for schedule in args.schedules:
             for engine in args.engines:
@@ -609,6 +626,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 best[name] = res
     elapsed = time.perf_counter() - started
     one = best["one process"][0]["samples_per_s"]
+    one_at = {m: best[f"one process M={m}"][0]["samples_per_s"] for m in set(micro.values())}
     cores = os.cpu_count() or 1
 
     print(f"GPT-style LM: vocab {args.vocab}, d {args.dim}, {args.blocks} blocks (+ embedding, final norm, head), "
@@ -622,6 +640,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     one_mem = best["one process"][0]
     print(f"  one process: {one:.1f} samples/s, peak memory {one_mem['peak_above_baseline_mib']:.0f} MiB above "
           f"baseline ({one_mem['peak_rss_mib']:.0f} MiB RSS)")
+    print("  one process over M micro-batches (gradients accumulated): "
+          + ", ".join(f"M={m} {v:.1f} samples/s ({v / one:.3f} of the full batch)" for m, v in sorted(one_at.items())))
     print()
     header = (f"  {'P':>2} {'M':>2} {'schedule':<8} | {'Parcae s/s':>10} {'peer s/s':>9} {'ratio':>6} | "
               f"{'Parcae bubble':>13} {'peer bubble':>11} | {'peak MiB/stage Parcae':>22} {'peer':>16} "
@@ -638,6 +658,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 if res is not None:
                     row[e] = {"samples_per_s": res[0]["samples_per_s"],
                               "bubble_ratio": bubble_ratio(res[0]["samples_per_s"], one, p, m),
+                              "bubble_ratio_micro": bubble_ratio(res[0]["samples_per_s"], one_at[m], p, m),
                               "peak_above_baseline_mib": [r["peak_above_baseline_mib"] for r in res],
                               "setup_mib": [r.get("setup_mib", 0.0) for r in res],
                               "step_rise_mib": [r.get("step_rise_mib", 0.0) for r in res],
@@ -706,20 +727,27 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               if "throughput_ratio" in r and r["throughput_ratio"] < 0.95]
     heavier = [f"{name}: {r['memory_ratio']:.3f}" for name, r in rows.items()
                if "memory_ratio" in r and r["memory_ratio"] > 1.05]
+    print("  bubble against one process over the same M micro-batches (samples/s / (P x one process at M x "
+          "M/(M+P-1)): the bound without the full batch's larger kernels):")
+    for name, r in rows.items():
+        per = ", ".join(f"{'Parcae' if e == 'parcae' else 'peer'} {r[e]['bubble_ratio_micro']:.3f}"
+                        for e in ENGINES if e in r)
+        print(f"  {name} M={r['M']}: {per}")
     print(f"  Parcae below 0.95 of the peer's samples/s: {', '.join(losses) or 'none'}")
     print(f"  Parcae above 1.05 of the peer's peak memory: {', '.join(heavier) or 'none'}")
     if args.diagnose:
         print()
         print("  where the time of a timed step goes (ms per step, per rank; rank 0 = first stage):")
         for name, res in best.items():
-            if name == "one process":
+            if name.startswith("one process"):
                 continue
             step_ms = 1000.0 * args.batch / res[0]["samples_per_s"]
             print(f"  {name} (step {step_ms:.0f} ms)")
             for rank, r in enumerate(res):
                 parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["parts_ms"].items()))
                 print(f"    rank {rank}: {parts}")
-    return {"rows": rows, "one_process": one, "splits": splits, "split_balance": balance}
+    return {"rows": rows, "one_process": one, "one_process_micro": one_at, "splits": splits,
+            "split_balance": balance}
 
 
 if __name__ == "__main__":

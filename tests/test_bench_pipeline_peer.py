@@ -75,7 +75,7 @@ def test_tiny_run_has_a_row_per_stage_count_and_schedule_with_both_engines(
     out = bench.main(["--vocab", "512", "--dim", "32", "--blocks", "2", "--seq", "16", "--batch", "8",
                       "--stages", "2", "--micro-batches", "2", "--steps", "2", "--warmup", "1"])
     printed = capsys.readouterr().out
-    assert out["one_process"] > 0
+    assert out["one_process"] > 0 and set(out["one_process_micro"]) == {2} and out["one_process_micro"][2] > 0
     assert set(out["rows"]) == {"P=2 gpipe", "P=2 1f1b"}
     for name, row in out["rows"].items():
         for engine in ("parcae", "peer"):
@@ -91,6 +91,8 @@ def test_tiny_run_has_a_row_per_stage_count_and_schedule_with_both_engines(
             assert len(row[engine]["live_peak_mib"]) == 2, (name, engine)
             for peak, start in zip(row[engine]["live_peak_mib"], row[engine]["live_start_mib"]):
                 assert peak > start > 0, (name, engine)  # parameters at the start; a step allocates on top
+            assert row[engine]["bubble_ratio_micro"] == pytest.approx(bench.bubble_ratio(  # against one process at M
+                row[engine]["samples_per_s"], out["one_process_micro"][2], 2, 2)), (name, engine)
         assert row["throughput_ratio"] == pytest.approx(row["parcae"]["samples_per_s"]
                                                         / row["peer"]["samples_per_s"])
         p, m, schedule = row["P"], row["M"], row["schedule"]
