@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytorch_lightning as pl  # noqa: E402
-from hf_models_worker import HFCausalLM, tokens  # noqa: E402
+from hf_models_worker import LAYERS, HFCausalLM, tokens  # noqa: E402
 from lightning_parcae.training.callbacks import ParcaeRunCallback, resume_path  # noqa: E402
 
 
@@ -41,13 +41,19 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     parser.add_argument("--pipeline-stages", default=os.environ.get("PARCAE_PIPELINE_STAGES", "1"))
     parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="global batch B (with M = 2: B = 2 leaves D = 1 the only split, so every shape is 1 x P)")
+    parser.add_argument("--even-split", action="store_true",
+                        help="split the blocks evenly over this process's P (ParcaeStrategy(balance=...)) instead of "
+                             "by a layer profile: every block is priced alike, so the shapes the leader picks do not "
+                             "follow a profile taken while the workers start on shared cores")
     parser.add_argument("--step-delay", type=float, default=0.1)
     parser.add_argument("--interval-s", type=float, default=float(os.environ.get("PARCAE_INTERVAL_S", "60")))
     parser.add_argument("--plain", action="store_true", help="one plain process (the reference)")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     torch.set_num_threads(1)
-    train = DataLoader(tokens(512, 0), batch_size=8)
+    train = DataLoader(tokens(512, 0), batch_size=args.batch_size)
     callbacks: list[pl.Callback] = [_Delay(args.step_delay)] if args.step_delay > 0 else []
     if args.plain:
         strategy: object = "auto"
@@ -56,8 +62,10 @@ def main() -> None:
         from lightning_parcae.training.strategy import ParcaeStrategy
 
         p = None if args.pipeline_stages == "auto" else int(args.pipeline_stages)
+        # P is the launch's (a joiner gets 1 and adopts the job's shape): balance must have P entries
+        balance = [LAYERS // p + (k < LAYERS % p) for k in range(p)] if args.even_split and p else None
         strategy = ParcaeStrategy(pipeline_stages=p, micro_batches=2, interval_s=args.interval_s,
-                                  throughput="profile")
+                                  throughput="profile", balance=balance)
         callbacks.append(ParcaeRunCallback(every_n_steps=20))
         devices = args.devices
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.max_steps,

@@ -225,32 +225,103 @@ def test_a_plain_hf_forward_passes_the_probe_and_its_blocks_are_timed(recwarn: p
 
 # ------------------------------------------------------------------------------------------------ under parcae run
 RUN_JOB = Path(__file__).parent / "hf_run_job.py"
+_TIED_ORDER = (
+    "GPT-2 ties its head to its embedding. A pipeline sums that weight's gradient as (e1 + e2) + (h1 + h2) -- the "
+    "first stage's embedding parts, then the last stage's head parts (step_runner._exchange_sum_grads) -- one "
+    "process as (h1 + e1) + (h2 + e2): one ulp apart after the first step, which 150 Adam steps at lr 0.01 grow "
+    "to ~1.5e-2 (a one-process loop with either order reproduces it to three digits). Any run that spends steps "
+    "at P > 1 and at P = 1 ends that far from every static run")
 
 
-@pytest.mark.slow  # ~100 s on 2 cores: a 2-instance run through a trace, and a 1-instance reference
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-def test_llama_under_parcae_run_repartitions_and_ends_with_the_parameters_of_one_process(tmp_path: Path) -> None:
-    """Llama under ``parcae run``, starting at 1 x 2 through a trace 2 -> 1 -> 2 instances: the job changes shape
-    (in place, or by a relaunch when the notice comes during start-up) and ends, after 150 steps, with the
-    parameters of one process of the same strategy and M (at P = 2 the pipeline is bit-identical to it; plain
-    Lightning differs by ~1e-4 after 150 Adam steps because the loss is averaged over M micro-batches)."""
+def _parcae_run(run_dir: Path, family: str, instances: int, p: int, steps: int, *job_args: str,
+                trace: str | None = None) -> tuple[dict, dict]:
+    """``tests/hf_run_job.py FAMILY`` for ``steps`` steps under ``parcae run --instances I --pipeline-stages P``:
+    through ``trace`` (time scale 10, 0.1 s slept after each step, a planning interval of 0.5 s), or without one a
+    static job that never plans (a reference).
+
+    Returns:
+        The run's report.json and its final state dict.
+    """
     from lightning_parcae.launch.run import main
 
-    trace = tmp_path / "trace.csv"
-    trace.write_text("0,2\n60000,1\n120000,2\n")
-    out, ref = tmp_path / "llama.ckpt", tmp_path / "ref.ckpt"
-    job = [sys.executable, str(RUN_JOB), "llama"]
-    rc = main(["--instances", "2", "--pipeline-stages", "2", "--trace", str(trace), "--time-scale", "10",
-               "--grace", "120", "--run-dir", str(tmp_path / "run"), "--",
-               *job, str(out), "--max-steps", "150", "--step-delay", "0.1", "--interval-s", "0.5"])
+    run_dir.mkdir()
+    out = run_dir / f"{family}.ckpt"
+    launch = ["--instances", str(instances), "--pipeline-stages", str(p), "--run-dir", str(run_dir / "run")]
+    pace = ["--step-delay", "0", "--interval-s", "600"]
+    if trace is not None:
+        (run_dir / "trace.csv").write_text(trace)
+        launch += ["--trace", str(run_dir / "trace.csv"), "--time-scale", "10", "--grace", "120"]
+        pace = ["--step-delay", "0.1", "--interval-s", "0.5"]
+    rc = main([*launch, "--", sys.executable, str(RUN_JOB), family, str(out), "--max-steps", str(steps), *pace,
+               *job_args])
     assert rc == 0
-    report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["final_step"] == 150
+    report = json.loads((run_dir / "run" / "report.json").read_text())
+    assert report["final_step"] == steps
+    return report, torch.load(out, weights_only=True)["state_dict"]
+
+
+def _shapes(report: dict) -> list[str]:
+    """The job's D x P over time as report.json lists them (``"1x4"``): the launch's, then one per migration."""
+    return [f"{s['D']}x{s['P']}" for s in report["shapes"]]
+
+
+@pytest.mark.slow  # ~35 s per family on 2 cores: a 2-instance run through a trace, and a 1-instance reference
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hf_model_under_parcae_run_repartitions_and_ends_with_the_parameters_of_one_process(
+        tmp_path: Path, family: str) -> None:
+    """GPT-2 and Llama under ``parcae run``, starting at 1 x 2 through a trace 2 -> 1 -> 2 instances: the job
+    changes shape (in place, or by a relaunch when the notice comes during start-up) and ends, after 150 steps,
+    with the parameters of one process of the same strategy and M (at P = 2 the pipeline is bit-identical to it;
+    plain Lightning differs by ~1e-4 after 150 Adam steps because the loss is averaged over M micro-batches).
+
+    GPT-2 cannot meet the 1e-5 here: the run trains its first steps at 1 x 2, the rest at P = 1, and its tied
+    embedding's gradient is summed in another order at P > 1 (see ``_TIED_ORDER``; the P = 4 test below compares it
+    with a static pipeline instead). Everything else about its run is checked; the comparison is an xfail that
+    names the difference."""
+    report, got = _parcae_run(tmp_path / "run", family, 2, 2, 150, trace="0,2\n60000,1\n120000,2\n")
     assert report["migrations"] or report["restarts"], report["shapes"]
-    rc = main(["--instances", "1", "--pipeline-stages", "1", "--run-dir", str(tmp_path / "ref"), "--",
-               *job, str(ref), "--max-steps", "150", "--step-delay", "0", "--interval-s", "600"])
-    assert rc == 0
-    got = torch.load(out, weights_only=True)["state_dict"]
-    want = torch.load(ref, weights_only=True)["state_dict"]
-    assert _global_rel(got, want) < 1e-5
+    _, want = _parcae_run(tmp_path / "ref", family, 1, 1, 150)
+    rel = _global_rel(got, want)
+    if family == "gpt2" and rel >= 1e-5:
+        pytest.xfail(f"{_TIED_ORDER}: global relative difference {rel:.1e} (shapes {_shapes(report)})")
+    assert rel < 1e-5, f"global relative difference {rel:.3e}; shapes {_shapes(report)}"
+
+
+_STATIC_REFERENCE = {"llama": (1, 1), "gpt2": (2, 2)}
+"""Instances and P of the static run each family's P = 4 run is compared with: one process for Llama; for GPT-2 a
+fixed 1 x 2 pipeline, whose tied gradient is summed in the order of every P > 1 (``_TIED_ORDER``)."""
+
+
+@pytest.mark.slow  # ~2.5-3 min per family on 2 cores: a 4-instance run through a trace, and a static reference
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hf_model_at_p4_under_parcae_run_repartitions_in_place_and_ends_with_the_parameters_of_a_static_run(
+        tmp_path: Path, family: str) -> None:
+    """A 4-stage pipeline of GPT-2 or Llama (one block a stage, the embedding on the first, the head on the last)
+    under ``parcae run --instances 4 --pipeline-stages 4`` through a trace 4 -> 3 -> 4 instances is repartitioned
+    in place twice -- 1 x 4 -> 1 x 2 at the notice (the leaver hands its block and the head over), 1 x 2 -> 1 x 4
+    when a released standby and a new instance are admitted -- and ends, after 600 steps, with the parameters of
+    a static run (``_STATIC_REFERENCE``; Llama: one process).
+
+    B = 2 with M = 2 leaves D = 1 the only split, so every shape is 1 x P, and the blocks are split evenly
+    (``--even-split``). With the layer profile instead (the first block's time carries the embedding's, the last
+    one's the head's, measured while four processes start on two cores) the leader left 1 x 4 for 1 x 2 at its first
+    planning interval in both runs tried, before the trace changed anything. Four equal blocks make 1 x 4 the
+    fastest shape on 4 instances and 1 x 2 on 3 (1 x 3's slowest stage holds two blocks, as 1 x 2's, behind a
+    longer fill), so the shapes are known in advance.
+    """
+    report, got = _parcae_run(tmp_path / "run", family, 4, 4, 600, "--batch-size", "2", "--even-split",
+                              trace="0,4\n300000,3\n600000,4\n")
+    shapes = _shapes(report)
+    assert not report["restarts"], (shapes, report["restarts"])
+    assert shapes == ["1x4", "1x2", "1x4"], report["migrations"]
+    moves = report["migrations"]
+    assert [m["kind"] for m in moves] == ["repartition", "repartition"], moves
+    assert "preemption notice" in moves[0]["reason"] and len(moves[1]["joiners"]) == 2, moves
+    instances, p = _STATIC_REFERENCE[family]
+    _, want = _parcae_run(tmp_path / "ref", family, instances, p, 600, "--batch-size", "2", "--even-split")
+    rel = _global_rel(got, want)
+    assert rel < 1e-5, f"global relative difference {rel:.3e} from a static 1 x {p}; shapes {shapes}"
