@@ -126,3 +126,23 @@ def test_a_transport_without_layers_charges_nothing(no_link: None, fake_isend: l
     p2p.send(torch.ones(4, 8), dst=1, tag=0)
     assert rec.calls == [] and len(fake_isend) == 2
     p2p.wait_all()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_strategy_pipeline_charges_every_message_at_its_stage_boundary(tmp_path: object) -> None:
+    """ParcaeStrategy at 1 x 2 (layers [0, 1] | [2, 3], M = 2, batch 8, 3 steps) with a recording link installed
+    in the module's ``setup``: stage 0 charges each activation it sends across the boundary after layer 1, stage 1
+    each gradient it sends back across the same boundary, 4 samples a message, 2 a step each way; D = 1, so no
+    all-reduce is charged (tests/modelled_link_worker.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from modelled_link_worker import launch
+
+    ranks = launch(str(tmp_path))
+    for rank in ranks:
+        assert not [c for c in rank["calls"] if c[0] == "allreduce"], rank["calls"]
+        boundary = [c for c in rank["calls"] if c[0] == "boundary"]
+        assert boundary == [["boundary", 1, 4]] * 6, boundary  # 3 steps x 2 micro-batches, one message each
