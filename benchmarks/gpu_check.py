@@ -26,6 +26,12 @@ checkpoint, which the resumed run must start from (``resume_started_from_saved_s
 
     python benchmarks/gpu_check.py --precision 16-mixed --overflow-at 15 --steps 40 --out gpu_check_fp16.json
 
+``--model peer-lm`` trains issue 22's model instead -- ``bench_pipeline_peer.py``'s GPT-style LM with a
+``--vocab``-way head (16,384 by default) -- and ``--model hf-gpt2`` / ``hf-llama`` ``transformers`` causal LMs built
+from configs (random init, nothing downloaded), all at P = 1 on the GPU, the same three runs::
+
+    python benchmarks/gpu_check.py --model peer-lm --dim 512 --blocks 8 --out gpu_check_peer_lm.json
+
 Without a GPU it says so and exits 2 (``--accelerator cpu`` tries the script itself; 16-mixed then uses a CPU
 scaler, as ``tests/test_loss_scaling.py`` does). Multi-GPU (NCCL between devices) is not covered: one GPU only.
 """
@@ -94,18 +100,77 @@ def _fp16_callbacks(overflow_at: int) -> tuple[Any, Any]:
     return Overflow(), Scales()
 
 
+MODELS = ("tiny-lm", "peer-lm", "hf-gpt2", "hf-llama")
+"""``--model``: ``tiny-lm`` (bench_strategy's TinyLM, vocabulary 256), ``peer-lm`` (bench_pipeline_peer's GPT-style LM:
+embedding, pre-LayerNorm blocks, final norm, a ``--vocab``-way head -- issue 22's model), ``hf-gpt2`` / ``hf-llama``
+(``transformers`` causal LMs from configs of width ``--dim``, ``--blocks`` layers and ``--vocab`` tokens, random
+init, nothing downloaded; the loss is the model's own)."""
+
+
+def _module(cfg: dict[str, Any]) -> Any:
+    """The LightningModule of ``cfg["model"]`` (see :data:`MODELS`), initialised from seed 0."""
+    import pytorch_lightning as pl
+    from torch import nn
+
+    model = cfg.get("model", "tiny-lm")
+    if model == "tiny-lm":
+        from bench_strategy import TinyLM
+
+        return TinyLM(dim=cfg["dim"], blocks=cfg["blocks"], heads=8)
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            if model == "peer-lm":
+                from bench_pipeline_peer import build_layers
+
+                self.layers = build_layers({"vocab": cfg["vocab"], "dim": cfg["dim"], "heads": 8,
+                                            "blocks": cfg["blocks"], "seq": cfg["seq"]})
+                return
+            import transformers as tf
+
+            if model == "hf-gpt2":
+                conf: Any = tf.GPT2Config(vocab_size=cfg["vocab"], n_positions=cfg["seq"], n_embd=cfg["dim"],
+                                          n_layer=cfg["blocks"], n_head=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                                          attn_pdrop=0.0)
+                self.hf = tf.GPT2LMHeadModel(conf)
+            elif model == "hf-llama":
+                conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["dim"], intermediate_size=4 * cfg["dim"],
+                                      num_hidden_layers=cfg["blocks"], num_attention_heads=8, num_key_value_heads=4,
+                                      max_position_embeddings=cfg["seq"])
+                self.hf = tf.LlamaForCausalLM(conf)
+            else:
+                raise SystemExit(f"unknown --model {model!r}; choose from {', '.join(MODELS)}")
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if model == "peer-lm":
+                loss = nn.functional.cross_entropy(self.layers(x).reshape(-1, cfg["vocab"]), y.reshape(-1))
+            else:
+                loss = self.hf(input_ids=x, labels=x).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return LM()
+
+
 def _worker(cfg: dict[str, Any]) -> None:
     sys.path.insert(0, HERE)
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from bench_strategy import TinyLM, _Timer
+    from bench_strategy import _Timer
 
     pl.seed_everything(0, verbose=False)
     torch.use_deterministic_algorithms(True)
     total = cfg["steps"] + cfg["warmup"]
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (cfg["batch"] * total, cfg["seq"] + 1), generator=g)
+    vocab = 256 if cfg.get("model", "tiny-lm") == "tiny-lm" else cfg["vocab"]
+    tokens = torch.randint(0, vocab, (cfg["batch"] * total, cfg["seq"] + 1), generator=g)
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     if cfg["kind"] == "lightning":
         strategy: Any = "auto"
@@ -127,7 +192,7 @@ def _worker(cfg: dict[str, Any]) -> None:
     trainer = pl.Trainer(accelerator=cfg["accelerator"], devices=1, strategy=strategy, max_steps=cfg["stop"], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=callbacks, deterministic=True, **precision)
-    model = TinyLM(dim=cfg["dim"], blocks=cfg["blocks"], heads=8)
+    model = _module(cfg)
     trainer.fit(model, DataLoader(data, batch_size=cfg["batch"]), ckpt_path=cfg.get("resume"))
     params = {k: v.detach().float().cpu() for k, v in trainer.lightning_module.state_dict().items()}
     torch.save(params, cfg["params"])
@@ -173,6 +238,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--model", default="tiny-lm", choices=MODELS,
+                    help="what to train (tiny-lm: the default small LM; peer-lm: bench_pipeline_peer's GPT-style LM; "
+                         "hf-gpt2 / hf-llama: transformers models from configs)")
+    ap.add_argument("--vocab", type=int, default=16384, help="vocabulary of peer-lm / hf-* (tiny-lm: 256)")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     ap.add_argument("--accelerator", default="gpu", help="'cpu' only to try the script itself without a GPU")
     ap.add_argument("--precision", default="32-true", help="Lightning precision of every run, e.g. 16-mixed")
@@ -187,9 +256,11 @@ def main() -> None:
         sys.exit(2)
     total = a.steps + a.warmup
     base = {"steps": a.steps, "warmup": a.warmup, "batch": a.batch, "seq": a.seq, "dim": a.dim, "blocks": a.blocks,
-            "stop": total, "accelerator": a.accelerator, "precision": a.precision, "overflow_at": a.overflow_at}
+            "stop": total, "accelerator": a.accelerator, "precision": a.precision, "overflow_at": a.overflow_at,
+            "model": a.model, "vocab": a.vocab}
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if a.accelerator == "gpu" else "cpu",
-                               "torch": torch.__version__}
+                               "torch": torch.__version__, "model": a.model,
+                               "vocab": 256 if a.model == "tiny-lm" else a.vocab}
     with tempfile.TemporaryDirectory() as tmp:
         t = time.time()
         light = _run({**base, "kind": "lightning"}, tmp, "lightning")

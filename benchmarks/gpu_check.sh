@@ -10,6 +10,9 @@
 #    saved in the mid-training checkpoint and resumed. Goals: fp16.scales_match, fp16.resume_started_from_saved_scaler
 #    and fp16.final_scaler_match true, 15 in fp16.skipped (early steps may overflow by themselves too, alike in
 #    every run); parameter differences ~0 (<= 1e-5).
+# 5. benchmarks/gpu_check.py --model peer-lm / hf-gpt2 / hf-llama: issue 22's GPT-style LM (vocabulary 16,384) and
+#    two transformers models from configs, each at P = 1 on cuda:0 against Lightning's single-device strategy, with
+#    the mid-training resume. Goals as in 1.
 set -u
 out=${1:-/tmp/gpu_check}
 mkdir -p "$out"
@@ -32,3 +35,8 @@ done
 echo "== 4. gpu_check.py --precision 16-mixed (fp16 with a loss scaler, an overflow forced at step 15)"
 timeout 300 python3 benchmarks/gpu_check.py --precision 16-mixed --overflow-at 15 --steps 40 \
   --out "$out/gpu_check_fp16.json" 2>&1 | tail -40
+for model in peer-lm hf-gpt2 hf-llama; do
+  echo "== 5. gpu_check.py --model $model (P = 1 on cuda:0)"
+  timeout 300 python3 benchmarks/gpu_check.py --model $model --vocab 16384 --dim 512 --blocks 8 --steps 40 \
+    --out "$out/gpu_check_$model.json" 2>&1 | tail -20
+done
