@@ -7,30 +7,20 @@ both are timed); the etcd part runs where the etcd binary is installed (it also 
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
-from types import ModuleType
+from pathlib import Path
 
 import pytest
 
 from lightning_parcae.testing.etcd_server import EtcdServer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-
-def _bench() -> ModuleType:
-    path = os.path.join(ROOT, "benchmarks", "bench_heartbeat_reads.py")
-    spec = importlib.util.spec_from_file_location("bench_heartbeat_reads", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_heartbeat_reads"] = module
-    spec.loader.exec_module(module)
-    return module
+import bench_heartbeat_reads  # noqa: E402
 
 
 def test_both_forms_are_timed_on_a_tcp_store(capsys: pytest.CaptureFixture[str]) -> None:
-    out = _bench().main(["--counts", "2", "4", "--rounds", "3", "--stores", "tcp"])
+    out = bench_heartbeat_reads.main(["--counts", "2", "4", "--rounds", "3", "--stores", "tcp"])
     assert set(out["TCPStore"]) == {2, 4}
     for got in out["TCPStore"].values():
         assert got["serial"] > 0 and got["batched"] > 0
@@ -38,7 +28,7 @@ def test_both_forms_are_timed_on_a_tcp_store(capsys: pytest.CaptureFixture[str])
 
 
 def test_etcd_reads_and_the_directory_growth_are_timed(etcd_server: EtcdServer) -> None:
-    out = _bench().main(["--counts", "4", "--rounds", "2", "--stores", "etcd", "--directory-sizes", "5", "40"])
+    out = bench_heartbeat_reads.main(["--counts", "4", "--rounds", "2", "--stores", "etcd", "--directory-sizes", "5", "40"])
     assert set(out["etcd"]) == {4}
     assert set(out["etcd directory"]) == {5, 40}
     for got in out["etcd directory"].values():
@@ -47,4 +37,4 @@ def test_etcd_reads_and_the_directory_growth_are_timed(etcd_server: EtcdServer) 
 
 def test_bad_counts_are_refused_naming_them() -> None:
     with pytest.raises(SystemExit):
-        _bench().main(["--counts", "0"])
+        bench_heartbeat_reads.main(["--counts", "0"])
