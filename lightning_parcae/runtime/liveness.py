@@ -73,12 +73,7 @@ def read_beats(store: dist.Store, members: Sequence[str]) -> dict[str, Optional[
     """
     keys = [hb_key(m) for m in members]
     if len(keys) > 1 and store.check(keys):
-        try:
-            values = store.multi_get(keys)
-        except (AttributeError, NotImplementedError):  # a store without multi_get: one get each, as before
-            values = None
-        if values is not None and len(values) == len(keys):
-            return {m: bytes(v) for m, v in zip(members, values)}
+        return {m: bytes(v) for m, v in zip(members, store.multi_get(keys))}
     return {m: bytes(store.get(k)) if store.check([k]) else None for m, k in zip(members, keys)}
 
 
