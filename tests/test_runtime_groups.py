@@ -256,3 +256,39 @@ def test_groups_return_only_once_every_rank_is_connected(tmp_path: object, which
     r = torch.load(f"{tmp_path}/{which}.pt")
     early = r["slow_done"] - r["returned"]
     assert early <= 0.05, f"rank 0 returned {early:.2f} s before rank 1 was connected"
+
+
+def _etcd_worker(rank: int, url: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from lightning_parcae.runtime.store import connect_store
+
+    store = connect_store(url, token="tok", timeout_s=30.0, op_timeout_s=60.0)
+    g = ProcessGroups(0, rank, 2, 2, 1, store).build()
+    sums = []
+    for shape in ((1, 2), (2, 1), (1, 2), (2, 1)):  # generations 1..4
+        g = g.rebuilt(*shape)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        sums.append(t.item())
+    torch.save({"sums": sums, "gen": g.generation}, f"{out}/r{rank}.pt")
+    g.destroy()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_groups_leave_only_the_current_generations_rendezvous_keys_in_etcd(tmp_path: object, etcd_server) -> None:
+    """Regression (issue 21): each generation's gloo rendezvous (addresses per group, arrival and connection
+    barriers: ~5 N keys) stayed in the job's etcd directory for the job's life, and every listing of that directory
+    -- each wait for a missing key, the leader's two heartbeat reads a beat -- grew with it. Now a generation's keys
+    live in its own scope, and rank 0 of a connected generation deletes the older ones: after five generations the
+    job's directory holds one scope and the token proof."""
+    from lightning_parcae.runtime.store import connect_store, host_store
+
+    url = etcd_server.store_url("/parcae/t-retire")
+    host_store(url, token="tok")
+    mp.start_processes(_etcd_worker, args=(url, str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = torch.load(f"{tmp_path}/r0.pt"), torch.load(f"{tmp_path}/r1.pt")
+    assert r0["sums"] == r1["sums"] == [3.0] * 4 and r0["gen"] == 4
+    store = connect_store(url, token="tok")
+    assert store.scope_names() == ["gen/4"]
+    assert len(list(store.client.get(key=store.prefix).children)) == 2  # the token proof and gen/4

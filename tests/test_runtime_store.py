@@ -407,3 +407,45 @@ def test_etcd_reads_of_present_keys_cost_one_key_not_the_job_directory(etcd_serv
         store.get("gen/0/never")  # waits for the op timeout, then fails like torch's get
     store.set("late", "v")
     assert store.get("late") == b"v"
+
+
+@needs_etcd
+def test_etcd_scope_keeps_a_rendezvous_out_of_the_job_directory_and_drops_as_one(etcd_server: EtcdServer) -> None:
+    """Regression (issue 21): every generation's gloo rendezvous keys stayed in the job's etcd directory, so each
+    listing of it (every wait for a key not there yet, the leader's batched heartbeat reads) grew with the job's age.
+    A scope is a subdirectory: the job's listing shows it as one entry, and it is deleted with one request."""
+    from lightning_parcae.runtime.store import drop_scopes, scoped
+
+    url = etcd_server.store_url("/parcae/t-scope")
+    host_store(url, token="tok")
+    store = connect_store(url, token="tok", op_timeout_s=0.5)
+    for g in range(3):
+        gen = scoped(store, f"gen/{g}")
+        for r in range(20):
+            gen.set(f"rank_{r}", f"addr {g}")
+    store.set("parcae/hb/i0", "beat")
+    assert scoped(store, "gen/1").get("rank_7") == b"addr 1"
+    assert scoped(store, "gen/1/").check(["rank_19"]) and not scoped(store, "gen/1").check(["rank_20"])
+    listing = store.client.get(key=store.prefix)
+    assert len(list(listing.children)) == 1 + 3 + 1  # the token proof, three scopes, one heartbeat
+    assert sorted(store.scope_names()) == ["gen/0", "gen/1", "gen/2"]
+    assert drop_scopes(store, lambda name: name != "gen/2") in (["gen/0", "gen/1"], ["gen/1", "gen/0"])
+    assert store.scope_names() == ["gen/2"]
+    assert not scoped(store, "gen/0").check(["rank_7"])
+    assert store.get("parcae/hb/i0") == b"beat" and scoped(store, "gen/2").get("rank_0") == b"addr 2"
+    with pytest.raises(LookupError):  # a key of a dropped scope waits and fails like any missing key
+        scoped(store, "gen/1").get("rank_7")
+
+
+def test_scope_is_a_prefix_on_stores_that_cannot_list_and_rejects_unsafe_names() -> None:
+    from lightning_parcae.runtime.store import drop_scopes, scoped
+
+    base = dist.HashStore()
+    base.set_timeout(timedelta(seconds=1))
+    scoped(base, "gen/4").set("rank_0", "a")
+    assert dist.PrefixStore("gen/4/", base).get("rank_0") == b"a"  # the keys the groups always used
+    assert drop_scopes(base, lambda name: True) == []  # nothing listed, nothing removed
+    assert scoped(base, "gen/4").get("rank_0") == b"a"
+    for bad in ("", "/", "gen/../x", "gen 4", "gen/4.5"):
+        with pytest.raises(ValueError, match="scope name"):
+            scoped(base, bad)

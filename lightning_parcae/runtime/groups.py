@@ -4,8 +4,11 @@ Problem: a D x P job needs, besides the world group, one *pipeline group* per re
 activations to each other) and one *data group* per stage (the D copies of a stage that average gradients). When the
 shape changes (a later issue: live reconfiguration) all of them must be torn down and rebuilt in place, and a group
 of the new generation must never connect to addresses left over from the old one. So every generation ``g``
-initializes the world from ``PrefixStore(f"gen/{g}/", base_store)`` and derives its subgroups from it; destroying
-and rebuilding with ``g + 1`` is the whole reconfiguration protocol at this level.
+initializes the world from the store scope ``gen/<g>`` (:func:`~lightning_parcae.runtime.store.scoped`: keys
+``gen/<g>/...``) and derives its subgroups from it; destroying and rebuilding with ``g + 1`` is the whole
+reconfiguration protocol at this level. Once every rank of generation ``g`` is connected, its rank 0 deletes the
+scopes of older generations (:func:`retire_scopes`), so an etcd store holds the rendezvous keys of at most the
+current and the next generation, not of every generation since the job began.
 
 Rank layout: ``rank = replica * P + stage`` -- the stages of one pipeline are contiguous ranks, so replica 0 holds
 ranks ``0 .. P-1`` and global rank 0 is stage 0 of replica 0.
@@ -13,6 +16,7 @@ ranks ``0 .. P-1`` and global rank 0 is stage 0 of replica 0.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,14 +25,17 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from lightning_parcae.errors import ConfigurationError, PeerLostError, RendezvousError
+from lightning_parcae.runtime.store import drop_scopes, scoped
 from lightning_parcae.runtime.torch_internals import forget_process_groups, set_group_timeout
 
 __all__ = ["Coords", "ProcessGroups", "await_arrivals", "await_connected", "connect_timeout", "coords_of",
-           "device_backends", "init_transition_world", "rank_of", "GLOO_CONNECT_FACTOR"]
+           "device_backends", "init_transition_world", "rank_of", "retire_scopes", "GLOO_CONNECT_FACTOR"]
 
 GLOO_CONNECT_FACTOR = 5
 """gloo waits this many times a group's timeout for the first connection of each pair (``tcp::Pair::waitUntil``:
 "use a longer timeout when waiting for initial connect"), once the peer's address is in the store."""
+
+_log = logging.getLogger(__name__)
 
 Aborted = Callable[[], Optional[str]]
 """Returns why the generation being built was aborted (a peer declared dead), or None while it is not."""
@@ -153,6 +160,32 @@ def await_connected(store: dist.Store, rank: int, world: int, bound: timedelta, 
     await_arrivals(store, rank, world, bound, aborted, what=f"{what} (connections)", key="connected")
 
 
+def retire_scopes(store: dist.Store, generation: int) -> list[str]:
+    """Delete the rendezvous scopes (``gen/<h>``, ``mig/<h>``) of every generation ``h`` before ``generation``.
+
+    Called by rank 0 of ``generation`` once all its ranks are connected: every member of it has destroyed the
+    older generations' groups by then (a rank builds a generation only with torch.distributed torn down), and a
+    member left behind in an older one has left the job. What a store cannot list (all but etcd) is left as is.
+    A store that fails here costs nothing but the cleanup: the error is logged, never raised.
+
+    Args:
+        store: The job's base store.
+        generation: The generation now connected.
+
+    Returns:
+        The scopes deleted.
+    """
+    def older(name: str) -> bool:
+        kind, _, number = name.partition("/")
+        return kind in ("gen", "mig") and number.isdigit() and int(number) < generation
+
+    try:
+        return drop_scopes(store, older)
+    except Exception as exc:  # noqa: BLE001 -- a store hiccup must not fail a generation that is built
+        _log.warning("could not delete the rendezvous keys of generations before %d: %s", generation, exc)
+        return []
+
+
 def init_transition_world(store: dist.Store, generation: int, rank: int, world: int, bound: timedelta,
                           aborted: Optional[Aborted] = None) -> None:
     """Initialize generation ``generation``'s transition world (every process that sends or receives state).
@@ -176,7 +209,7 @@ def init_transition_world(store: dist.Store, generation: int, rank: int, world: 
         RuntimeError: gloo's rendezvous failed.
     """
     what = f"transition world of generation {generation}"
-    prefixed = dist.PrefixStore(f"mig/{generation}/", store)
+    prefixed = scoped(store, f"mig/{generation}")
     await_arrivals(prefixed, rank, world, bound, aborted, what=what)
     dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=connect_timeout(bound))
     set_group_timeout(bound, None)
@@ -284,7 +317,7 @@ class ProcessGroups:
                 "torch.distributed is already initialized; destroy the previous generation before building "
                 f"generation {self.generation}"
             )
-        prefixed = dist.PrefixStore(f"gen/{self.generation}/", self.store)
+        prefixed = scoped(self.store, f"gen/{self.generation}")
         await_arrivals(prefixed, self.rank, self.world, self.timeout, self.aborted,
                        what=f"process groups of generation {self.generation}")
         connect = connect_timeout(self.timeout)
@@ -299,6 +332,8 @@ class ProcessGroups:
         await_connected(prefixed, self.rank, self.world, self.timeout, self.aborted,
                         what=f"process groups of generation {self.generation}")
         self._built = True
+        if self.rank == 0:
+            retire_scopes(self.store, self.generation)
         self.set_op_timeout(self.timeout)
         return self
 

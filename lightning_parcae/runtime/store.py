@@ -41,7 +41,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from base64 import urlsafe_b64decode, urlsafe_b64encode
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -64,6 +64,8 @@ __all__ = [
     "encode_record",
     "decode_record",
     "is_loopback",
+    "scoped",
+    "drop_scopes",
     "TokenStore",
     "WrongTokenError",
     "TamperedRecordError",
@@ -465,6 +467,31 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
             raise LookupError(f"keys {list(keys)[:4]}... not all found in the etcd store within its timeout")
         return [self._decode(kvs[k]) for k in wanted]
 
+    def scope(self, name: str) -> "_EtcdStore":
+        """A store for the keys of ``name`` in a subdirectory of this one (:func:`scoped`)."""
+        return _EtcdStore(self.client, self.prefix + _scope_dir(name), self.timeout)
+
+    def scope_names(self) -> list[str]:
+        """The scopes under this store (one read of its directory; subdirectories only)."""
+        import etcd
+
+        try:
+            listing = self.client.get(key=self.prefix)
+        except etcd.EtcdKeyNotFound:
+            return []
+        return [node.key.rstrip("/").rsplit("/", 1)[-1].replace(".", "/") for node in listing.children
+                if getattr(node, "dir", False) and node.key.rstrip("/") != self.prefix.rstrip("/")]
+
+    def drop_scope(self, name: str) -> bool:
+        """Delete the scope ``name`` with all its keys (one request); False if it was not there."""
+        import etcd
+
+        try:
+            self.client.delete(key=self.prefix + _scope_dir(name), recursive=True, dir=True)
+            return True
+        except etcd.EtcdKeyNotFound:
+            return False
+
     def delete_key(self, key: str) -> bool:
         import etcd
 
@@ -496,6 +523,60 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
             return self._decode(node.value)
         except etcd.EtcdCompareFailed:
             return self._decode(self.client.get(key=full).value)
+
+
+def _scope_dir(name: str) -> str:
+    """The etcd directory of scope ``name``: ``/`` becomes ``.``, a character that no encoded key contains (the
+    URL-safe base64 alphabet is ``A-Z a-z 0-9 - _ =``), so a scope never meets a key of its parent."""
+    parts = [p for p in name.split("/") if p]
+    if not parts or any(not p.replace("-", "").replace("_", "").isalnum() for p in parts):
+        raise ValueError(f"scope name {name!r} must be non-empty path parts of letters, digits, '-' and '_' "
+                         "separated by '/', e.g. 'gen/7'")
+    return ".".join(parts) + "/"
+
+
+def scoped(store: dist.Store, name: str) -> dist.Store:
+    """The keys of one rendezvous (a generation's process groups) under ``name``, removable as one.
+
+    Problem (issue 21): every generation's process groups leave their rendezvous keys (each rank's address per
+    group, the arrival and connection barriers: about 5 N keys per generation at N members) in the job's store.
+    On etcd they shared the job's directory, whose every listing -- each wait for a key not yet there, each batched
+    heartbeat read of the leader -- then grew with the job's age (7.5 ms at 3,000 keys against 0.4 ms at 10).
+
+    On an etcd store the scope is a subdirectory: the job's directory lists it as one entry, its own listings hold
+    only its keys, and :func:`drop_scopes` deletes it with one request. On other stores (``TCPStore``,
+    ``FileStore``, ``HashStore``) it is a ``PrefixStore`` of ``name + "/"`` -- the keys the code always used; a
+    ``TCPStore`` looks keys up in a hash map, so their number costs memory only, and they are not removed.
+
+    Args:
+        store: The job's store (as :func:`connect_store` returns it).
+        name: Path parts of letters, digits, ``-`` and ``_`` separated by ``/``, e.g. ``"gen/7"``.
+
+    Returns:
+        A store whose key ``k`` is the job store's ``name/k``.
+
+    Raises:
+        ValueError: ``name`` is empty or has other characters.
+    """
+    if isinstance(store, _EtcdStore):
+        return store.scope(name)
+    _scope_dir(name)  # the same names everywhere
+    return dist.PrefixStore(name.strip("/") + "/", store)
+
+
+def drop_scopes(store: dist.Store, drop: Callable[[str], bool]) -> list[str]:
+    """Delete the scopes of ``store`` for which ``drop(name)`` is true (etcd only; see :func:`scoped`).
+
+    Args:
+        store: The job's store.
+        drop: Tells from a scope's name (e.g. ``"gen/7"``) whether to delete it.
+
+    Returns:
+        The names deleted (always empty for stores other than etcd: their scopes are not listed or removed).
+    """
+    if not isinstance(store, _EtcdStore):
+        return []
+    return [name for name in store.scope_names() if drop(name) and store.drop_scope(name)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
