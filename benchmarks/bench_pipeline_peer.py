@@ -119,11 +119,33 @@ class Embed(nn.Module):
         return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))[None]
 
 
+class EmulatedBlock(nn.Module):
+    """A transformer block followed by an emulated accelerator's kernel time (``--device-ms-per-sample``).
+
+    The block's real arithmetic still runs (and is kept small by the caller); then the forward sleeps ``ms``
+    milliseconds per sample and the backward twice as long (:func:`lightning_parcae.testing.emulated_device.
+    emulated_compute`). A sleeping stage does not use a CPU core, so P stages on fewer cores behave like P devices.
+    """
+
+    def __init__(self, dim: int, heads: int, ms: float) -> None:
+        super().__init__()
+        from gpt import Block
+
+        self.block = Block(dim, heads)
+        self.ms = ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        from lightning_parcae.testing.emulated_device import emulated_compute
+
+        return emulated_compute(self.block(x), self.ms)
+
+
 def build_layers(cfg: dict[str, Any]) -> nn.Sequential:
     """The benchmark's GPT as one stack: embedding, ``cfg["blocks"]`` blocks, final LayerNorm, head.
 
     Args:
-        cfg: run configuration with ``vocab``, ``dim``, ``heads``, ``blocks`` and ``seq``.
+        cfg: run configuration with ``vocab``, ``dim``, ``heads``, ``blocks`` and ``seq``; with ``device_ms`` > 0
+            every block is an :class:`EmulatedBlock` (modelled kernel time per sample on top of its arithmetic).
 
     Returns:
         An ``nn.Sequential`` of ``blocks + 3`` layers, initialised from ``torch.manual_seed(0)``.
@@ -131,8 +153,10 @@ def build_layers(cfg: dict[str, Any]) -> nn.Sequential:
     from gpt import Block  # examples/gpt/gpt.py: pre-LayerNorm causal self-attention + MLP
 
     torch.manual_seed(0)
-    return nn.Sequential(Embed(cfg["vocab"], cfg["dim"], cfg["seq"]),
-                         *[Block(cfg["dim"], cfg["heads"]) for _ in range(cfg["blocks"])],
+    ms = float(cfg.get("device_ms", 0.0))
+    blocks = [EmulatedBlock(cfg["dim"], cfg["heads"], ms) if ms > 0 else Block(cfg["dim"], cfg["heads"])
+              for _ in range(cfg["blocks"])]
+    return nn.Sequential(Embed(cfg["vocab"], cfg["dim"], cfg["seq"]), *blocks,
                          nn.LayerNorm(cfg["dim"]), nn.Linear(cfg["dim"], cfg["vocab"]))
 
 
@@ -592,6 +616,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps per configuration")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (interleaved); the best is kept")
+    ap.add_argument("--device-ms-per-sample", type=float, default=0.0,
+                    help="emulated accelerator: every block also sleeps this many ms per sample in forward (2x in "
+                         "backward), so that the schedule, not the CPU cores, sets the bubble; keep the real model "
+                         "small (e.g. --vocab 256 --dim 32). 0 (default): real compute only")
     ap.add_argument("--diagnose", action="store_true",
                     help="also time the parts of each step on every rank (schedule, blocking receives, the "
                          "per-step outcome broadcast; the peer: schedule and optimizer) and print them")
@@ -608,7 +636,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if p > args.blocks + 3:
             ap.error(f"P={p} is deeper than the stack ({args.blocks + 3} layers)")
     base = {"vocab": args.vocab, "dim": args.dim, "heads": args.heads, "blocks": args.blocks, "seq": args.seq,
-            "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "diagnose": args.diagnose}
+            "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "diagnose": args.diagnose,
+            "device_ms": args.device_ms_per_sample}
+    if args.device_ms_per_sample < 0:
+        ap.error(f"--device-ms-per-sample {args.device_ms_per_sample} must be >= 0 (0: real compute only)")
     load_before = _uptime()
     started = time.perf_counter()
     splits, balance = _split(base, args.stages, micro)
@@ -631,9 +662,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     one_at = {m: best[f"one process M={m}"][0]["samples_per_s"] for m in set(micro.values())}
     cores = os.cpu_count() or 1
 
+    emulated = (f"; emulated device: {args.device_ms_per_sample:g} ms/sample forward, 2x backward per block "
+                "(modelled; the rest real)" if args.device_ms_per_sample > 0 else "")
     print(f"GPT-style LM: vocab {args.vocab}, d {args.dim}, {args.blocks} blocks (+ embedding, final norm, head), "
           f"seq {args.seq}, global batch {args.batch}, SGD; CPU, gloo, 1 thread/process, {cores} cores; "
-          f"{args.steps} timed steps after {args.warmup}, best of {args.repeats}; {elapsed:.0f} s")
+          f"{args.steps} timed steps after {args.warmup}, best of {args.repeats}; {elapsed:.0f} s{emulated}")
     print(f"  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; load before: {load_before}")
     print(f"  load after: {_uptime()}")
     for p in args.stages:

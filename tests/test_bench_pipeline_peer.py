@@ -38,6 +38,27 @@ def test_bubble_ratio_is_measured_over_p_times_one_process_times_the_bound() -> 
     assert bench.bubble_ratio(4 * 50.0 * 8 / 11, 50.0, 4, 8) == pytest.approx(1.0)
 
 
+def test_emulated_blocks_compute_the_plain_model_and_add_the_modelled_kernel_time() -> None:
+    """``--device-ms-per-sample``: the same parameters and outputs as the plain stack, plus the modelled sleep per
+    block and sample (forward here), so that the bubble is measured with compute that does not need a core."""
+    import time
+
+    import torch
+
+    bench = _bench()
+    cfg = {"vocab": 64, "dim": 16, "heads": 2, "blocks": 3, "seq": 8}
+    plain, emulated = bench.build_layers(cfg), bench.build_layers({**cfg, "device_ms": 10.0})
+    assert sum(isinstance(m, bench.EmulatedBlock) for m in emulated) == 3
+    assert [p.tolist() for p in plain.parameters()] == [p.tolist() for p in emulated.parameters()]
+    x = torch.randint(0, 64, (4, 8))
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = emulated(x)
+        took = time.perf_counter() - t0
+        assert torch.equal(out, plain(x))
+    assert took >= 3 * 4 * 0.010  # 3 blocks x 4 samples x 10 ms
+
+
 def test_live_tensor_peak_counts_a_buffer_replaced_every_step_once() -> None:
     """Regression: the first version profiled one step and summed its allocations on top of what was reachable at
     its start. c10 reports a free only for blocks allocated while profiling, so the previous step's gradients --
