@@ -20,6 +20,12 @@ and prints samples/s and peak memory per stage side by side with the ratios Parc
     python benchmarks/bench_pipeline_peer.py                  # 4-5 minutes on 2 shared cores (280 s at load 2.5-4.8)
     python benchmarks/bench_pipeline_peer.py --dim 256 --blocks 12 --batch 32 --steps 10 --repeats 2
     python benchmarks/bench_pipeline_peer.py --stages 2 --micro-batches 4 --engines peer
+    python benchmarks/bench_pipeline_peer.py --vocab 256 --dim 32 --heads 2 --seq 16 --device-ms-per-sample 8 --steps 4
+
+The last form gives every block an **emulated kernel time** (``--device-ms-per-sample``: a sleep per sample, twice
+as long in backward, :mod:`lightning_parcae.testing.emulated_device`) on a small real model: a sleeping stage needs
+no core, the split balances, and the bubble ratio shows what the engines' schedules and transfers cost, apart from
+this machine's cores (8 minutes on 2 cores).
 
 Measures, precisely:
 
