@@ -292,3 +292,40 @@ def test_groups_leave_only_the_current_generations_rendezvous_keys_in_etcd(tmp_p
     store = connect_store(url, token="tok")
     assert store.scope_names() == ["gen/4"]
     assert len(list(store.client.get(key=store.prefix).children)) == 2  # the token proof and gen/4
+
+
+class _CheckLog:
+    """A store that records the keys of every ``check``."""
+
+    def __init__(self) -> None:
+        self.store, self.checks = dist.HashStore(), []
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def check(self, keys: list) -> bool:
+        self.checks.append(len(keys))
+        return self.store.check(keys)
+
+
+def test_arrival_wait_checks_all_ranks_in_one_request_per_poll() -> None:
+    """Regression (issue 21): every poll of a generation's arrival barrier checked the N ranks' keys one by one --
+    N requests per 20 ms per waiting member, ~51,000 a second on the job's store at N = 32 while a generation formed.
+    Now one request per poll, whatever N; the per-rank form is only used to name the missing ranks in an error."""
+    import threading
+
+    from lightning_parcae.errors import RendezvousError
+    from lightning_parcae.runtime.groups import await_arrivals
+
+    store = _CheckLog()
+    for r in range(1, 31):
+        store.set(f"arrived/{r}", "1")
+    late = threading.Timer(0.15, lambda: store.set("arrived/31", "1"))
+    late.start()
+    await_arrivals(store, 0, 32, timedelta(seconds=10), poll_s=0.01)  # type: ignore[arg-type]
+    late.join()
+    assert len(store.checks) >= 3 and set(store.checks) == {32}  # several polls, each one request for all 32
+    alone = _CheckLog()
+    alone.set("arrived/1", "1")
+    with pytest.raises(RendezvousError, match=r"ranks \[2\] of 3 did not arrive"):
+        await_arrivals(alone, 0, 3, timedelta(seconds=0.05), poll_s=0.01)  # type: ignore[arg-type]

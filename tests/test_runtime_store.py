@@ -449,3 +449,22 @@ def test_scope_is_a_prefix_on_stores_that_cannot_list_and_rejects_unsafe_names()
     for bad in ("", "/", "gen/../x", "gen 4", "gen/4.5"):
         with pytest.raises(ValueError, match="scope name"):
             scoped(base, bad)
+
+
+@needs_etcd
+def test_etcd_check_of_several_keys_is_one_read_and_no_watch(etcd_server: EtcdServer) -> None:
+    """A generation's arrival barrier checks all N ranks' keys at each poll; torch's ``check`` of several keys also
+    posts a watch (with a 1 us timeout) whenever one is missing -- a second request per poll, an error path per
+    poll. Now one directory read, present or not."""
+    url = etcd_server.store_url("/parcae/t-check")
+    host_store(url, token="tok")
+    store = connect_store(url, token="tok", op_timeout_s=0.5)
+    for r in range(4):
+        store.set(f"arrived/{r}", "1")
+    calls: list[str] = []
+    for name in ("get", "watch"):
+        real = getattr(store.client, name)
+        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    assert store.check([f"arrived/{r}" for r in range(4)])
+    assert not store.check([f"arrived/{r}" for r in range(5)])
+    assert calls == ["get", "get"]
