@@ -186,7 +186,12 @@ def main(argv: Optional[list[str]] = None) -> dict[int, dict[str, Any]]:
         ap.error(f"--counts {a.counts}: every N must be >= 2 (P = 2)")
     out = Path(a.out or tempfile.mkdtemp(prefix="parcae_store_traffic_"))
     if a.pythonpath:
+        # and run from there: the launcher is started as ``python -m``, which puts the working directory on
+        # sys.path *before* PYTHONPATH (regression: from this checkout, the launcher ran this checkout's code and
+        # only the workers the other's)
         os.environ["PYTHONPATH"] = os.pathsep.join([a.pythonpath, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        out = out.resolve()
+        os.chdir(a.pythonpath)
     base = ["--elastic", "--oversubscribe", "--pipeline-stages", "2", "--startup-timeout", "300"]
     results: dict[int, dict[str, Any]] = {}
     t_all = time.time()
