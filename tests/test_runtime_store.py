@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -282,15 +283,20 @@ def test_etcd_store_sets_gets_adds_and_waits_if_server_running(etcd_server: Etcd
     assert read(b, "plan", "tok") == {"gen": 1}
 
 
+def _job_store(etcd_server: EtcdServer, prefix: str) -> Any:
+    """A job's etcd store under ``prefix`` (token ``tok``), with a short operation timeout for missing keys."""
+    url = etcd_server.store_url(prefix)
+    host_store(url, token="tok")
+    return connect_store(url, token="tok", op_timeout_s=0.5)
+
+
 @needs_etcd
 def test_etcd_multi_get_reads_the_job_directory_once_for_all_keys(etcd_server: EtcdServer) -> None:
     """Regression (issue 21): torch's EtcdStore reads the job's whole directory for every ``get``, and its inherited
     ``multi_get`` is one ``get`` per key -- the leader's read of 32 heartbeats was 32 directory reads (29 ms on
     loopback). Now one read, values in the order asked (a key asked twice too), and a missing key still waits and
     fails like ``get``."""
-    url = etcd_server.store_url("/parcae/t-multi")
-    host_store(url, token="tok")
-    store = connect_store(url, token="tok", op_timeout_s=0.5)
+    store = _job_store(etcd_server, "/parcae/t-multi")
     for k in range(8):
         store.set(f"parcae/hb/i{k}", f"beat {k}")
     reads: list[str] = []
@@ -390,9 +396,7 @@ def test_etcd_reads_of_present_keys_cost_one_key_not_the_job_directory(etcd_serv
     whole directory, so each request grew with every key the job had ever written (gloo's rendezvous keys of every
     generation stay: 7.4 ms a get at 3,000 keys against 0.4 ms at 10), and a group build's N x (N - 1) address reads
     paid it each. A present key is now read alone; a missing one still waits for it (and times out) as before."""
-    url = etcd_server.store_url("/parcae/t-direct")
-    host_store(url, token="tok")
-    store = connect_store(url, token="tok", op_timeout_s=0.5)
+    store = _job_store(etcd_server, "/parcae/t-direct")
     for k in range(50):
         store.set(f"gen/0/rank_{k}", "addr")
     reads: list[str] = []
@@ -416,9 +420,7 @@ def test_etcd_scope_keeps_a_rendezvous_out_of_the_job_directory_and_drops_as_one
     A scope is a subdirectory: the job's listing shows it as one entry, and it is deleted with one request."""
     from lightning_parcae.runtime.store import drop_scopes, scoped
 
-    url = etcd_server.store_url("/parcae/t-scope")
-    host_store(url, token="tok")
-    store = connect_store(url, token="tok", op_timeout_s=0.5)
+    store = _job_store(etcd_server, "/parcae/t-scope")
     for g in range(3):
         gen = scoped(store, f"gen/{g}")
         for r in range(20):
@@ -456,9 +458,7 @@ def test_etcd_check_of_several_keys_is_one_read_and_no_watch(etcd_server: EtcdSe
     """A generation's arrival barrier checks all N ranks' keys at each poll; torch's ``check`` of several keys also
     posts a watch (with a 1 us timeout) whenever one is missing -- a second request per poll, an error path per
     poll. Now one directory read, present or not."""
-    url = etcd_server.store_url("/parcae/t-check")
-    host_store(url, token="tok")
-    store = connect_store(url, token="tok", op_timeout_s=0.5)
+    store = _job_store(etcd_server, "/parcae/t-check")
     for r in range(4):
         store.set(f"arrived/{r}", "1")
     calls: list[str] = []
