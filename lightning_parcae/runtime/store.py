@@ -561,7 +561,8 @@ def scoped(store: dist.Store, name: str) -> dist.Store:
         name: Path parts of letters, digits, ``-`` and ``_`` separated by ``/``, e.g. ``"gen/7"``.
 
     Returns:
-        A store whose key ``k`` is the job store's ``name/k``.
+        A store for the scope's keys: on etcd one at the subdirectory, elsewhere a ``PrefixStore`` (which files
+        key ``k`` as ``name//k``: torch joins prefix and key with another ``/``).
 
     Raises:
         ValueError: ``name`` is empty or has other characters.
