@@ -13,7 +13,10 @@ server's own counters (``/metrics``: ``etcd_debugging_store_reads_total``, ``...
   the roster, records), in all and per member;
 - **training**: requests per second and per step while the job trains in one shape (heartbeats, abort and notice
   checks, the two-phase commit, the step agreement's store side), in all and per member;
-- **keys** left in the job's etcd directory at the end (its top-level entries, and all keys with scopes').
+- **keys** left in the job's etcd directory at the end (its top-level entries, and all keys with scopes');
+- with ``--changes``, a second run per N whose count trace goes N -> N-1 (a notice to the newest member) -> N (a
+  standby joins) 15 s into training: the requests **of each migration** -- counted over the slowest member's
+  ``migration`` event (its ``duration_s`` before the event), less what the fixed run's training sends in as long.
 
 A cost linear in N shows as a constant per member. Some of the traffic is paced by time rather than by work
 (heartbeats every 0.2 s, waits that poll every 20 ms until others arrive), so a slower machine adds polls: the
@@ -23,6 +26,7 @@ set by the heartbeat period.
     python benchmarks/bench_store_traffic.py                      # N = 4, 8, 16 (about 6 minutes on 2 cores)
     python benchmarks/bench_store_traffic.py --counts 4,8,16,32 --batch-size 192
     python benchmarks/bench_store_traffic.py --pythonpath /tmp/old-checkout   # an older checkout's code, same job
+    python benchmarks/bench_store_traffic.py --changes                 # + the requests of each migration
 
 Real: every request, counted by the etcd server. Not measured: the cost of a request on a network (each is a round
 trip there), and anything the processes exchange outside the store (gloo's own connections).
@@ -45,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_replay import launch  # noqa: E402
 
-__all__ = ["parse_metrics", "counter_at", "summarize", "main"]
+__all__ = ["parse_metrics", "counter_at", "summarize", "migration_requests", "main"]
 
 METRICS = ("reads", "writes", "watches")
 
@@ -155,6 +159,49 @@ def summarize(events: list[dict[str, Any]], samples: list[tuple[float, dict[str,
     return out
 
 
+def migration_requests(events: list[dict[str, Any]], samples: list[tuple[float, dict[str, float]]],
+                       per_s: float) -> list[dict[str, Any]]:
+    """The requests of each migration: counted over the slowest member's ``migration`` event of each generation
+    (from ``duration_s`` before it to the event), less ``per_s`` (the training traffic) over as long.
+
+    Args:
+        events: A run's ``events.jsonl``.
+        samples: ``(wall time, counters)`` in time order.
+        per_s: Requests per second of the same job training in one shape.
+
+    Returns:
+        One ``{"generation", "kind", "duration_s", "requests", "excess"}`` per migration, in order.
+    """
+    slowest: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e.get("source") == "elastic" and e.get("event") == "migration":
+            g = int(e["generation"])
+            if g not in slowest or e["duration_s"] > slowest[g]["duration_s"]:
+                slowest[g] = e
+    out = []
+    for g in sorted(slowest):
+        e = slowest[g]
+        t1, dur = float(e["time"]), float(e["duration_s"])
+        c0, c1 = counter_at(samples, t1 - dur), counter_at(samples, t1 + 0.25)  # the next sample after the event
+        if c0 is None or c1 is None:
+            continue
+        # the window between the two samples is at least the migration and at most 0.5 s longer
+        t_lo = max((ts for ts, _ in samples if ts <= t1 - dur), default=t1 - dur)
+        t_hi = max((ts for ts, _ in samples if ts <= t1 + 0.25), default=t1)
+        total = _sum(c1) - _sum(c0)
+        kind = "join" if e.get("joiners") else str(e.get("kind"))
+        out.append({"generation": g, "kind": kind, "duration_s": dur, "requests": total,
+                    "excess": total - per_s * max(0.0, t_hi - t_lo)})
+    return out
+
+
+def _trace(path: Path, n: int, hold_s: float = 15.0, scale: float = 30.0) -> None:
+    """Counts: N for ``hold_s`` wall seconds of training, N-1 for 6 intervals, then N (as bench_scale.py)."""
+    t1 = int(hold_s * scale * 1000)
+    t2 = t1 + 6 * 60_000
+    path.write_text(f"t_ms,count\n0,{n}\n{t1},{n - 1}\n{t2},{n}\n{t2 + 8 * 60_000},{n}\n")
+
+
 def _keys(client_url: str, prefix: str) -> tuple[int, int]:
     """(top-level entries of the job's directory, all keys under it)."""
     def get(recursive: bool) -> dict[str, Any]:
@@ -177,6 +224,8 @@ def main(argv: Optional[list[str]] = None) -> dict[int, dict[str, Any]]:
                     help="global batch (default 96: D x M = 8 x 4 divides it; N=32 at P=2 needs 192)")
     ap.add_argument("--pythonpath", default=None,
                     help="run the job with this checkout's lightning_parcae first on PYTHONPATH (old vs new code)")
+    ap.add_argument("--changes", action="store_true",
+                    help="also run N -> N-1 -> N per N and count the requests of each migration")
     ap.add_argument("--out", default=None, help="run directories and results.json (default: a temporary folder)")
     a = ap.parse_args(argv)
     from lightning_parcae.testing.etcd_server import EtcdServer
@@ -206,6 +255,19 @@ def main(argv: Optional[list[str]] = None) -> dict[int, dict[str, Any]]:
                 time.sleep(0.5)
             results[n] = summarize(events, probe.samples, n)
             results[n]["keys_top"], results[n]["keys_all"] = _keys(client, "/parcae/traffic")
+        if a.changes and results[n].get("train_per_s"):
+            with EtcdServer() as server:
+                url = server.store_url("/parcae/traffic")
+                client = url.replace("etcd://", "http://").split("/parcae")[0]
+                _trace(out / f"n{n}_trace.csv", n)
+                with MetricsProbe(client) as probe:
+                    events = launch([*base, "--instances", str(n), "--store", url, "--trace",
+                                     str(out / f"n{n}_trace.csv"), "--victims", "newest", "--time-scale", "30",
+                                     "--trace-clock", "first-step"], out / f"n{n}_changes",
+                                    2.0 * float(results[n].get("startup_s") or 4.0 * n) + 60.0,
+                                    ("--data.batch_size", str(a.batch_size)))
+                    time.sleep(0.5)
+                results[n]["migrations"] = migration_requests(events, probe.samples, results[n]["train_per_s"])
         print(f"N={n}: {json.dumps({k: v for k, v in results[n].items() if not isinstance(v, dict)})}", flush=True)
     (out / "results.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
     _print(results, time.time() - t_all, a.pythonpath, out)
@@ -237,6 +299,11 @@ def _print(results: dict[int, dict[str, Any]], wall_s: float, pythonpath: Option
         growth = f"{b / a:.2f}" if a and b is not None else "n/a"
         cells = ["n/a" if v is None else f"{v:.0f}" if abs(v) >= 100 else f"{v:.2f}" for v in vals]
         print("| " + " | ".join([label, *cells, growth, ""]) + " |")
+    for n in ns:
+        for m in results[n].get("migrations", []):
+            print(f"N={n}: migration into generation {m['generation']} ({m['kind']}, {m['duration_s']:.2f} s): "
+                  f"{m['requests']:.0f} requests in its window, {m['excess']:.0f} above training "
+                  f"({m['excess'] / n:.1f} per member)")
     for n in ns:
         r = results[n]
         if "startup_split" in r:

@@ -56,3 +56,21 @@ def test_requests_are_split_at_the_first_step_and_divided_by_members_steps_and_s
     assert got["train_per_step"] == pytest.approx(12.0 * (20 - 10) / 20)
     assert got["train_per_member_s"] == pytest.approx(12.0 * 10 / 9.5 / 4)
     assert bench.summarize(events[:2], samples, 4) == {"n": 4}  # one progress event: no training window
+
+
+def test_a_migration_counts_the_requests_of_its_window_less_the_training_rate() -> None:
+    bench = _bench()
+    # 10 requests a second, plus 200 more between t=20 and t=21 (a migration of 0.8 s ending at 20.9)
+    samples = [(t / 4, {"reads": 2.5 * t + (200.0 if t / 4 >= 21 else 0.0), "writes": 0.0, "watches": 0.0})
+               for t in range(0, 160)]
+    events = [{"source": "elastic", "event": "migration", "generation": 3, "kind": "intra-stage",
+               "duration_s": 0.8, "time": 20.9},
+              {"source": "elastic", "event": "migration", "generation": 3, "kind": "intra-stage",
+               "duration_s": 0.5, "time": 20.9},  # a faster member of the same generation: not counted
+              {"source": "elastic", "event": "migration", "generation": 4, "kind": "repartition",
+               "duration_s": 0.4, "joiners": ["i9"], "time": 30.1}]
+    got = bench.migration_requests(events, samples, 10.0)
+    assert [(m["generation"], m["kind"]) for m in got] == [(3, "intra-stage"), (4, "join")]
+    assert got[0]["requests"] == pytest.approx(200.0 + 10.0 * 1.0)  # samples at 20.0 and 21.0
+    assert got[0]["excess"] == pytest.approx(200.0)
+    assert got[1]["excess"] == pytest.approx(0.0)
