@@ -125,33 +125,14 @@ class Embed(nn.Module):
         return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))[None]
 
 
-class EmulatedBlock(nn.Module):
-    """A transformer block followed by an emulated accelerator's kernel time (``--device-ms-per-sample``).
-
-    The block's real arithmetic still runs (and is kept small by the caller); then the forward sleeps ``ms``
-    milliseconds per sample and the backward twice as long (:func:`lightning_parcae.testing.emulated_device.
-    emulated_compute`). A sleeping stage does not use a CPU core, so P stages on fewer cores behave like P devices.
-    """
-
-    def __init__(self, dim: int, heads: int, ms: float) -> None:
-        super().__init__()
-        from gpt import Block
-
-        self.block = Block(dim, heads)
-        self.ms = ms
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        from lightning_parcae.testing.emulated_device import emulated_compute
-
-        return emulated_compute(self.block(x), self.ms)
-
-
 def build_layers(cfg: dict[str, Any]) -> nn.Sequential:
     """The benchmark's GPT as one stack: embedding, ``cfg["blocks"]`` blocks, final LayerNorm, head.
 
     Args:
         cfg: run configuration with ``vocab``, ``dim``, ``heads``, ``blocks`` and ``seq``; with ``device_ms`` > 0
-            every block is an :class:`EmulatedBlock` (modelled kernel time per sample on top of its arithmetic).
+            every block also sleeps that many ms per sample in forward, twice as long in backward (``Block``'s
+            emulated accelerator, :mod:`lightning_parcae.testing.emulated_device`: modelled kernel time on top of
+            its arithmetic).
 
     Returns:
         An ``nn.Sequential`` of ``blocks + 3`` layers, initialised from ``torch.manual_seed(0)``.
@@ -159,10 +140,9 @@ def build_layers(cfg: dict[str, Any]) -> nn.Sequential:
     from gpt import Block  # examples/gpt/gpt.py: pre-LayerNorm causal self-attention + MLP
 
     torch.manual_seed(0)
-    ms = float(cfg.get("device_ms", 0.0))
-    blocks = [EmulatedBlock(cfg["dim"], cfg["heads"], ms) if ms > 0 else Block(cfg["dim"], cfg["heads"])
-              for _ in range(cfg["blocks"])]
-    return nn.Sequential(Embed(cfg["vocab"], cfg["dim"], cfg["seq"]), *blocks,
+    ms = float(cfg.get("device_ms", 0.0))  # 0: no emulated time, the block's output unchanged
+    return nn.Sequential(Embed(cfg["vocab"], cfg["dim"], cfg["seq"]),
+                         *[Block(cfg["dim"], cfg["heads"], device_ms=ms) for _ in range(cfg["blocks"])],
                          nn.LayerNorm(cfg["dim"]), nn.Linear(cfg["dim"], cfg["vocab"]))
 
 

@@ -48,7 +48,8 @@ def test_emulated_blocks_compute_the_plain_model_and_add_the_modelled_kernel_tim
     bench = _bench()
     cfg = {"vocab": 64, "dim": 16, "heads": 2, "blocks": 3, "seq": 8}
     plain, emulated = bench.build_layers(cfg), bench.build_layers({**cfg, "device_ms": 10.0})
-    assert sum(isinstance(m, bench.EmulatedBlock) for m in emulated) == 3
+    assert [getattr(m, "device_ms", None) for m in emulated][1:4] == [10.0] * 3  # the three blocks
+    assert [getattr(m, "device_ms", None) for m in plain][1:4] == [0.0] * 3
     assert [p.tolist() for p in plain.parameters()] == [p.tolist() for p in emulated.parameters()]
     x = torch.randint(0, 64, (4, 8))
     with torch.no_grad():
