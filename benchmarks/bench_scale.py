@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_replay import join_delays, launch, read_events  # noqa: E402
 
-__all__ = ["HeartbeatProbe", "summarize", "table", "main"]
+__all__ = ["HeartbeatProbe", "change_trace", "summarize", "table", "main"]
 
 HEARTBEAT_S = 0.2
 """The members' heartbeat period (``Liveness(interval_s=0.2)``, the runtime's default)."""
@@ -313,7 +313,7 @@ def table(results: dict[int, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _trace(path: Path, n: int, hold_s: float, scale: float) -> None:
+def change_trace(path: Path, n: int, hold_s: float, scale: float) -> None:
     """Counts: N for ``hold_s`` wall seconds, N-1 for 6 intervals (12 s at scale 30), then N again."""
     t1 = int(hold_s * scale * 1000)
     t2 = t1 + 6 * 60_000
@@ -354,7 +354,7 @@ def main() -> int:
         # a loaded machine took the notice before the first generation formed and the N=4 run relaunched)
         hold = 15.0
         startup = _startup(fixed) or 4.0 * n
-        _trace(out / f"n{n}_trace.csv", n, hold, a.time_scale)
+        change_trace(out / f"n{n}_trace.csv", n, hold, a.time_scale)
         with HeartbeatProbe(out / f"n{n}_changes") as p2:
             changes = launch([*base, "--instances", str(n), "--trace", str(out / f"n{n}_trace.csv"), "--victims",
                               "newest", "--time-scale", str(a.time_scale), "--trace-clock", "first-step"],

@@ -48,6 +48,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_replay import launch  # noqa: E402
+from bench_scale import change_trace  # noqa: E402
 
 __all__ = ["parse_metrics", "counter_at", "summarize", "migration_requests", "main"]
 
@@ -78,15 +79,20 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def _sample_at(samples: list[tuple[float, dict[str, float]]], t: float) -> Optional[tuple[float, dict[str, float]]]:
+    """The last ``(time, counters)`` sample taken at or before wall time ``t`` (None: none was)."""
+    best = None
+    for sample in samples:
+        if sample[0] > t:
+            break
+        best = sample
+    return best
+
+
 def counter_at(samples: list[tuple[float, dict[str, float]]], t: float) -> Optional[dict[str, float]]:
     """The counters of the last sample taken at or before wall time ``t`` (None: none was)."""
-    best = None
-    for ts, values in samples:
-        if ts <= t:
-            best = values
-        else:
-            break
-    return best
+    sample = _sample_at(samples, t)
+    return None if sample is None else sample[1]
 
 
 class MetricsProbe:
@@ -182,24 +188,17 @@ def migration_requests(events: list[dict[str, Any]], samples: list[tuple[float, 
     for g in sorted(slowest):
         e = slowest[g]
         t1, dur = float(e["time"]), float(e["duration_s"])
-        c0, c1 = counter_at(samples, t1 - dur), counter_at(samples, t1 + 0.25)  # the next sample after the event
-        if c0 is None or c1 is None:
+        # from the last sample before the migration to the next one after its event: the window is at least the
+        # migration and at most 0.5 s longer
+        first, after = _sample_at(samples, t1 - dur), _sample_at(samples, t1 + 0.25)
+        if first is None or after is None:
             continue
-        # the window between the two samples is at least the migration and at most 0.5 s longer
-        t_lo = max((ts for ts, _ in samples if ts <= t1 - dur), default=t1 - dur)
-        t_hi = max((ts for ts, _ in samples if ts <= t1 + 0.25), default=t1)
+        (t_lo, c0), (t_hi, c1) = first, after
         total = _sum(c1) - _sum(c0)
         kind = "join" if e.get("joiners") else str(e.get("kind"))
         out.append({"generation": g, "kind": kind, "duration_s": dur, "requests": total,
                     "excess": total - per_s * max(0.0, t_hi - t_lo)})
     return out
-
-
-def _trace(path: Path, n: int, hold_s: float = 15.0, scale: float = 30.0) -> None:
-    """Counts: N for ``hold_s`` wall seconds of training, N-1 for 6 intervals, then N (as bench_scale.py)."""
-    t1 = int(hold_s * scale * 1000)
-    t2 = t1 + 6 * 60_000
-    path.write_text(f"t_ms,count\n0,{n}\n{t1},{n - 1}\n{t2},{n}\n{t2 + 8 * 60_000},{n}\n")
 
 
 def _keys(client_url: str, prefix: str) -> tuple[int, int]:
@@ -259,7 +258,7 @@ def main(argv: Optional[list[str]] = None) -> dict[int, dict[str, Any]]:
             with EtcdServer() as server:
                 url = server.store_url("/parcae/traffic")
                 client = url.replace("etcd://", "http://").split("/parcae")[0]
-                _trace(out / f"n{n}_trace.csv", n)
+                change_trace(out / f"n{n}_trace.csv", n, 15.0, 30.0)
                 with MetricsProbe(client) as probe:
                     events = launch([*base, "--instances", str(n), "--store", url, "--trace",
                                      str(out / f"n{n}_trace.csv"), "--victims", "newest", "--time-scale", "30",
