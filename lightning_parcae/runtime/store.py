@@ -430,16 +430,19 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
     def check(self, keys: list[str]) -> bool:
         """Whether every key is there now: one key's request for a single key, one directory read for several
         (torch's ``check`` of several keys also posts a watch with a 1 us timeout when one is missing)."""
-        import etcd
-
         if len(keys) == 1:
             return self._read_one(keys[0]) is not None
-        try:
-            listing = self.client.get(key=self.prefix)
-        except etcd.EtcdKeyNotFound:
-            return False
-        present = {node.key for node in listing.children}
+        present = {node.key for node in self._children()}
         return all(self.prefix + self._encode(k) in present for k in keys)
+
+    def _children(self) -> list[Any]:
+        """The nodes of this store's directory, keys and scopes (one request; none while it does not exist)."""
+        import etcd
+
+        try:
+            return list(self.client.get(key=self.prefix).children)
+        except etcd.EtcdKeyNotFound:
+            return []
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
         """Wait until every key is there: returns after one key's request each when they already are."""
@@ -481,13 +484,7 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
 
     def scope_names(self) -> list[str]:
         """The scopes under this store (one read of its directory; subdirectories only)."""
-        import etcd
-
-        try:
-            listing = self.client.get(key=self.prefix)
-        except etcd.EtcdKeyNotFound:
-            return []
-        return [node.key.rstrip("/").rsplit("/", 1)[-1].replace(".", "/") for node in listing.children
+        return [node.key.rstrip("/").rsplit("/", 1)[-1].replace(".", "/") for node in self._children()
                 if getattr(node, "dir", False) and node.key.rstrip("/") != self.prefix.rstrip("/")]
 
     def drop_scope(self, name: str) -> bool:
