@@ -125,7 +125,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[int, dict[str, floa
                 print("one get of a present key as the job's etcd directory grows, median ms")
                 print(f"  {'keys':>6} {'torch EtcdStore':>16} {'parcae':>8} {'parcae/torch':>13}")
                 for size, got in growth.items():
-                    print(f"  {size:>6} {got['torch']:>16.3f} {got['parcae']:>8.3f} {got['parcae'] / got['torch']:>13.3f}")
+                    print(f"  {size:>6} {got['torch']:>16.3f} {got['parcae']:>8.3f} "
+                          f"{got['parcae'] / got['torch']:>13.3f}")
     return results
 
 

@@ -28,7 +28,8 @@ def test_both_forms_are_timed_on_a_tcp_store(capsys: pytest.CaptureFixture[str])
 
 
 def test_etcd_reads_and_the_directory_growth_are_timed(etcd_server: EtcdServer) -> None:
-    out = bench_heartbeat_reads.main(["--counts", "4", "--rounds", "2", "--stores", "etcd", "--directory-sizes", "5", "40"])
+    out = bench_heartbeat_reads.main(["--counts", "4", "--rounds", "2", "--stores", "etcd",
+                                      "--directory-sizes", "5", "40"])
     assert set(out["etcd"]) == {4}
     assert set(out["etcd directory"]) == {5, 40}
     for got in out["etcd directory"].values():

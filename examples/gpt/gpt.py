@@ -181,8 +181,8 @@ class GPT(pl.LightningModule):
             contiguously when ``n_blocks`` is smaller than the profile's, one to one when equal) and its head:
             each sleeps its layers' profiled forward and backward milliseconds per sample divided by
             ``time_scale``, and every state transfer of a migration, pipeline message and data-parallel all-reduce
-            also sleeps the modelled 10 Gbps time of the real model's bytes (installed in :meth:`setup`). Excludes ``device_ms_per_sample``. None (default):
-            no profile.
+            also sleeps the modelled 10 Gbps time of the real model's bytes (installed in :meth:`setup`). Excludes
+            ``device_ms_per_sample``. None (default): no profile.
         time_scale: Divides every modelled duration of ``emulate`` (30: a 3 s modelled step runs in 0.1 s).
     """
 
@@ -216,8 +216,8 @@ class GPT(pl.LightningModule):
         return self.layers(idx)
 
     def setup(self, stage: str) -> None:
-        """With ``emulate``: every state transfer, pipeline message and gradient all-reduce of this process also takes
-        the workload's modelled network time."""
+        """With ``emulate``: every state transfer, pipeline message and gradient all-reduce of this process also
+        takes the workload's modelled network time."""
         if self.workload is not None:
             install_modelled_link(self.workload)
 
