@@ -427,3 +427,49 @@ def test_reading_every_members_heartbeat_takes_two_requests_whatever_the_members
     beats = read_beats(counted, [*members[:3], "late"])  # type: ignore[arg-type]
     assert beats == {"i0": b'{"c": 0}', "i1": b'{"c": 1}', "i2": b'{"c": 2}', "late": None}
     assert "multi_get" not in counted.requests
+
+
+def _etcd_job_store(etcd_server: object, prefix: str) -> object:
+    url = etcd_server.store_url(prefix)  # type: ignore[attr-defined]
+    host_store(url, token=None)
+    return connect_store(url, token=None)
+
+
+def test_wait_key_on_etcd_watches_the_key_instead_of_polling(etcd_server: object) -> None:
+    """Regression (issue 21): ``wait_key`` polled with ``check`` every 20 ms whatever the store, so on etcd every
+    member waiting for its step's commit decision sent up to 50 requests a second. On a store that can watch one
+    key it now waits in watch slices: a 1 s wait costs a handful of requests, not ~50, and ends when the key is
+    written."""
+    store = _etcd_job_store(etcd_server, "/parcae/t-waitkey")
+    calls: list[str] = []
+    for name in ("get", "watch"):
+        real = getattr(store.client, name)  # type: ignore[attr-defined]
+        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    live = Liveness(lambda: _etcd_job_store(etcd_server, "/parcae/t-waitkey"), "m0", interval_s=0.05,
+                    dead_after_s=3.0)
+    writer = _etcd_job_store(etcd_server, "/parcae/t-waitkey")
+    threading.Timer(1.0, lambda: writer.set("parcae/commit/1/5/decision", "apply")).start()  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    live.wait_key(store, "parcae/commit/1/5/decision", "commit of step 5")  # type: ignore[arg-type]
+    took = time.monotonic() - t0
+    assert 0.95 <= took < 1.3, took
+    assert len(calls) <= 2 * (1.0 / live.watch_s + 1) + 1, calls  # a read and a watch per 0.2 s slice at most
+    assert calls.count("watch") >= 1
+
+
+def test_wait_key_on_etcd_still_ends_on_an_abort_within_a_slice(etcd_server: object) -> None:
+    """The watch cannot see the abort flag: the wait must still end within one slice of the abort."""
+    store = _etcd_job_store(etcd_server, "/parcae/t-waitabort")
+    live = Liveness(lambda: _etcd_job_store(etcd_server, "/parcae/t-waitabort"), "m0", interval_s=0.05,
+                    dead_after_s=3.0)
+    aborted_at = [0.0]
+
+    def abort() -> None:
+        aborted_at[0] = time.monotonic()
+        live.reason = "m1 missed heartbeats"
+        live.aborted.set()
+
+    threading.Timer(0.5, abort).start()
+    with pytest.raises(PeerLostError, match="m1 missed heartbeats"):
+        live.wait_key(store, "parcae/commit/1/6/decision", "commit of step 6")  # type: ignore[arg-type]
+    assert time.monotonic() - aborted_at[0] < live.watch_s + 0.25

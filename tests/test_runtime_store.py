@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -468,3 +469,53 @@ def test_etcd_check_of_several_keys_is_one_read_and_no_watch(etcd_server: EtcdSe
     assert store.check([f"arrived/{r}" for r in range(4)])
     assert not store.check([f"arrived/{r}" for r in range(5)])
     assert calls == ["get", "get"]
+
+
+@needs_etcd
+def test_etcd_wait_for_wakes_on_the_key_alone_and_times_out_without_error(etcd_server: EtcdServer) -> None:
+    """Regression (issue 21): a member waiting for its step's commit decision polled the key every 20 ms -- up to 50
+    requests a second per waiting member, each a round trip on a cluster. ``wait_for`` reads once and then watches
+    that key alone: other keys written meanwhile (heartbeats) do not wake it, the key's write does, at once."""
+    store = _job_store(etcd_server, "/parcae/t-waitfor")
+    store.set("there", "1")
+    calls: list[str] = []
+    for name in ("get", "watch"):
+        real = getattr(store.client, name)
+        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    assert store.wait_for("there", 1.0) and calls == ["get"]  # present: one read, no watch
+
+    calls.clear()
+    writer = connect_store(etcd_server.store_url("/parcae/t-waitfor"), token="tok")
+    stop = [False]
+
+    def heartbeats() -> None:  # another key written 100 times a second while the waiter waits
+        c = 0
+        while not stop[0]:
+            writer.set("parcae/hb/x", str(c))
+            c += 1
+            time.sleep(0.01)
+
+    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat.start()
+    t0 = time.monotonic()
+    assert not store.wait_for("decision", 0.4)  # never written: False after the slice, no exception
+    assert 0.35 <= time.monotonic() - t0 < 2.0
+    assert calls == ["get", "watch"], calls  # the heartbeats did not wake the watch
+
+    written_at = [0.0]
+
+    def decide() -> None:
+        time.sleep(0.3)
+        written_at[0] = time.monotonic()
+        writer.set("decision", "apply")
+
+    threading.Thread(target=decide, daemon=True).start()
+    calls.clear()
+    assert store.wait_for("decision", 5.0)
+    woke_after = time.monotonic() - written_at[0]
+    stop[0] = True
+    beat.join(2)
+    assert calls == ["get", "watch"], calls
+    assert woke_after < 0.1, f"woke {woke_after:.3f} s after the write"
+    writer.delete_key("decision")
+    assert not store.wait_for("decision", 0.05)

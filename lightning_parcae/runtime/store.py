@@ -410,7 +410,8 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
     generation stay, so a long job with churn reaches thousands), and the N x (N - 1) address reads of a process
     group build at N members each paid it. Here a single key that is already there is read directly (one key's
     request), and only a key that is not there yet goes the directory-and-watch way (to wait for it);
-    ``multi_get`` of many keys is one directory read (:meth:`multi_get`).
+    ``multi_get`` of many keys is one directory read (:meth:`multi_get`), and :meth:`wait_for` waits for one key by
+    a watch of that key alone (torch's ``wait`` watches the whole directory, which every heartbeat write wakes).
     """
 
     def _read_one(self, key: str) -> bytes | None:
@@ -421,6 +422,41 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
             return self._decode(self.client.get(key=self.prefix + self._encode(key)).value)
         except etcd.EtcdKeyNotFound:
             return None
+
+    def wait_for(self, key: str, timeout_s: float) -> bool:
+        """Whether ``key`` is there, waiting up to ``timeout_s`` for it with a watch of that key alone.
+
+        One read when the key is there; otherwise the read's 404 names the store's index, and a watch of the key
+        from the next index returns as soon as the key is written -- no event is missed between the read and the
+        watch, and writes of other keys (heartbeats: N a beat) do not wake it, unlike torch's ``wait``, which
+        watches the job's whole directory. A watch that times out is not an error: False, call again.
+
+        Regression (issue 21): a member waiting for its step's commit decision (or the next generation's record)
+        polled the key every 20 ms -- up to 50 requests a second per waiting member, every one a round trip to the
+        store on a cluster, and a wake-up up to 20 ms after the write.
+
+        Args:
+            key: The key.
+            timeout_s: Longest wait (a slice: the caller checks its abort flag between calls).
+
+        Returns:
+            True once the key is there; False if it was not written within ``timeout_s`` (or was deleted).
+        """
+        import etcd
+
+        full = self.prefix + self._encode(key)
+        try:
+            self.client.get(key=full)
+            return True
+        except etcd.EtcdKeyNotFound as exc:
+            index = int((exc.payload or {}).get("index") or 0)
+        try:
+            event = self.client.watch(key=full, index=index + 1 if index else None, timeout=max(1e-3, timeout_s))
+        except etcd.EtcdWatchTimedOut:
+            return False
+        except etcd.EtcdEventIndexCleared:  # the index fell out of etcd's event window: read again
+            return self._read_one(key) is not None
+        return getattr(event, "action", "set") not in ("delete", "expire", "compareAndDelete")
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it like torch's ``get`` if it is not there yet."""
