@@ -329,3 +329,40 @@ def test_arrival_wait_checks_all_ranks_in_one_request_per_poll() -> None:
     alone.set("arrived/1", "1")
     with pytest.raises(RendezvousError, match=r"ranks \[2\] of 3 did not arrive"):
         await_arrivals(alone, 0, 3, timedelta(seconds=0.05), poll_s=0.01)  # type: ignore[arg-type]
+
+
+def test_arrival_wait_on_etcd_sleeps_in_a_watch_until_the_last_rank_arrives(etcd_server) -> None:
+    """On etcd the arrival barrier no longer polls every 20 ms: a rank waiting 1 s for the last of 8 ranks makes two
+    requests per arrival (a read, a watch), where polling made ~50; it returns as the last rank arrives, and an
+    abort still ends the wait within a watch slice."""
+    import threading
+    import time
+
+    from lightning_parcae.errors import PeerLostError
+    from lightning_parcae.runtime.groups import ARRIVAL_WATCH_S, await_arrivals
+    from lightning_parcae.runtime.store import connect_store, host_store, scoped
+
+    url = etcd_server.store_url("/parcae/t-arrive")
+    host_store(url, token="tok")
+    store = scoped(connect_store(url, token="tok"), "gen/1")
+    other = scoped(connect_store(url, token="tok"), "gen/1")
+    for r in range(1, 7):
+        other.set(f"arrived/{r}", "1")
+    calls: list[str] = []
+    for name in ("get", "watch"):
+        real = getattr(store.client, name)
+        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    threading.Timer(1.0, lambda: other.set("arrived/7", "1")).start()
+    t0 = time.monotonic()
+    await_arrivals(store, 0, 8, timedelta(seconds=20))  # type: ignore[arg-type]
+    took = time.monotonic() - t0
+    assert 0.95 <= took < 1.3, took
+    assert len(calls) <= 2 * (1.0 / ARRIVAL_WATCH_S + 2) + 1, calls  # polling every 20 ms: ~50
+
+    def aborted() -> str:
+        return "r3 missed heartbeats" if time.monotonic() - t1 > 0.3 else ""
+
+    t1 = time.monotonic()
+    with pytest.raises(PeerLostError, match="r3 missed heartbeats"):
+        await_arrivals(store, 0, 9, timedelta(seconds=20), aborted)  # type: ignore[arg-type]
+    assert time.monotonic() - t1 < 0.3 + ARRIVAL_WATCH_S + 0.25

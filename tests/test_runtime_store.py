@@ -34,6 +34,7 @@ from lightning_parcae.runtime.store import (
     parse_store_url,
     publish,
     read,
+    scoped,
 )
 
 from conftest import HAVE_PYTHON_ETCD
@@ -519,3 +520,36 @@ def test_etcd_wait_for_wakes_on_the_key_alone_and_times_out_without_error(etcd_s
     assert woke_after < 0.1, f"woke {woke_after:.3f} s after the write"
     writer.delete_key("decision")
     assert not store.wait_for("decision", 0.05)
+
+
+@needs_etcd
+def test_etcd_wait_for_all_returns_at_the_next_write_under_the_scope(etcd_server: EtcdServer) -> None:
+    """A rendezvous's arrival barrier on etcd waits in a watch of its scope: one read and one watch per arrival, the
+    watch ended by the arrival's write, not by a timer; a scope with nothing written yet is waited on too."""
+    store = _job_store(etcd_server, "/parcae/t-waitall")
+    scope = scoped(store, "gen/3")
+    calls: list[str] = []
+    for name in ("get", "watch"):
+        real = getattr(scope.client, name)
+        setattr(scope.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    keys = [f"arrived/{r}" for r in range(3)]
+    t0 = time.monotonic()
+    assert not scope.wait_for_all(keys, 0.3)  # an empty scope: a watch until the slice ends
+    assert 0.25 <= time.monotonic() - t0 < 2.0 and calls == ["get", "watch"]
+    other = scoped(_job_store(etcd_server, "/parcae/t-waitall"), "gen/3")
+    arrivals = iter(keys)
+    writes: list[float] = []
+
+    def arrive() -> None:
+        writes.append(time.monotonic())
+        other.set(next(arrivals), "1")
+
+    for delay in (0.1, 0.2, 0.3):
+        threading.Timer(delay, arrive).start()
+    calls.clear()
+    wakes = []
+    while not scope.wait_for_all(keys, 5.0):
+        wakes.append(time.monotonic())
+    assert len(wakes) <= 3 and len(writes) == 3  # woken by arrivals (two or three), never by the 5 s slice
+    assert all(w - writes[i] < 0.1 for i, w in enumerate(wakes)), (wakes, writes)
+    assert calls.count("watch") == len(wakes) and calls.count("get") == len(wakes) + 1

@@ -458,6 +458,37 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
             return self._read_one(key) is not None
         return getattr(event, "action", "set") not in ("delete", "expire", "compareAndDelete")
 
+    def wait_for_all(self, keys: list[str], timeout_s: float) -> bool:
+        """Whether every key is there, waiting up to ``timeout_s`` for the next write under this store if not.
+
+        One read of this store's directory; while a key is missing, a recursive watch of the directory from that
+        read's index, which returns at the next write under it. Meant for a scope (:func:`scoped`) that holds one
+        barrier's keys: there each write is an arrival, and a waiter wakes once per arrival instead of polling.
+
+        Args:
+            keys: The keys.
+            timeout_s: Longest wait (a slice: the caller checks its abort flag and deadline between calls).
+
+        Returns:
+            True if all keys are there now; False otherwise (after a write under the directory, or the timeout).
+        """
+        import etcd
+
+        try:
+            listing = self.client.get(key=self.prefix)
+            present = {node.key for node in listing.children}
+            if all(self.prefix + self._encode(k) in present for k in keys):
+                return True
+            index = int(listing.etcd_index or 0)
+        except etcd.EtcdKeyNotFound as exc:  # no key written under it yet
+            index = int((exc.payload or {}).get("index") or 0)
+        try:
+            self.client.watch(key=self.prefix, recursive=True, index=index + 1 if index else None,
+                              timeout=max(1e-3, timeout_s))
+        except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
+            pass
+        return False
+
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it like torch's ``get`` if it is not there yet."""
         value = self._read_one(key)
