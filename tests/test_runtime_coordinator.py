@@ -57,3 +57,28 @@ def test_coordinator_keeps_the_availability_history_if_appended(store) -> None:
     for n in (4, 3, 5):
         c.append_history(n)
     assert c.history() == [4, 3, 5]
+
+
+def test_coordinator_lists_no_standbys_before_any_registers(store) -> None:
+    assert Coordinator(store).standbys() == []
+
+
+def test_coordinator_reads_the_standbys_on_etcd_with_one_request_each(etcd_server) -> None:
+    """Regression (issue 21): the leader reads the standby list at every step; the count was an ``add(0)`` -- three
+    requests on etcd (a create that fails, a read, a compare-and-swap write) -- and each standby a check and a get.
+    Now one read for the count and one per standby."""
+    from lightning_parcae.runtime.store import connect_store, host_store
+
+    url = etcd_server.store_url("/parcae/t-standbys")
+    host_store(url, token=None)
+    store = connect_store(url, token=None)
+    c = Coordinator(store)
+    assert c.standbys() == []
+    for m in ("x", "y"):
+        c.register_standby(m)
+    calls: list[str] = []
+    for name in ("read", "write"):  # what get, test_and_set and every other request go through
+        real = getattr(store.client, name)
+        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    assert c.standbys() == ["x", "y"]
+    assert calls == ["read"] * 3, calls

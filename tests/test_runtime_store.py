@@ -34,6 +34,7 @@ from lightning_parcae.runtime.store import (
     parse_store_url,
     publish,
     read,
+    read_if_present,
     scoped,
 )
 
@@ -553,3 +554,21 @@ def test_etcd_wait_for_all_returns_at_the_next_write_under_the_scope(etcd_server
     assert len(wakes) <= 3 and len(writes) == 3  # woken by arrivals (two or three), never by the 5 s slice
     assert all(w - writes[i] < 0.1 for i, w in enumerate(wakes)), (wakes, writes)
     assert calls.count("watch") == len(wakes) and calls.count("get") == len(wakes) + 1
+
+
+@needs_etcd
+def test_read_if_present_is_one_request_on_etcd_and_never_waits(etcd_server: EtcdServer) -> None:
+    """A present key is read with one request, an absent one is None at once (``get`` would wait for it); other
+    stores answer the same through ``check`` and ``get``."""
+    store = _job_store(etcd_server, "/parcae/t-present")
+    store.set("k", "v")
+    calls: list[str] = []
+    for name in ("get", "watch"):
+        real = getattr(store.client, name)
+        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    t0 = time.monotonic()
+    assert read_if_present(store, "k") == b"v" and read_if_present(store, "missing") is None
+    assert calls == ["get", "get"] and time.monotonic() - t0 < 0.4  # the store's op timeout is 0.5 s
+    hashed = dist.HashStore()
+    hashed.set("k", "v")
+    assert read_if_present(hashed, "k") == b"v" and read_if_present(hashed, "missing") is None

@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_parcae.runtime.store import decode_record, encode_record
+from lightning_parcae.runtime.store import decode_record, encode_record, read_if_present
 
 __all__ = ["Coordinator", "genrec_key", "booting_key"]
 
@@ -132,12 +132,12 @@ class Coordinator:
 
     def standbys(self) -> list[str]:
         """Members that ever registered as standby, in arrival order."""
-        n = int(self.store.add("parcae/standby/count", 0))
+        count = read_if_present(self.store, "parcae/standby/count")  # one read on etcd; add(0) was three
         out = []
-        for i in range(n):
-            key = f"parcae/standby/{i}"
-            if self.store.check([key]):
-                out.append(bytes(self.store.get(key)).decode())
+        for i in range(int(count) if count else 0):
+            value = read_if_present(self.store, f"parcae/standby/{i}")
+            if value is not None:
+                out.append(value.decode())
         return out
 
     # ------------------------------------------------------------------------------------------------ two-phase step

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from lightning_parcae.errors import PeerLostError
 from lightning_parcae.runtime import steptime
-from lightning_parcae.runtime.store import TamperedRecordError, decode_record, encode_record
+from lightning_parcae.runtime.store import TamperedRecordError, decode_record, encode_record, read_if_present
 
 __all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key",
            "read_beats", "notice_record", "encode_notice", "decode_notice", "write_notice", "read_notice", "NoticeCheck"]
@@ -68,7 +68,8 @@ def read_beats(store: dist.Store, members: Sequence[str]) -> dict[str, Optional[
     Two store requests whatever the number of members once every one has beaten (one ``check`` of all the keys,
     one ``multi_get``); a ``check`` and a ``get`` per member only while some have not (start-up, a joiner), since
     ``multi_get`` would wait for a missing key. Heartbeat keys are never deleted, so a key seen by the ``check``
-    is still there for the ``multi_get``.
+    is still there for the ``multi_get``. One member (what a non-leader watches: the leader) is one read on etcd
+    (:func:`~lightning_parcae.runtime.store.read_if_present`), not a ``check`` and a ``get``.
 
     Regression (issue 21): always one ``check`` + ``get`` per member, in series, on the heartbeat thread of every
     process that watches the others -- 2N requests a beat on the leader and in recovery (64 at N = 32: 3.4 ms a
@@ -77,7 +78,7 @@ def read_beats(store: dist.Store, members: Sequence[str]) -> dict[str, Optional[
     keys = [hb_key(m) for m in members]
     if len(keys) > 1 and store.check(keys):
         return {m: bytes(v) for m, v in zip(members, store.multi_get(keys))}
-    return {m: bytes(store.get(k)) if store.check([k]) else None for m, k in zip(members, keys)}
+    return {m: read_if_present(store, k) for m, k in zip(members, keys)}
 
 
 def abort_key(generation: int) -> str:

@@ -66,6 +66,7 @@ __all__ = [
     "is_loopback",
     "scoped",
     "drop_scopes",
+    "read_if_present",
     "TokenStore",
     "WrongTokenError",
     "TamperedRecordError",
@@ -605,6 +606,20 @@ def _scope_dir(name: str) -> str:
         raise ValueError(f"scope name {name!r} must be non-empty path parts of letters, digits, '-' and '_' "
                          "separated by '/', e.g. 'gen/7'")
     return ".".join(parts) + "/"
+
+
+def read_if_present(store: dist.Store, key: str) -> bytes | None:
+    """The value of ``key`` if it is there now, else None -- without waiting for it.
+
+    One request on etcd (a read whose 404 means "absent"); a ``check`` and a ``get`` (two) on other stores, whose
+    ``get`` would wait for a missing key. Regression (issue 21): the heartbeat read of one member's beat and the
+    leader's read of the standby count (an ``add(0)``: three requests on etcd, a create that fails, a read and a
+    compare-and-swap) each paid more than the one read they need, at every beat or step.
+    """
+    read_one = getattr(store, "_read_one", None)
+    if read_one is not None:
+        return read_one(key)
+    return bytes(store.get(key)) if store.check([key]) else None
 
 
 def scoped(store: dist.Store, name: str) -> dist.Store:
