@@ -82,3 +82,52 @@ def test_coordinator_reads_the_standbys_on_etcd_with_one_request_each(etcd_serve
         setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
     assert c.standbys() == ["x", "y"]
     assert calls == ["read"] * 3, calls
+
+
+def test_commit_arrivals_on_etcd_are_two_requests_each_without_retries_if_all_arrive_at_once(etcd_server) -> None:
+    """Regression (issue 21): on etcd the commit counter was torch's ``EtcdStore.add`` -- a compare-and-swap loop
+    that sleeps a random 0-100 ms after each lost race -- and every member of a step adds at about the same time:
+    the last of N = 4-32 concurrent adds took 78-217 ms (median of 10), on every step's path. Now each member writes
+    its own arrival key and counts the tally: two requests, no race to lose. Someone sees the full count; the
+    count after a failure (``commit_count``) and the deletion of a passed step's tally work the same way."""
+    import threading
+
+    from lightning_parcae.runtime.store import connect_store, host_store
+
+    url = etcd_server.store_url("/parcae/t-commit")
+    host_store(url, token=None)
+    n = 12
+    coords = [Coordinator(connect_store(url, token=None)) for _ in range(n)]
+    requests = [0] * n
+    for i, c in enumerate(coords):
+        for name in ("read", "write", "delete"):
+            real = getattr(c.store.client, name)
+            setattr(c.store.client, name,
+                    lambda *a, _r=real, _i=i, **kw: (requests.__setitem__(_i, requests[_i] + 1), _r(*a, **kw))[1])
+    barrier, full = threading.Barrier(n), []
+
+    def arrive(i: int) -> None:
+        barrier.wait()
+        if coords[i].commit_arrive(4, 17, n, f"m{i}"):
+            full.append(i)
+
+    threads = [threading.Thread(target=arrive, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert requests == [2] * n, requests
+    assert full, "no member saw every arrival"
+    assert coords[0].commit_count(4, 17) == n and coords[0].commit_count(4, 18) == 0
+    assert not coords[0].commit_arrive(4, 17, n + 1, "m0")  # counted once however often it arrives
+    coords[0].forget_commit(4, 17)
+    assert coords[0].commit_count(4, 17) == 0
+    assert "commit/4/17" not in coords[0].store.scope_names()
+
+
+def test_commit_arrivals_without_a_member_or_on_other_stores_use_the_atomic_counter(store) -> None:
+    c = Coordinator(store)
+    assert [c.commit_arrive(2, 3, 2, m) for m in ("a", "b")] == [False, True]
+    assert c.commit_count(2, 3) == 2
+    c.forget_commit(2, 3)
+    assert c.commit_count(2, 3) == 0

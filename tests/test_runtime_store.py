@@ -29,6 +29,7 @@ from lightning_parcae.runtime.store import (
     TokenStore,
     WrongTokenError,
     check_token,
+    count_in,
     connect_store,
     host_store,
     parse_store_url,
@@ -572,3 +573,10 @@ def test_read_if_present_is_one_request_on_etcd_and_never_waits(etcd_server: Etc
     hashed = dist.HashStore()
     hashed.set("k", "v")
     assert read_if_present(hashed, "k") == b"v" and read_if_present(hashed, "missing") is None
+
+
+@needs_etcd
+def test_count_in_tallies_each_participant_once_with_two_requests(etcd_server: EtcdServer) -> None:
+    store = _job_store(etcd_server, "/parcae/t-tally")
+    assert [count_in(store, "commit/1/2", m) for m in ("a", "b", "a")] == [1, 2, 2]
+    assert count_in(dist.HashStore(), "commit/1/2", "a") is None  # other stores: the caller's atomic add

@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_parcae.runtime.store import decode_record, encode_record, read_if_present
+from lightning_parcae.runtime.store import count_in, decode_record, encode_record, read_if_present, scoped
 
 __all__ = ["Coordinator", "genrec_key", "booting_key"]
 
@@ -151,13 +151,41 @@ class Coordinator:
         """Counter of members that finished reducing the gradients of ``step`` in generation ``g``."""
         return f"parcae/commit/{g}/{step}"
 
-    def commit_arrive(self, g: int, step: int, world: int) -> bool:
-        """Count this member in; True if it was the last (it then fixes the decision, see :mod:`.recovery`)."""
+    @staticmethod
+    def commit_scope(g: int, step: int) -> str:
+        """Scope of the members' own arrival keys for ``step`` of generation ``g`` on etcd (:func:`count_in`)."""
+        return f"commit/{g}/{step}"
+
+    def commit_arrive(self, g: int, step: int, world: int, member: Optional[str] = None) -> bool:
+        """Count ``member`` in; True if all ``world`` have (it then fixes the decision, see :mod:`.recovery`).
+
+        On etcd each member writes its own key and counts them (two requests; torch's ``add`` there is a
+        compare-and-swap loop with random sleeps); elsewhere an atomic ``add``. More than one member may see the
+        full count on etcd: fixing the decision is a ``compare_set`` that every one of them wins alike.
+        """
+        if member is not None:
+            counted = count_in(self.store, self.commit_scope(g, step), member)
+            if counted is not None:
+                return counted >= world
         return int(self.store.add(self.commit_key(g, step), 1)) >= world
 
     def commit_count(self, g: int, step: int) -> int:
-        """Members counted in for ``step`` of generation ``g``."""
-        return int(self.store.add(self.commit_key(g, step), 0))
+        """Members counted in for ``step`` of generation ``g`` (either way of counting)."""
+        tally = scoped(self.store, self.commit_scope(g, step))
+        counted = tally.count_keys() if hasattr(tally, "count_keys") else 0
+        return max(counted, int(self.store.add(self.commit_key(g, step), 0)))
+
+    def forget_commit(self, g: int, step: int) -> None:
+        """Delete ``step``'s commit records (everyone has passed it), so the store does not grow per step."""
+        base = self.commit_key(g, step)
+        drop_scope = getattr(self.store, "drop_scope", None)  # etcd: the members' arrival keys, one request
+        if drop_scope is not None:
+            drop_scope(self.commit_scope(g, step))
+        for key in (base, base + "/decision"):
+            try:
+                self.store.delete_key(key)
+            except Exception:  # noqa: BLE001 -- a store without delete (older etcd v2 API) just keeps them
+                return
 
     # ------------------------------------------------------------------------------------------------ recovery
     def announce_survivor(self, g: int, member: str, info: dict[str, Any]) -> None:

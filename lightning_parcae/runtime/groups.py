@@ -180,7 +180,8 @@ def await_connected(store: dist.Store, rank: int, world: int, bound: timedelta, 
 
 
 def retire_scopes(store: dist.Store, generation: int) -> list[str]:
-    """Delete the rendezvous scopes (``gen/<h>``, ``mig/<h>``) of every generation ``h`` before ``generation``.
+    """Delete the rendezvous scopes (``gen/<h>``, ``mig/<h>``) and commit tallies (``commit/<h>/<step>``: a step
+    cut short by a failure keeps its own) of every generation ``h`` before ``generation``.
 
     Called by rank 0 of ``generation`` once all its ranks are connected: every member of it has destroyed the
     older generations' groups by then (a rank builds a generation only with torch.distributed torn down), and a
@@ -195,8 +196,9 @@ def retire_scopes(store: dist.Store, generation: int) -> list[str]:
         The scopes deleted.
     """
     def older(name: str) -> bool:
-        kind, _, number = name.partition("/")
-        return kind in ("gen", "mig") and number.isdigit() and int(number) < generation
+        kind, _, rest = name.partition("/")
+        number = rest.split("/", 1)[0]  # commit tallies are "commit/<g>/<step>"
+        return kind in ("gen", "mig", "commit") and number.isdigit() and int(number) < generation
 
     try:
         return drop_scopes(store, older)

@@ -107,7 +107,7 @@ class Recovery:
         assert self.state.layout is not None
         ctx, g = self.ctx, self.state.generation
         key = Coordinator.commit_key(g, step) + "/decision"
-        if ctx.coord.commit_arrive(g, step, len(self.state.layout.members)):
+        if ctx.coord.commit_arrive(g, step, len(self.state.layout.members), ctx.member):
             won = bytes(ctx.store.compare_set(key, "", b"apply"))
             if won != b"apply":
                 raise PeerLostError(f"step {step} was discarded by a survivor before everyone counted in")
@@ -118,13 +118,8 @@ class Recovery:
             raise PeerLostError(f"step {step} was discarded after a failure")
 
     def _forget_commit(self, step: int) -> None:
-        """Delete a finished step's commit keys (everyone has passed it), so the store does not grow per step."""
-        base = Coordinator.commit_key(self.state.generation, step)
-        for key in (base, base + "/decision"):
-            try:
-                self.ctx.store.delete_key(key)
-            except Exception:  # noqa: BLE001 -- a store without delete (older etcd v2 API) just keeps them
-                return
+        """Delete a finished step's commit records (everyone has passed it), so the store does not grow per step."""
+        self.ctx.coord.forget_commit(self.state.generation, step)
 
     def begin(self) -> Loss:
         """The generation was lost: enter RECOVERING and abort it for every participant (the runtime then leaves
