@@ -448,7 +448,8 @@ def test_wait_key_on_etcd_watches_the_key_instead_of_polling(etcd_server: object
     live = Liveness(lambda: _etcd_job_store(etcd_server, "/parcae/t-waitkey"), "m0", interval_s=0.05,
                     dead_after_s=3.0)
     writer = _etcd_job_store(etcd_server, "/parcae/t-waitkey")
-    threading.Timer(1.0, lambda: writer.set("parcae/commit/1/5/decision", "apply")).start()  # type: ignore[attr-defined]
+    threading.Timer(1.0, lambda: writer.set(  # type: ignore[attr-defined]
+        "parcae/commit/1/5/decision", "apply")).start()
     t0 = time.monotonic()
     live.wait_key(store, "parcae/commit/1/5/decision", "commit of step 5")  # type: ignore[arg-type]
     took = time.monotonic() - t0
