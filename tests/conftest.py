@@ -36,3 +36,14 @@ def etcd_server() -> Iterator[EtcdServer]:
         yield server
     finally:
         server.stop()
+
+
+def record_client_calls(store: object, names: tuple[str, ...] = ("get", "watch")) -> list[str]:
+    """Record, in order, every call of the named methods of an etcd store's python-etcd client (the requests a
+    store operation makes: ``get``/``watch``, or ``read``/``write``/``delete``, which every request goes through)."""
+    calls: list[str] = []
+    client = store.client  # type: ignore[attr-defined]
+    for name in names:
+        real = getattr(client, name)
+        setattr(client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    return calls

@@ -8,6 +8,8 @@ import torch.distributed as dist
 from lightning_parcae.runtime.coordinator import Coordinator, genrec_key
 from lightning_parcae.runtime.store import TamperedRecordError, install_token, new_token
 
+from conftest import record_client_calls
+
 
 @pytest.fixture
 def store() -> dist.Store:
@@ -76,10 +78,7 @@ def test_coordinator_reads_the_standbys_on_etcd_with_one_request_each(etcd_serve
     assert c.standbys() == []
     for m in ("x", "y"):
         c.register_standby(m)
-    calls: list[str] = []
-    for name in ("read", "write"):  # what get, test_and_set and every other request go through
-        real = getattr(store.client, name)
-        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    calls = record_client_calls(store, ("read", "write"))  # what get, test_and_set and every request go through
     assert c.standbys() == ["x", "y"]
     assert calls == ["read"] * 3, calls
 

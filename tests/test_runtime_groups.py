@@ -342,16 +342,15 @@ def test_arrival_wait_on_etcd_sleeps_in_a_watch_until_the_last_rank_arrives(etcd
     from lightning_parcae.runtime.groups import ARRIVAL_WATCH_S, await_arrivals
     from lightning_parcae.runtime.store import connect_store, host_store, scoped
 
+    from conftest import record_client_calls
+
     url = etcd_server.store_url("/parcae/t-arrive")
     host_store(url, token="tok")
     store = scoped(connect_store(url, token="tok"), "gen/1")
     other = scoped(connect_store(url, token="tok"), "gen/1")
     for r in range(1, 7):
         other.set(f"arrived/{r}", "1")
-    calls: list[str] = []
-    for name in ("get", "watch"):
-        real = getattr(store.client, name)
-        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    calls = record_client_calls(store)
     threading.Timer(1.0, lambda: other.set("arrived/7", "1")).start()
     t0 = time.monotonic()
     await_arrivals(store, 0, 8, timedelta(seconds=20))  # type: ignore[arg-type]

@@ -16,6 +16,8 @@ from lightning_parcae.errors import PeerLostError
 from lightning_parcae.runtime.liveness import Liveness, SilenceClock, abort_key, dead_key, hb_key, activate, guarded_wait, notice_key
 from lightning_parcae.runtime.store import connect_store, host_store
 
+from conftest import record_client_calls
+
 
 @pytest.fixture
 def url() -> Iterator[str]:
@@ -441,10 +443,7 @@ def test_wait_key_on_etcd_watches_the_key_instead_of_polling(etcd_server: object
     key it now waits in watch slices: a 1 s wait costs a handful of requests, not ~50, and ends when the key is
     written."""
     store = _etcd_job_store(etcd_server, "/parcae/t-waitkey")
-    calls: list[str] = []
-    for name in ("get", "watch"):
-        real = getattr(store.client, name)  # type: ignore[attr-defined]
-        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    calls = record_client_calls(store)
     live = Liveness(lambda: _etcd_job_store(etcd_server, "/parcae/t-waitkey"), "m0", interval_s=0.05,
                     dead_after_s=3.0)
     writer = _etcd_job_store(etcd_server, "/parcae/t-waitkey")

@@ -39,7 +39,7 @@ from lightning_parcae.runtime.store import (
     scoped,
 )
 
-from conftest import HAVE_PYTHON_ETCD
+from conftest import HAVE_PYTHON_ETCD, record_client_calls
 
 needs_etcd = pytest.mark.skipif(
     etcd_binary() is None or not HAVE_PYTHON_ETCD,
@@ -465,10 +465,7 @@ def test_etcd_check_of_several_keys_is_one_read_and_no_watch(etcd_server: EtcdSe
     store = _job_store(etcd_server, "/parcae/t-check")
     for r in range(4):
         store.set(f"arrived/{r}", "1")
-    calls: list[str] = []
-    for name in ("get", "watch"):
-        real = getattr(store.client, name)
-        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    calls = record_client_calls(store)
     assert store.check([f"arrived/{r}" for r in range(4)])
     assert not store.check([f"arrived/{r}" for r in range(5)])
     assert calls == ["get", "get"]
@@ -481,10 +478,7 @@ def test_etcd_wait_for_wakes_on_the_key_alone_and_times_out_without_error(etcd_s
     that key alone: other keys written meanwhile (heartbeats) do not wake it, the key's write does, at once."""
     store = _job_store(etcd_server, "/parcae/t-waitfor")
     store.set("there", "1")
-    calls: list[str] = []
-    for name in ("get", "watch"):
-        real = getattr(store.client, name)
-        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    calls = record_client_calls(store)
     assert store.wait_for("there", 1.0) and calls == ["get"]  # present: one read, no watch
 
     calls.clear()
@@ -530,10 +524,7 @@ def test_etcd_wait_for_all_returns_at_the_next_write_under_the_scope(etcd_server
     watch ended by the arrival's write, not by a timer; a scope with nothing written yet is waited on too."""
     store = _job_store(etcd_server, "/parcae/t-waitall")
     scope = scoped(store, "gen/3")
-    calls: list[str] = []
-    for name in ("get", "watch"):
-        real = getattr(scope.client, name)
-        setattr(scope.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    calls = record_client_calls(scope)
     keys = [f"arrived/{r}" for r in range(3)]
     t0 = time.monotonic()
     assert not scope.wait_for_all(keys, 0.3)  # an empty scope: a watch until the slice ends
@@ -563,10 +554,7 @@ def test_read_if_present_is_one_request_on_etcd_and_never_waits(etcd_server: Etc
     stores answer the same through ``check`` and ``get``."""
     store = _job_store(etcd_server, "/parcae/t-present")
     store.set("k", "v")
-    calls: list[str] = []
-    for name in ("get", "watch"):
-        real = getattr(store.client, name)
-        setattr(store.client, name, lambda *a, _n=name, _r=real, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    calls = record_client_calls(store)
     t0 = time.monotonic()
     assert read_if_present(store, "k") == b"v" and read_if_present(store, "missing") is None
     assert calls == ["get", "get"] and time.monotonic() - t0 < 0.4  # the store's op timeout is 0.5 s
