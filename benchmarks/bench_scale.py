@@ -180,7 +180,7 @@ def _startup(ev: list[dict[str, Any]]) -> Optional[float]:
     return None if launch_t is None or step_t is None else step_t - launch_t
 
 
-def _per_generation(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def slowest_migrations(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The slowest member's ``migration`` event of each generation."""
     by_gen: dict[int, dict[str, Any]] = {}
     for e in ev:
@@ -245,7 +245,7 @@ def summarize(fixed: list[dict[str, Any]], changes: list[dict[str, Any]], probes
     starting = [float(e["spent_s"]) for e in [*fixed, *changes]
                 if e.get("event") == "phase" and e.get("old") == "starting" and e.get("generation") == 0]
     out["starting_phase_s"] = max(starting) if starting else None
-    migs = _per_generation(changes)
+    migs = slowest_migrations(changes)
     kinds: dict[str, list[dict[str, Any]]] = {}
     for m in migs:
         kinds.setdefault("join" if m.get("joiners") else str(m["kind"]), []).append(m)

@@ -48,7 +48,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_replay import launch  # noqa: E402
-from bench_scale import change_trace  # noqa: E402
+from bench_scale import change_trace, slowest_migrations  # noqa: E402
 
 __all__ = ["parse_metrics", "counter_at", "summarize", "migration_requests", "main"]
 
@@ -178,15 +178,9 @@ def migration_requests(events: list[dict[str, Any]], samples: list[tuple[float, 
     Returns:
         One ``{"generation", "kind", "duration_s", "requests", "excess"}`` per migration, in order.
     """
-    slowest: dict[int, dict[str, Any]] = {}
-    for e in events:
-        if e.get("source") == "elastic" and e.get("event") == "migration":
-            g = int(e["generation"])
-            if g not in slowest or e["duration_s"] > slowest[g]["duration_s"]:
-                slowest[g] = e
     out = []
-    for g in sorted(slowest):
-        e = slowest[g]
+    for e in slowest_migrations(events):
+        g = int(e["generation"])
         t1, dur = float(e["time"]), float(e["duration_s"])
         # from the last sample before the migration to the next one after its event: the window is at least the
         # migration and at most 0.5 s longer
