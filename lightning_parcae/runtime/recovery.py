@@ -111,15 +111,11 @@ class Recovery:
             won = bytes(ctx.store.compare_set(key, "", b"apply"))
             if won != b"apply":
                 raise PeerLostError(f"step {step} was discarded by a survivor before everyone counted in")
-            self._forget_commit(step - 1)
+            ctx.coord.forget_commit(g, step - 1)  # everyone has passed the step before: the store need not grow
             return
         ctx.live.wait_key(ctx.store, key, f"commit of step {step}")
         if bytes(ctx.store.get(key)) != b"apply":
             raise PeerLostError(f"step {step} was discarded after a failure")
-
-    def _forget_commit(self, step: int) -> None:
-        """Delete a finished step's commit records (everyone has passed it), so the store does not grow per step."""
-        self.ctx.coord.forget_commit(self.state.generation, step)
 
     def begin(self) -> Loss:
         """The generation was lost: enter RECOVERING and abort it for every participant (the runtime then leaves
