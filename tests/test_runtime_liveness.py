@@ -473,3 +473,95 @@ def test_wait_key_on_etcd_still_ends_on_an_abort_within_a_slice(etcd_server: obj
     with pytest.raises(PeerLostError, match="m1 missed heartbeats"):
         live.wait_key(store, "parcae/commit/1/6/decision", "commit of step 6")  # type: ignore[arg-type]
     assert time.monotonic() - aborted_at[0] < live.watch_s + 0.25
+
+
+def _counted_etcd_factory(etcd_server: object, prefix: str) -> tuple[list[list[str]], "object"]:
+    """A store factory for a Liveness on etcd that records each opened client's requests (python-etcd's
+    ``read``/``write``/``delete``: every request goes through one of them), one list per client, in order."""
+    opened: list[list[str]] = []
+
+    def factory() -> object:
+        store = _etcd_job_store(etcd_server, prefix)
+        opened.append(record_client_calls(store, ("read", "write", "delete")))
+        return store
+
+    return opened, factory
+
+
+def test_a_heartbeat_on_etcd_is_two_requests_and_the_abort_and_notice_keys_are_watched(etcd_server: object) -> None:
+    """Regression (issue 21): every beat of every member also read its generation's abort key and its own notice
+    key -- two of its four requests (five on the leader), five beats a second, for keys written a few times in a
+    job's life. Now a beat is its own write and the watched beat's read; a second thread holds one watch of the
+    abort and notice keys' directory, which a write ends at once."""
+    prefix = "/parcae/t-hbreq"
+    writer = _etcd_job_store(etcd_server, prefix)
+    writer.set(hb_key("m1"), "leader beat")  # type: ignore[attr-defined]
+    opened, factory = _counted_etcd_factory(etcd_server, prefix)
+    live = Liveness(factory, "m0", interval_s=0.05, dead_after_s=30.0)  # type: ignore[arg-type]
+    live.start()
+    live.set_generation(2, ["m1"])
+    try:
+        time.sleep(0.5)  # the signal thread's first listing and watch are in place
+        beats, signals = opened
+        beats.clear(), signals.clear()
+        time.sleep(1.0)
+        assert 10 <= len(beats) <= 2 * (1.0 / live.interval_s + 2), beats  # old code: ~4 a beat
+        assert signals == [], signals  # nothing was written there: the watch stands
+        t0 = time.monotonic()
+        writer.set(abort_key(2), "m1 missed heartbeats")  # type: ignore[attr-defined]
+        assert live.aborted.wait(1.0) and live.reason == "m1 missed heartbeats"
+        aborted_after = time.monotonic() - t0
+        writer.set(notice_key("m0"), '{"kind": "preempt", "member": "m0", "source": "test"}')  # type: ignore
+        assert live.noticed.wait(1.0)
+        assert aborted_after < 0.5, aborted_after
+    finally:
+        live.stop()
+
+
+def test_the_watch_reaches_an_abort_before_the_next_beat_and_a_generation_entered_late(etcd_server: object) -> None:
+    """An abort written between two beats (1 s apart here) is seen when it is written; a process that enters a
+    generation whose abort was written before it got there sees it at once (the watch's listing has it)."""
+    prefix = "/parcae/t-hbwatch"
+    writer = _etcd_job_store(etcd_server, prefix)
+    live = Liveness(lambda: _etcd_job_store(etcd_server, prefix), "m0", interval_s=1.0, dead_after_s=30.0)
+    live.start()
+    live.set_generation(1, [])
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        writer.set(abort_key(1), "m3 lost")  # type: ignore[attr-defined]
+        assert live.aborted.wait(2.0)
+        assert time.monotonic() - t0 < 0.3  # not at the next beat
+        writer.set(abort_key(2), "m4 lost")  # type: ignore[attr-defined]
+        time.sleep(0.3)
+        live.set_generation(2, [])
+        assert live.aborted.is_set() and live.reason == "m4 lost"
+        live.set_generation(3, [])
+        assert not live.aborted.is_set()
+    finally:
+        live.stop()
+
+
+def test_when_the_watch_fails_the_heartbeat_polls_the_abort_key_again(etcd_server: object,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    prefix = "/parcae/t-hbfallback"
+    writer = _etcd_job_store(etcd_server, prefix)
+    opened: list[object] = []
+
+    def factory() -> object:
+        store = _etcd_job_store(etcd_server, prefix)
+        if opened:  # the signal thread's client: its listing fails
+            monkeypatch.setattr(store, "snapshot", lambda name: (_ for _ in ()).throw(ConnectionError("down")))
+        opened.append(store)
+        return store
+
+    live = Liveness(factory, "m0", interval_s=0.05, dead_after_s=30.0)  # type: ignore[arg-type]
+    live.start()
+    live.set_generation(5, [])
+    try:
+        time.sleep(0.2)
+        assert len(opened) == 2 and not live._signals_live.is_set()
+        writer.set(abort_key(5), "m2 lost")  # type: ignore[attr-defined]
+        assert live.aborted.wait(1.0) and live.reason == "m2 lost"
+    finally:
+        live.stop()

@@ -568,3 +568,63 @@ def test_count_in_tallies_each_participant_once_with_two_requests(etcd_server: E
     store = _job_store(etcd_server, "/parcae/t-tally")
     assert [count_in(store, "commit/1/2", m) for m in ("a", "b", "a")] == [1, 2, 2]
     assert count_in(dist.HashStore(), "commit/1/2", "a") is None  # other stores: the caller's atomic add
+
+
+@needs_etcd
+def test_etcd_keeps_heartbeats_and_signals_out_of_the_job_directory_under_their_own_names(
+        etcd_server: EtcdServer) -> None:
+    """Heartbeat keys live in ``beats/``, abort and notice keys in ``signals/`` (``KEY_DIRECTORIES``), so that a
+    leader lists N beats and a watcher watches rare writes; every store operation still finds them by name."""
+    store = _job_store(etcd_server, "/parcae/t-dirs")
+    for k in range(4):
+        store.set(f"parcae/hb/i{k}", f"beat {k}")
+    store.set("parcae/abort/3", "i2 missed heartbeats")
+    store.set("parcae/notice/i1", "notice")
+    store.set("parcae/plan/3", "plan")
+    names = {c.key.rsplit("/", 1)[-1] for c in store.client.get(key=store.prefix).children}
+    assert {"beats", "signals"} <= names and len(names) == 4  # the auth proof, the plan and two directories
+    assert store.get("parcae/hb/i2") == b"beat 2" and store.check(["parcae/abort/3", "parcae/notice/i1"])
+    assert store.check(["parcae/hb/i0", "parcae/plan/3"]) and not store.check(["parcae/hb/i0", "parcae/hb/i9"])
+    assert store.multi_get(["parcae/hb/i3", "parcae/plan/3"]) == [b"beat 3", b"plan"]
+    store.wait(["parcae/abort/3", "parcae/plan/3"])
+    assert store.compare_set("parcae/abort/4", "", "first") == b"first"
+    assert store.compare_set("parcae/abort/4", "", "second") == b"first"
+    assert read_if_present(store, "parcae/notice/i1") == b"notice" and read_if_present(store, "parcae/notice/i0") is None
+    assert store.scope_names() == []  # the directories are not scopes (retire_scopes never drops them)
+    with pytest.raises(ValueError, match="not a counter"):
+        store.add("parcae/hb/i0", 1)
+    threading.Timer(0.2, lambda: _job_store(etcd_server, "/parcae/t-dirs").set("parcae/hb/late", "b")).start()
+    assert store.get("parcae/hb/late") == b"b"  # a get waits for a key of a directory too
+    with pytest.raises(LookupError, match="not found"):
+        store.get("parcae/notice/never")
+    assert store.delete_key("parcae/notice/i1") and not store.check(["parcae/notice/i1"])
+    calls = record_client_calls(store)
+    assert store.read_present([f"parcae/hb/i{k}" for k in range(6)]) == {f"parcae/hb/i{k}": f"beat {k}".encode()
+                                                                         for k in range(4)}
+    assert calls == ["get"]  # one listing of beats/, present or not
+
+
+@needs_etcd
+def test_etcd_snapshot_and_await_change_see_signals_and_sleep_through_heartbeats(etcd_server: EtcdServer) -> None:
+    store = _job_store(etcd_server, "/parcae/t-signals")
+    writer = _job_store(etcd_server, "/parcae/t-signals")
+    assert store.snapshot("signals")[0] == {}  # nothing written there yet
+    writer.set("parcae/notice/i0", "n")
+    values, index = store.snapshot("signals")
+    assert values == {"parcae/notice/i0": b"n"}
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.02):
+            writer.set("parcae/hb/i0", str(time.time()))
+
+    threading.Thread(target=beat, daemon=True).start()
+    t0 = time.monotonic()
+    assert not store.await_change("signals", index, 0.5)  # 25 heartbeat writes meanwhile: none wakes it
+    assert time.monotonic() - t0 >= 0.45
+    threading.Timer(0.2, lambda: writer.set("parcae/abort/7", "why")).start()
+    t0 = time.monotonic()
+    assert store.await_change("signals", store.snapshot("signals")[1], 5.0)
+    assert time.monotonic() - t0 < 1.0
+    stop.set()
+    assert store.snapshot("signals")[0]["parcae/abort/7"] == b"why"

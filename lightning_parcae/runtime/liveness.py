@@ -13,7 +13,9 @@ Solution:
   watches the leader), and declares a member dead when its counter has not moved for ``dead_after_s`` (measured on
   the local clock, so clock skew between machines does not matter; time during which the store itself did not
   answer is not counted as anyone's silence, see :class:`SilenceClock`). A death is published as
-  ``parcae/abort/<generation>`` (first writer wins, the value is the reason); every thread polls that key.
+  ``parcae/abort/<generation>`` (first writer wins, the value is the reason); every process reads that key at each
+  beat -- on etcd a second thread watches it (and the notice key) instead: one long watch of the directory those
+  rare keys share, woken by their writes alone (:meth:`Liveness._watch_signals`).
 * Every collective of the runtime is issued asynchronously and waited through :func:`guarded_wait`, which waits in
   short slices (``Work.wait(timeout)`` can be repeated) and raises :class:`~lightning_parcae.errors.PeerLostError`
   as soon as the generation is aborted, or when the operation itself fails (a closed connection), after publishing
@@ -46,7 +48,8 @@ import torch.distributed as dist
 
 from lightning_parcae.errors import PeerLostError
 from lightning_parcae.runtime import steptime
-from lightning_parcae.runtime.store import TamperedRecordError, decode_record, encode_record, read_if_present
+from lightning_parcae.runtime.store import (KEY_DIRECTORIES, TamperedRecordError, decode_record, encode_record,
+                                            read_if_present)
 
 __all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key",
            "read_beats", "notice_record", "encode_notice", "decode_notice", "write_notice", "read_notice", "NoticeCheck"]
@@ -55,6 +58,14 @@ log = logging.getLogger(__name__)
 
 WATCH_SLICE_S = 0.2
 """Longest single watch of :meth:`Liveness.wait_key` (one heartbeat period): the abort flag is read between."""
+
+SIGNAL_WATCH_S = 10.0
+"""Longest single watch of the abort and notice keys on etcd (:meth:`Liveness._watch_signals`): a write ends it at
+once; the timeout only renews it (two requests)."""
+
+
+SIGNALS = KEY_DIRECTORIES["parcae/abort/"]
+"""The etcd directory of the abort and notice keys (the same for both: one watch sees either)."""
 
 
 def hb_key(member: str) -> str:
@@ -69,13 +80,19 @@ def read_beats(store: dist.Store, members: Sequence[str]) -> dict[str, Optional[
     one ``multi_get``); a ``check`` and a ``get`` per member only while some have not (start-up, a joiner), since
     ``multi_get`` would wait for a missing key. Heartbeat keys are never deleted, so a key seen by the ``check``
     is still there for the ``multi_get``. One member (what a non-leader watches: the leader) is one read on etcd
-    (:func:`~lightning_parcae.runtime.store.read_if_present`), not a ``check`` and a ``get``.
+    (:func:`~lightning_parcae.runtime.store.read_if_present`), not a ``check`` and a ``get``. On etcd, heartbeats
+    live in a directory of their own (:data:`~lightning_parcae.runtime.store.KEY_DIRECTORIES`): several members are
+    one listing of it, present or not.
 
     Regression (issue 21): always one ``check`` + ``get`` per member, in series, on the heartbeat thread of every
     process that watches the others -- 2N requests a beat on the leader and in recovery (64 at N = 32: 3.4 ms a
     beat on loopback, 2N network round trips across machines), against 2 now (0.14 ms at N = 32 on loopback).
     """
     keys = [hb_key(m) for m in members]
+    read_present = getattr(store, "read_present", None)
+    if read_present is not None and len(keys) > 1:  # etcd: one listing of the heartbeats' own directory
+        got = read_present(keys)
+        return {m: got.get(k) for m, k in zip(members, keys)}
     if len(keys) > 1 and store.check(keys):
         return {m: bytes(v) for m, v in zip(members, store.multi_get(keys))}
     return {m: read_if_present(store, k) for m, k in zip(members, keys)}
@@ -256,6 +273,12 @@ class Liveness:
         self._store: Optional[dist.Store] = None
         self._parked: list[Any] = []
         self._waiter_thread: Optional[_Waiter] = None
+        self._signal_store: Optional[Any] = None
+        self._signal_thread: Optional[threading.Thread] = None
+        self._signals: dict[str, bytes] = {}
+        """The last listing of the abort and notice keys (etcd; key -> value)."""
+        self._signals_live = threading.Event()
+        """Set while the signal thread's watch stands in for the heartbeat thread's polls of those keys."""
 
     # ------------------------------------------------------------------------------------------------ control
     def start(self) -> "Liveness":
@@ -264,6 +287,11 @@ class Liveness:
         self._beat(0)
         self._thread = threading.Thread(target=self._run, name=f"parcae-heartbeat-{self.member}", daemon=True)
         self._thread.start()
+        if hasattr(self._store, "snapshot"):  # etcd: watch the abort and notice keys instead of polling them
+            self._signal_store = self.store_factory()
+            self._signal_thread = threading.Thread(target=self._watch_signals, name=f"parcae-signals-{self.member}",
+                                                   daemon=True)
+            self._signal_thread.start()
         return self
 
     @property
@@ -292,6 +320,9 @@ class Liveness:
             self._clock.reset(self._watch, time.monotonic())
             self.aborted.clear()
             self.reason = ""
+            known = self._signals.get(abort_key(generation)) if self._signals_live.is_set() else None
+        if known is not None:  # aborted before this process entered it: the watch saw that write already
+            self._aborted_by(generation, known)
 
     def abort(self, reason: str, generation: Optional[int] = None) -> None:
         """Publish the abort of ``generation`` (default: the current one) and raise the local flag."""
@@ -449,15 +480,12 @@ class Liveness:
                 self._beat(counter)
                 with self._lock:
                     g, watch = self.generation, list(self._watch)
-                if g >= 0 and not self.aborted.is_set() and store.check([abort_key(g)]):
-                    reason = bytes(store.get(abort_key(g))).decode(errors="replace")
-                    with self._lock:
-                        if g == self.generation:
-                            self.reason = reason
-                            self.aborted.set()
-                if not self.noticed.is_set() and store.check([notice_key(self.member)]):
-                    if self._notice_valid(bytes(store.get(notice_key(self.member)))):
-                        self.noticed.set()
+                if not self._signals_live.is_set():  # no watch of the signals (not etcd, or it failed): poll
+                    if g >= 0 and not self.aborted.is_set() and store.check([abort_key(g)]):
+                        self._aborted_by(g, bytes(store.get(abort_key(g))))
+                    if not self.noticed.is_set() and store.check([notice_key(self.member)]):
+                        if self._notice_valid(bytes(store.get(notice_key(self.member)))):
+                            self.noticed.set()
                 raws = {m: b or b"" for m, b in read_beats(store, watch).items()}
                 now = time.monotonic()  # after the reads: a store that stalled them is blind time, not silence
                 dead: list[tuple[str, float]] = []
@@ -477,6 +505,52 @@ class Liveness:
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
                 log.warning("heartbeat of %s: %s", self.member, exc)
 
+
+    def _aborted_by(self, g: int, raw: bytes) -> None:
+        """Generation ``g``'s abort key reads ``raw``: raise the flag if ``g`` is still the current generation."""
+        with self._lock:
+            if g == self.generation and not self.aborted.is_set():
+                self.reason = raw.decode(errors="replace")
+                self.aborted.set()
+
+    def _watch_signals(self) -> None:
+        """The signal thread (etcd only): read the abort and notice keys' directory, act on it, then watch it.
+
+        Regression (issue 21): the heartbeat thread read this generation's abort key and this member's notice key at
+        every beat -- two of its four or five requests, five beats a second on every member (the largest share of a
+        job's store traffic while it trains, paced by time) -- for keys written a few times in a job's life. Here one
+        listing and one long watch of their directory (:data:`~lightning_parcae.runtime.store.KEY_DIRECTORIES`)
+        replace them: no request until a key there is written (or :data:`SIGNAL_WATCH_S` renews the watch), and an
+        abort reaches every member when it is written, not at its next beat. Until the first listing succeeds, and
+        whenever the store fails, :attr:`_signals_live` is clear and the heartbeat thread polls as before.
+        """
+        store = self._signal_store
+        assert store is not None
+        while not self._stop.is_set():
+            try:
+                values, index = store.snapshot(SIGNALS)
+                with self._lock:
+                    self._signals = values
+                    g = self.generation
+                self._act_on_signals(g, values)
+                self._signals_live.set()
+                store.await_change(SIGNALS, index, SIGNAL_WATCH_S)
+            except Exception as exc:  # noqa: BLE001 -- the heartbeat thread polls meanwhile
+                if self._signals_live.is_set():
+                    log.warning("watch of the abort and notice keys of %s failed (polling meanwhile): %s",
+                                self.member, exc)
+                self._signals_live.clear()
+                self._stop.wait(self.interval_s)
+
+    def _act_on_signals(self, g: int, values: dict[str, bytes]) -> None:
+        """Raise the abort flag (generation ``g``'s abort key is there) or the notice flag (this member's notice is
+        there and valid) from a listing of the signals' directory."""
+        raw = values.get(abort_key(g)) if g >= 0 else None
+        if raw is not None:
+            self._aborted_by(g, raw)
+        notice = values.get(notice_key(self.member))
+        if notice is not None and not self.noticed.is_set() and self._notice_valid(notice):
+            self.noticed.set()
 
     def _notice_valid(self, raw: bytes) -> bool:
         """Whether ``raw`` (this member's notice key) is a valid notice; a refused one is logged once."""

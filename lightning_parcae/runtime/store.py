@@ -83,6 +83,13 @@ _EXAMPLES = "tcp://127.0.0.1:29500, etcd://127.0.0.1:2379/parcae/job1 or file://
 _PROOF_CONTEXT = b"parcae-job-token-proof/v1:"
 _RECORD_CONTEXT = b"parcae-record/v1\0"
 
+KEY_DIRECTORIES: Mapping[str, str] = {"parcae/hb/": "beats", "parcae/abort/": "signals", "parcae/notice/": "signals"}
+"""On etcd, the keys under each prefix live in a directory of their own (below the job's), not among the job's other
+keys: a leader reads every heartbeat with one listing of ``beats`` (N entries, not the job's whole directory), and
+every process watches ``signals`` -- abort and notice keys, rare writes -- with one long watch instead of reading
+two keys at every heartbeat (:meth:`_EtcdStore.snapshot`, :meth:`_EtcdStore.await_change`). The keys keep their
+names: only their place in etcd changes, so every reader and writer is unchanged. Other stores ignore this."""
+
 
 class WrongTokenError(CoordinationError):
     """This process's job token does not match the one the launcher installed in the store (or none was given)."""
@@ -390,7 +397,7 @@ def _connect_etcd(spec: StoreSpec, *, deadline: float, timeout_s: float, op_time
             why = str(getattr(exc, "reason", exc))
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
     client = etcd.Client(host=spec.host, port=spec.port, protocol="http", read_timeout=max(5, int(timeout_s)))
-    return _EtcdStore(client, spec.path, timedelta(seconds=op_timeout_s))
+    return _EtcdStore(client, spec.path, timedelta(seconds=op_timeout_s), directories=KEY_DIRECTORIES)
 
 
 def _etcd_store_base() -> type:
@@ -416,14 +423,82 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
     a watch of that key alone (torch's ``wait`` watches the whole directory, which every heartbeat write wakes).
     """
 
+    def __init__(self, client: Any, prefix: str, timeout: timedelta | None = None,
+                 directories: Mapping[str, str] | None = None) -> None:
+        super().__init__(client, prefix, timeout)
+        self.directories = dict(directories or {})
+        """Key prefix -> the directory (below this store's) its keys live in (:data:`KEY_DIRECTORIES` on a job's
+        store; none on a scope)."""
+        for name in self.directories.values():
+            _scope_dir(name)  # a name a scope could have: never meets an encoded key
+
+    def _dir_of(self, key: str) -> str:
+        """The etcd directory that holds ``key``: this store's, or the one :attr:`directories` gives its prefix."""
+        for start, name in self.directories.items():
+            if key.startswith(start):
+                return self.prefix + _scope_dir(name)
+        return self.prefix
+
+    def _path(self, key: str) -> str:
+        return self._dir_of(key) + self._encode(key)
+
     def _read_one(self, key: str) -> bytes | None:
         """The value of ``key`` if it is there now (one key's request), else None."""
         import etcd
 
         try:
-            return self._decode(self.client.get(key=self.prefix + self._encode(key)).value)
+            return self._decode(self.client.get(key=self._path(key)).value)
         except etcd.EtcdKeyNotFound:
             return None
+
+    def _listing(self, directory: str) -> tuple[dict[str, bytes], int]:
+        """Every key in ``directory`` (full etcd paths -> values) and the store's index at the read (one request;
+        an empty listing while the directory does not exist)."""
+        import etcd
+
+        try:
+            node = self.client.get(key=directory)
+        except etcd.EtcdKeyNotFound as exc:
+            return {}, int((exc.payload or {}).get("index") or 0)
+        values = {c.key: self._decode(c.value) for c in node.children
+                  if not getattr(c, "dir", False) and c.value is not None}
+        return values, int(node.etcd_index or 0)
+
+    def read_present(self, keys: list[str]) -> dict[str, bytes]:
+        """The keys of ``keys`` that are there now, with their values: one listing per directory they live in
+        (one for a set of heartbeats), never a wait."""
+        out: dict[str, bytes] = {}
+        by_dir: dict[str, list[str]] = {}
+        for k in keys:
+            by_dir.setdefault(self._dir_of(k), []).append(k)
+        for directory, ks in by_dir.items():
+            values, _ = self._listing(directory)
+            for k in ks:
+                v = values.get(directory + self._encode(k))
+                if v is not None:
+                    out[k] = v
+        return out
+
+    def snapshot(self, name: str) -> tuple[dict[str, bytes], int]:
+        """Every key of the directory ``name`` of :attr:`directories` (key -> value) and the store's index at the
+        read: one request. Pass the index to :meth:`await_change`."""
+        values, index = self._listing(self.prefix + _scope_dir(name))
+        return {self._decode(path.rsplit("/", 1)[-1]).decode(): v for path, v in values.items()}, index
+
+    def await_change(self, name: str, index: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a write under the directory ``name`` after ``index`` (a :meth:`snapshot`'s):
+        True after one (read the snapshot again), False on the timeout. Writes elsewhere (heartbeats) do not wake
+        it. One request however long it waits."""
+        import etcd
+
+        try:
+            self.client.watch(key=self.prefix + _scope_dir(name), recursive=True,
+                              index=index + 1 if index else None, timeout=max(1e-3, timeout_s))
+            return True
+        except etcd.EtcdWatchTimedOut:
+            return False
+        except etcd.EtcdEventIndexCleared:  # fell out of etcd's event window: something may have changed
+            return True
 
     def wait_for(self, key: str, timeout_s: float) -> bool:
         """Whether ``key`` is there, waiting up to ``timeout_s`` for it with a watch of that key alone.
@@ -446,7 +521,7 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
         """
         import etcd
 
-        full = self.prefix + self._encode(key)
+        full = self._path(key)
         try:
             self.client.get(key=full)
             return True
@@ -473,9 +548,16 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
 
         Returns:
             True if all keys are there now; False otherwise (after a write under the directory, or the timeout).
+
+        Raises:
+            ValueError: A key lives in another directory (:attr:`directories`): this waits on one directory.
         """
         import etcd
 
+        elsewhere = [k for k in keys if self._dir_of(k) != self.prefix]
+        if elsewhere:
+            raise ValueError(f"wait_for_all waits on one directory; {elsewhere[0]!r} lives in "
+                             f"{self._dir_of(elsewhere[0])!r}: wait for it with wait_for")
         try:
             listing = self.client.get(key=self.prefix)
             present = {node.key for node in listing.children}
@@ -492,17 +574,46 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
         return False
 
     def get(self, key: str) -> bytes:
-        """The value of ``key``, waiting for it like torch's ``get`` if it is not there yet."""
+        """The value of ``key``, waiting for it like torch's ``get`` if it is not there yet.
+
+        Raises:
+            LookupError: The key was not written within the store's timeout.
+        """
         value = self._read_one(key)
-        return value if value is not None else super().get(key)
+        if value is not None:
+            return value
+        if self._dir_of(key) == self.prefix:
+            return super().get(key)
+        self._wait_elsewhere([key], None)
+        value = self._read_one(key)
+        if value is None:
+            raise LookupError(f"key {key!r} was deleted while it was waited for in the etcd store")
+        return value
+
+    def _wait_elsewhere(self, keys: list[str], override_timeout: timedelta | None) -> None:
+        """Wait for keys of :attr:`directories` one by one with :meth:`wait_for` (torch's wait watches this
+        store's own directory only)."""
+        timeout = self.timeout if override_timeout is None else override_timeout  # type: ignore[attr-defined]
+        deadline = time.monotonic() + timeout.total_seconds()
+        for k in keys:
+            while not self.wait_for(k, min(5.0, max(1e-3, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise LookupError(f"key {k!r} not found in the etcd store within {timeout.total_seconds():g} s")
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.client.set(key=self._path(key), value=self._encode(value))
+
+    def add(self, key: str, num: int) -> int:
+        if self._dir_of(key) != self.prefix:
+            raise ValueError(f"{key!r} is not a counter: keys under {list(self.directories)} are never added to")
+        return int(super().add(key, num))
 
     def check(self, keys: list[str]) -> bool:
         """Whether every key is there now: one key's request for a single key, one directory read for several
         (torch's ``check`` of several keys also posts a watch with a 1 us timeout when one is missing)."""
         if len(keys) == 1:
             return self._read_one(keys[0]) is not None
-        present = {node.key for node in self._children()}
-        return all(self.prefix + self._encode(k) in present for k in keys)
+        return len(self.read_present(list(keys))) == len(set(keys))
 
     def _children(self) -> list[Any]:
         """The nodes of this store's directory, keys and scopes (one request; none while it does not exist)."""
@@ -517,7 +628,10 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
         """Wait until every key is there: returns after one key's request each when they already are."""
         if all(self._read_one(k) is not None for k in keys):
             return
-        super().wait(keys, override_timeout)
+        here = [k for k in keys if self._dir_of(k) == self.prefix]
+        if here:
+            super().wait(here, override_timeout)
+        self._wait_elsewhere([k for k in keys if self._dir_of(k) != self.prefix], override_timeout)
 
     def _encode(self, value: str | bytes) -> str:
         if isinstance(value, str):
@@ -541,6 +655,22 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
         Raises:
             LookupError: A key was still missing after the store's timeout.
         """
+        if any(self._dir_of(k) != self.prefix for k in keys):  # heartbeats: one listing of their directory
+            got = self.read_present(list(keys))
+            missing = [k for k in keys if k not in got]
+            if missing:
+                try:
+                    self._wait_elsewhere([k for k in missing if self._dir_of(k) != self.prefix], None)
+                    here = [k for k in missing if self._dir_of(k) == self.prefix]
+                    if here:
+                        super().wait(here)
+                except LookupError as exc:
+                    raise LookupError(f"keys {list(keys)[:4]}... not all found in the etcd store within its "
+                                      f"timeout ({exc})") from None
+                got.update(self.read_present(missing))
+            if any(k not in got for k in keys):
+                raise LookupError(f"keys {list(keys)[:4]}... not all found in the etcd store (deleted meanwhile?)")
+            return [got[k] for k in keys]
         wanted = [self.prefix + self._encode(k) for k in keys]
         kvs = self._try_wait_get(list(dict.fromkeys(wanted)))
         if kvs is None:
@@ -557,9 +687,11 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
                    and node.key.rstrip("/") != self.prefix.rstrip("/"))
 
     def scope_names(self) -> list[str]:
-        """The scopes under this store (one read of its directory; subdirectories only)."""
-        return [node.key.rstrip("/").rsplit("/", 1)[-1].replace(".", "/") for node in self._children()
-                if getattr(node, "dir", False) and node.key.rstrip("/") != self.prefix.rstrip("/")]
+        """The scopes under this store (one read of its directory; subdirectories only, not the directories of
+        :attr:`directories`)."""
+        names = [node.key.rstrip("/").rsplit("/", 1)[-1].replace(".", "/") for node in self._children()
+                 if getattr(node, "dir", False) and node.key.rstrip("/") != self.prefix.rstrip("/")]
+        return [n for n in names if n not in self.directories.values()]
 
     def drop_scope(self, name: str) -> bool:
         """Delete the scope ``name`` with all its keys (one request); False if it was not there."""
@@ -575,7 +707,7 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
         import etcd
 
         try:
-            self.client.delete(key=self.prefix + self._encode(key))
+            self.client.delete(key=self._path(key))
             return True
         except etcd.EtcdKeyNotFound:
             return False
@@ -583,7 +715,7 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         import etcd
 
-        full = self.prefix + self._encode(key)
+        full = self._path(key)
         expected = expected_value.encode() if isinstance(expected_value, str) else expected_value
         desired = self._encode(desired_value)
         try:
