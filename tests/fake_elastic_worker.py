@@ -17,7 +17,9 @@ fast. It writes what the real runtime writes to ``run_dir/events.jsonl``:
 ``--fallback-at STEP`` makes every member of the first launch exit 75 at STEP; ``--startup-s S`` makes the first
 launch's candidates take S seconds to arrive (``--slow MEMBER@S,...``: that member S seconds instead);
 ``--formation-s S`` makes the first launch's roster members take S seconds from the roster to their first phase
-(generation 0 forming). Each process records its environment (and, as a candidate, the rank and world the roster
+(generation 0 forming); ``--fallback-below N`` makes every member of the first launch exit 75 once the launcher
+removed instances down to fewer than N, with the fallback event the real runtime writes then ("no shape fits",
+``min_instances`` N). Each process records its environment (and, as a candidate, the rank and world the roster
 gave it) in ``run_dir/env_<member>.json``.
 """
 
@@ -40,6 +42,8 @@ def main() -> None:
     ap.add_argument("--startup-s", type=float, default=0.0,
                     help="candidates of the first launch take this long to arrive (imports, as in a real start-up)")
     ap.add_argument("--slow", default="", help="MEMBER@S,...: that candidate of the first launch takes S seconds")
+    ap.add_argument("--fallback-below", type=int, default=0,
+                    help="first launch: fall back (exit 75, min_instances N) once the trace leaves fewer than N")
     ap.add_argument("--formation-s", type=float, default=0.0,
                     help="first-launch members take this long from the roster to their first phase")
     args = ap.parse_args()
@@ -124,6 +128,11 @@ def main() -> None:
                 pass
         if member in release and step >= release[member][0]:
             sys.exit(release[member][1])
+        if args.fallback_below and launch == 0 and fewer_than(run, args.fallback_below):
+            event(source="elastic", event="fallback", member=member, generation=base, step=step,
+                  reason=f"preemption notice: no shape fits (the model needs at least {args.fallback_below})",
+                  min_instances=args.fallback_below, checkpoint="ckpt/last.ckpt")
+            sys.exit(75)
         if args.fallback_at and launch == 0 and step >= args.fallback_at:
             event(source="elastic", event="fallback", member=member, generation=base,
                   reason="stage 0 lost every replica", step=step)
@@ -133,6 +142,16 @@ def main() -> None:
                 event(source="worker", event="end", generation=launch, step=step, samples=64 * step, D=world, P=1)
                 open(finished, "w").close()
             sys.exit(0)
+
+
+def fewer_than(run: str, n: int) -> bool:
+    """Whether the launcher has removed instances down to fewer than ``n`` (a ``remove`` event in the log)."""
+    try:
+        with open(os.path.join(run, "events.jsonl")) as f:
+            return any(e.get("source") == "launcher" and e.get("event") == "remove" and e.get("new_N", n) < n
+                       for e in (json.loads(line) for line in f if line.strip()))
+    except (OSError, ValueError):
+        return False
 
 
 def wait_roster(run: str, launch: int) -> dict:

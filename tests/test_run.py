@@ -622,3 +622,42 @@ def test_a_notice_during_start_up_leaves_the_candidate_out_without_a_relaunch(tm
     assert all(e["rc"] == 0 and not e["killed"] for m, e in exits.items() if m != "i3"), exits
     assert report["final_step"] == 30
     check_samples_once(_steps(out), 30, 16)  # every step trained once, one global batch each
+
+
+@pytest.mark.timeout(60)
+def test_elastic_waits_for_enough_instances_before_relaunching_a_model_that_needs_them(tmp_path: Path) -> None:
+    """Regression (issue 21, the GPT-1.5B replay of lh_80_90 at N <= 10): the trace fell below the fewest instances
+    the model fits on (5 < 6), the members stopped with a checkpoint ("no shape fits 5 instances"), and the
+    launcher relaunched at once on the 5, whose first generation cannot hold the model: the run failed. Now the
+    fallback says how many the model needs, and the launcher waits, paused, until the trace has them."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,2\n1000,1\n4000,2\n")
+    run_dir = tmp_path / "run"
+    cfg = _config(["--instances", "2", "--trace", str(trace), "--interval", "1", "--time-scale", "1", "--grace", "3",
+                   "--run-dir", str(run_dir), "--no-plot", "--", sys.executable, FAKE, "--steps", "60",
+                   "--fallback-below", "2"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    report = launcher.run()
+    _assert_nothing_left(launcher)
+    assert report["final_step"] == 60 and report["num_restarts"] == 1
+    launches = _launcher_events(report, "launch")
+    assert [x["N"] for x in launches] == [2, 2], launches  # never on the one instance left
+    paused = _launcher_events(report, "paused")
+    assert len(paused) == 1 and paused[0]["N"] == 1 and paused[0]["min_instances"] == 2, paused
+    t0 = report["events"][0]["time"]
+    assert launches[1]["time"] - t0 >= 3.5  # the trace came back to 2 at 4 s
+    assert launcher.state.min_instances == 2
+
+
+@pytest.mark.timeout(60)
+def test_restart_fallback_pauses_below_its_pipeline_stages_instead_of_failing(tmp_path: Path) -> None:
+    """Regression (issue 21, same replay): the restart fallback keeps P; at 5 instances with P = 6 it started 5
+    workers, which failed at once ("pipeline_stages=6 does not divide devices x nodes = 5") and ended the run."""
+    cfg = _config(["--instances", "4", "--pipeline-stages", "2", "--restart-fallback", "--", "python", "x.py"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    assert launcher.relaunch.fewest_instances() == 2
+    launcher.state.min_instances = 3
+    assert launcher.relaunch.fewest_instances() == 3
+    auto = Launcher(_config(["--instances", "4", "--pipeline-stages", "auto", "--restart-fallback", "--", "python",
+                             "x.py"]), out=open(os.devnull, "w"))
+    assert auto.relaunch.fewest_instances() == 1

@@ -130,6 +130,23 @@ def test_the_chooser_proposes_a_fallback_with_a_checkpoint_if_no_shape_fits() ->
     assert [e[0] for e in events] == ["decision"]
 
 
+@pytest.mark.parametrize(("limit", "need"), [(1.0e5, 3), (4.0e4, 6), (2.0e5, 2)])
+def test_a_fallback_for_want_of_instances_says_how_many_the_model_needs(limit: float, need: int) -> None:
+    """The launcher relaunches a stopped job only once the trace has this many (regression: it relaunched on the
+    5 instances left of a model that needs 6, and the run failed)."""
+    events: list = []
+    store = dist.HashStore()
+    host = _host([0.01] * 6, max_stage_memory_bytes=limit)  # 6 layers of 4e4 bytes with gradients and Adam state
+    state = _state(("a", "b", "c", "d", "e", "f"), (1,) * 6, 6, generation=3)
+    chooser = _chooser(host, state, _config(max_instances=8), events, coord=Coordinator(store), store=store)
+    assert chooser.fewest_instances(0) == need
+    leaving = ["b", "c", "d", "e", "f"][: 6 - need + 1]  # one fewer than the model needs stays
+    rec = chooser.decide(SimpleNamespace(global_step=7), reason="notice", leaving=leaving, admit=False)
+    assert rec is not None and rec["kind"] == "fallback" and rec["min_instances"] == need, rec
+    assert f"no shape fits {need - 1} instances (the model needs at least {need})" in rec["reason"]
+    assert chooser.fewest_instances(need) == need + 1
+
+
 def test_the_chooser_admits_a_fresh_standby_and_proposes_the_next_generation() -> None:
     """A registered standby whose heartbeat moves and says ``standby`` is planned in (here by an operator's resize
     request to 2x1); the record names it in the transition, and the old leader sends the loop state."""

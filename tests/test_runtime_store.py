@@ -593,6 +593,8 @@ def test_etcd_keeps_heartbeats_and_signals_out_of_the_job_directory_under_their_
     assert store.scope_names() == []  # the directories are not scopes (retire_scopes never drops them)
     with pytest.raises(ValueError, match="not a counter"):
         store.add("parcae/hb/i0", 1)
+    with pytest.raises(ValueError, match="waits on one directory"):
+        store.wait_for_all(["parcae/hb/i0", "parcae/plan/3"], 0.1)
     threading.Timer(0.2, lambda: _job_store(etcd_server, "/parcae/t-dirs").set("parcae/hb/late", "b")).start()
     assert store.get("parcae/hb/late") == b"b"  # a get waits for a key of a directory too
     with pytest.raises(LookupError, match="not found"):

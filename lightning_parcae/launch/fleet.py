@@ -110,6 +110,8 @@ class Fleet:
         self._slots: dict[int, int] = {}  # instance -> device slot (LOCAL_RANK), see device_slot
         self._lost: dict[int, int] = {}  # instance -> how often its process died by a signal nobody here sent
         self._no_members_since: Optional[float] = None
+        self._paused_at: Optional[int] = None
+        """The instance count a launch last waited at for want of instances (:meth:`launch_when_enough`)."""
         self._victim_rng = random.Random(int(cfg.seed))  # --victims random
         self.startup: Optional[StartupRound] = None
         """The current launch's start-up (its roster once written); owned by this part."""
@@ -211,6 +213,27 @@ class Fleet:
         what = f"relaunch from {'last.ckpt' if cfg.checkpoint_dir is None else ckpt}" if resume else "launch"
         self.say(f"{what} #{launch}: {len(ids)} instances, start-up candidates {candidates} (P={p or 'auto'}); the "
                  "first generation forms from those that arrive")
+
+    def launch_when_enough(self) -> None:
+        """A launch is due (PENDING): launch once the trace has at least the fewest instances the model fits on
+        (``state.min_instances``, from the workers' fallback); until then the run stays paused, said once per count.
+
+        Regression (issue 21, the GPT-1.5B replay of lh_80_90 at N <= 10, P >= 6 by the memory rule): the trace
+        fell to 5 instances, the members saved a checkpoint and stopped ("no shape fits 5 instances"), and the
+        launcher relaunched at once on the 5 -- whose first generation cannot hold the model (``StageMemoryError``:
+        no split into 5 stages fits): the run failed, under parcae and live-reactive alike, 55 % of the way through
+        the segment. It now waits, paused, until the trace has 6 again, then relaunches from the checkpoint.
+        """
+        n, need = len(self.instances), self.state.min_instances
+        if n >= max(1, need):
+            self._paused_at = None
+            self.launch_instances()
+            return
+        if self._paused_at != n:
+            self._paused_at = n
+            why = f"{n} instance(s), fewer than the {need} the model fits on"
+            self.events("paused", reason=why, N=n, min_instances=need)
+            self.say(f"paused: {why}; relaunching from the checkpoint when the trace has {need}")
 
     def form_roster(self, now: Optional[float] = None) -> Optional[StartupRoster]:
         """Write the current launch's start-up roster once its candidates have arrived (the rule:

@@ -74,6 +74,18 @@ class Relaunch:
             d = next((k for k in range(n // p, 0, -1) if batch_splits(b, k, m)), 1)
         return d * p, d, p
 
+    def fewest_instances(self) -> int:
+        """The fewest instances a generation of the restart fallback can run on: its fixed P (every generation
+        keeps ``--pipeline-stages``; on fewer the script's P would not divide the world), or what a fallback said
+        the model needs, whichever is more; 1 for ``auto``.
+
+        Regression (issue 21, the GPT-1.5B replay of lh_80_90 at N <= 10): at a dip to 5 instances with P = 6
+        the relaunch started 5 workers, which failed at once ("pipeline_stages=6 does not divide devices x nodes =
+        5") and ended the run; a generation on too few instances now waits, paused, for the trace to come back.
+        """
+        fixed = 0 if self.cfg.pipeline_stages == "auto" else int(self.cfg.pipeline_stages)
+        return max(1, fixed, self.state.min_instances)
+
     def start_generation(self, n: int) -> None:
         """Start the next generation of the restart fallback for ``n`` instances (resuming from ``last.ckpt``)."""
         cfg, st = self.cfg, self.state

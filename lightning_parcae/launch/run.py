@@ -327,6 +327,8 @@ class Launcher:
             if member not in st.fallback_seen:
                 st.fallback_seen.add(member)
                 st.fallback_reason = str(ev.get("reason", ""))
+            if ev.get("min_instances"):
+                st.min_instances = int(ev["min_instances"])
 
     # ------------------------------------------------------------------------------------------------ workers
     def kill_all(self) -> None:
@@ -395,7 +397,7 @@ class Launcher:
             self.event("paused", reason="no instances available")
         while True:
             if st.phase is Phase.PENDING and fleet.instances:
-                fleet.launch_instances()
+                fleet.launch_when_enough()
             time.sleep(POLL_S)
             self._read_events()
             fleet.reap()
@@ -439,8 +441,12 @@ class Launcher:
         """``--restart-fallback``: every change of the trace stops the generation and relaunches it."""
         cfg, st, pool = self.cfg, self.state, self.pool
         n0 = self.target_at(0.0)
-        if n0:
+        if n0 and n0 >= self.relaunch.fewest_instances():
             self.relaunch.start_generation(n0)
+        elif n0:
+            st.n = n0
+            self.event("paused", reason=f"{n0} instance(s), fewer than the {self.relaunch.fewest_instances()} "
+                                        "pipeline stages every generation keeps")
         lost_relaunches = 0
         while True:
             time.sleep(POLL_S)
@@ -483,13 +489,19 @@ class Launcher:
                 if pool.workers:
                     st.pending_restart = self.relaunch.stop_generation(target)
                 st.n = target
-                if target > 0:
+                fewest = self.relaunch.fewest_instances()
+                if target >= fewest:
                     self.relaunch.start_generation(target)
-                else:
-                    st.pause()
-                    st.timeline.append({"t": time.time() - st.t0, "N": 0, "workers": 0, "D": 0, "P": 0,
+                elif st.phase is not Phase.PAUSED:
+                    if st.phase is not Phase.PENDING:
+                        st.pause()
+                    st.timeline.append({"t": time.time() - st.t0, "N": target, "workers": 0, "D": 0, "P": 0,
                                         "generation": st.generation})
-                    self.event("paused", reason="no instances available")
+                    why = ("no instances available" if target == 0 else
+                           f"{target} instance(s), fewer than the {fewest} pipeline stages every generation keeps")
+                    self.event("paused", reason=why)
+                    print(f"[parcae run] paused: {why}; the job resumes from last.ckpt when the trace has "
+                          f"{fewest}", file=self.out, flush=True)
             self.console.progress()
 
     # ------------------------------------------------------------------------------------------------ report

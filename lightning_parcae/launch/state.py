@@ -113,6 +113,9 @@ class RunState:
     fleet's own finding; cleared by :meth:`end_fallback`."""
     fallback_seen: set[str] = field(default_factory=set)
     """Members whose ``fallback`` event was seen (the launcher); cleared by :meth:`end_fallback`."""
+    min_instances: int = 0
+    """The fewest instances the job's model fits on, as a fallback for want of instances said (the launcher, from the
+    workers' ``fallback`` events; 0 while unknown). ``--elastic`` relaunches only once the trace has that many."""
     finished_at: Optional[float] = None
     """When the job reported its end; set by :meth:`finish`."""
     kill_times: list[float] = field(default_factory=list)

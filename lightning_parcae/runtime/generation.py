@@ -178,8 +178,13 @@ class GenerationRecords:
             rec["bytes_moved"] = plan.bytes_moved
         return rec
 
-    def fallback(self, generation: int, step: int, reason: str, checkpoint: bool = False) -> dict[str, Any]:
-        """The record of a stop for a restart from the checkpoint, as generation ``generation``."""
+    def fallback(self, generation: int, step: int, reason: str, checkpoint: bool = False,
+                 min_instances: Optional[int] = None) -> dict[str, Any]:
+        """The record of a stop for a restart from the checkpoint as generation ``generation`` (``min_instances``:
+        the fewest instances the model fits on, when too few is the reason)."""
         assert self.state.layout is not None
-        return {"generation": generation, "kind": "fallback", "step": step, "reason": reason,
-                "layout": self.state.layout.to_json(), "time": time.time(), "checkpoint": checkpoint}
+        rec = {"generation": generation, "kind": "fallback", "step": step, "reason": reason,
+               "layout": self.state.layout.to_json(), "time": time.time(), "checkpoint": checkpoint}
+        if min_instances:
+            rec["min_instances"] = int(min_instances)
+        return rec

@@ -84,10 +84,11 @@ class Recovery:
         self._rounds: dict[int, int] = {}  # rounds of recovery from each base generation (see survivors_record)
 
     def propose_fallback(self, step: int, reason: str, checkpoint: bool = False,
-                         generation: Optional[int] = None) -> dict[str, Any]:
+                         generation: Optional[int] = None, min_instances: Optional[int] = None) -> dict[str, Any]:
         """Propose a stop for a restart from the checkpoint as the next generation (or ``generation``)."""
         target = self.state.generation + 1 if generation is None else generation
-        return self.ctx.coord.propose(self.records.fallback(target, step, reason, checkpoint))
+        return self.ctx.coord.propose(self.records.fallback(target, step, reason, checkpoint,
+                                                           min_instances=min_instances))
 
     def decide_commit(self, step: int) -> bool:
         """After a failure inside ``step``: True if the step is applied everywhere, False if discarded everywhere."""
@@ -210,7 +211,10 @@ class Recovery:
         old = self.state.layout
         shape = self.shapes.choose(len(old.members), len(alive), observe=False)
         if shape is None:
-            return self.propose_fallback(step, f"{reason}: no shape fits {len(alive)}", generation=target)
+            need = self.shapes.fewest_instances(len(alive))
+            return self.propose_fallback(step, f"{reason}: no shape fits {len(alive)}"
+                                         + (f" (the model needs at least {need})" if need else ""),
+                                         generation=target, min_instances=need)
         try:
             plan = plan_migration(old, alive, shape, self.shapes.partition_for(shape[1]), self.records.layer_bytes(),
                                   senders=alive)
@@ -290,7 +294,8 @@ class Recovery:
                    "from it when instances are back.")
             log.error(msg)
             print(msg, file=sys.stderr, flush=True)
-            ctx.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step), checkpoint=saved)
+            ctx.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step), checkpoint=saved,
+                      min_instances=rec.get("min_instances"))
             ctx.life.to(Phase.FALLBACK, reason=rec.get("reason"))
             exit_now(FALLBACK_EXIT)
         msg = (f"PARCAE FALLBACK at step {trainer.global_step}: {rec.get('reason')}. No live process holds some "
@@ -298,7 +303,8 @@ class Recovery:
                "and will be recomputed.")
         log.error(msg)
         print(msg, file=sys.stderr, flush=True)
-        ctx.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step))
+        ctx.event("fallback", reason=rec.get("reason"), step=int(trainer.global_step),
+                  min_instances=rec.get("min_instances"))
         ctx.life.to(Phase.FALLBACK, reason=rec.get("reason"))
         exit_now(FALLBACK_EXIT)
 

@@ -629,8 +629,10 @@ class ShapeChooser:
                        predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"),
                        throughput=self.stats.get("throughput"), exploration=self.stats.get("exploration"))
         if shape is None:  # every member is alive here: save a checkpoint before stopping
-            return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
-                                          checkpoint=True)
+            need = self.fewest_instances(len(avail))
+            return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances"
+                                          + (f" (the model needs at least {need})" if need else ""),
+                                          checkpoint=True, min_instances=need)
         if shape == cur and not leaving:
             return None
         try:
@@ -644,10 +646,26 @@ class ShapeChooser:
                            reason=reason)
         return self.coord.propose(rec)
 
-    def _propose_fallback(self, step: int, reason: str, checkpoint: bool = False) -> dict[str, Any]:
+    def _propose_fallback(self, step: int, reason: str, checkpoint: bool = False,
+                          min_instances: Optional[int] = None) -> dict[str, Any]:
         """Propose a stop for a restart from the checkpoint as the next generation."""
         assert self.coord is not None
-        return self.coord.propose(self.records.fallback(self.state.generation + 1, step, reason, checkpoint))
+        return self.coord.propose(self.records.fallback(self.state.generation + 1, step, reason, checkpoint,
+                                                        min_instances=min_instances))
+
+    def fewest_instances(self, above: int) -> Optional[int]:
+        """The fewest instances, more than ``above``, on which some shape of this model fits (the throughput
+        model's candidates: the memory rule, the batch split); None while there is no model, or if no count up to
+        one stage per layer fits. A fallback for want of instances carries it, so that the launcher waits for that
+        many before it relaunches (a relaunch on fewer fails: no split of the model fits them)."""
+        measured = self.model()
+        if measured is None:
+            return None
+        thr = measured if self.config.throughput == "measured" else measured.prior
+        for n in range(max(1, above + 1), max(above + 1, len(self.host.layer_names)) + 1):
+            if thr.candidates(n):
+                return n
+        return None
 
 
 def _no_event(event_name: str, /, **fields: Any) -> None:
