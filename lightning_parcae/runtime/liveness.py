@@ -320,7 +320,9 @@ class Liveness:
             self._clock.reset(self._watch, time.monotonic())
             self.aborted.clear()
             self.reason = ""
-            known = self._signals.get(abort_key(generation)) if self._signals_live.is_set() else None
+            # not only while the watch is live: its first listing may hold this abort and have been acted on for the
+            # generation before, just as the watch takes over from the polls
+            known = self._signals.get(abort_key(generation))
         if known is not None:  # aborted before this process entered it: the watch saw that write already
             self._aborted_by(generation, known)
 
@@ -504,7 +506,6 @@ class Liveness:
                         self.abort(why, g)
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
                 log.warning("heartbeat of %s: %s", self.member, exc)
-
 
     def _aborted_by(self, g: int, raw: bytes) -> None:
         """Generation ``g``'s abort key reads ``raw``: raise the flag if ``g`` is still the current generation."""
