@@ -661,3 +661,23 @@ def test_restart_fallback_pauses_below_its_pipeline_stages_instead_of_failing(tm
     auto = Launcher(_config(["--instances", "4", "--pipeline-stages", "auto", "--restart-fallback", "--", "python",
                              "x.py"]), out=open(os.devnull, "w"))
     assert auto.relaunch.fewest_instances() == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_restart_fallback_pauses_below_its_pipeline_stages_and_resumes_when_the_trace_comes_back(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The end-to-end form of the regression above: P = 2 on a trace 2 -> 1 -> 2 (old code: one worker started with
+    P = 2, "pipeline_stages=2 does not divide devices x nodes = 1", and the run failed)."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,2\n60000,1\n120000,2\n180000,2\n")
+    run_dir = tmp_path / "run"
+    rc = main(["--instances", "2", "--restart-fallback", "--pipeline-stages", "2", "--trace", str(trace),
+               "--time-scale", "6", "--grace", "30", "--run-dir", str(run_dir), "--no-plot", "--",
+               sys.executable, EXAMPLE, "--max-steps", "300", "--step-delay", "0.02", "--ckpt-every", "25"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["final_step"] == 300
+    paused = _launcher_events(report, "paused")
+    assert len(paused) == 1 and "fewer than the 2 pipeline stages" in paused[0]["reason"], paused
+    assert all(x["workers"] == 2 for x in _launcher_events(report, "launch"))
