@@ -30,6 +30,9 @@ class _Shapes:
     def partition_for(self, p: int) -> list[int]:
         return [2] * p
 
+    def fewest_instances(self, above: int) -> Any:
+        return 3 if self.shape is None else None
+
 
 def _recovery(store: dist.Store, events: list[tuple[str, dict[str, Any]]]) -> Recovery:
     """A Recovery over typed fakes: generation 0 of six members at 2x3, the shape choice fixed."""
@@ -170,6 +173,7 @@ def test_survivors_propose_a_fallback_at_the_target_generation_if_no_shape_fits(
     rec.shapes.shape = None  # type: ignore[attr-defined]
     out = rec._survivors_generation(2, 4, ["i0"], ["i1", "i2", "i3", "i4", "i5"], "peer lost")
     assert out["generation"] == 2 and out["kind"] == "fallback" and "no shape fits 1" in out["reason"]
+    assert out["min_instances"] == 3 and "the model needs at least 3" in out["reason"]  # the launcher waits for 3
 
 
 class _Exit(Exception):

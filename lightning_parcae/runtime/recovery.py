@@ -39,11 +39,14 @@ log = logging.getLogger("lightning_parcae.elastic")
 
 
 class SurvivorShapes(Protocol):
-    """What recovery asks of the shape choice: a shape for the survivors and its partition."""
+    """What recovery asks of the shape choice: a shape for the survivors and its partition, and -- when none fits
+    -- the fewest instances one would fit on (the fallback tells the launcher to wait for that many)."""
 
     def choose(self, n_now: int, n_next: int, observe: bool) -> Optional[Shape]: ...
 
     def partition_for(self, p: int) -> list[int]: ...
+
+    def fewest_instances(self, above: int) -> Optional[int]: ...
 
 
 @dataclass(frozen=True)
