@@ -442,11 +442,7 @@ class Launcher:
         cfg, st, pool = self.cfg, self.state, self.pool
         n0 = self.target_at(0.0)
         if n0 and n0 >= self.relaunch.fewest_instances():
-            self.relaunch.start_generation(n0)
-        elif n0:
-            st.n = n0
-            self.event("paused", reason=f"{n0} instance(s), fewer than the {self.relaunch.fewest_instances()} "
-                                        "pipeline stages every generation keeps")
+            self.relaunch.start_generation(n0)  # (too few: the loop's first change pauses, saying why)
         lost_relaunches = 0
         while True:
             time.sleep(POLL_S)

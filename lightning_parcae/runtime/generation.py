@@ -181,8 +181,10 @@ class GenerationRecords:
     def fallback(self, generation: int, step: int, reason: str, checkpoint: bool = False,
                  min_instances: Optional[int] = None) -> dict[str, Any]:
         """The record of a stop for a restart from the checkpoint as generation ``generation`` (``min_instances``:
-        the fewest instances the model fits on, when too few is the reason)."""
+        the fewest instances the model fits on, when too few is the reason; the reason then says so too)."""
         assert self.state.layout is not None
+        if min_instances:
+            reason = f"{reason} (the model needs at least {int(min_instances)})"
         rec = {"generation": generation, "kind": "fallback", "step": step, "reason": reason,
                "layout": self.state.layout.to_json(), "time": time.time(), "checkpoint": checkpoint}
         if min_instances:

@@ -214,10 +214,8 @@ class Recovery:
         old = self.state.layout
         shape = self.shapes.choose(len(old.members), len(alive), observe=False)
         if shape is None:
-            need = self.shapes.fewest_instances(len(alive))
-            return self.propose_fallback(step, f"{reason}: no shape fits {len(alive)}"
-                                         + (f" (the model needs at least {need})" if need else ""),
-                                         generation=target, min_instances=need)
+            return self.propose_fallback(step, f"{reason}: no shape fits {len(alive)}", generation=target,
+                                         min_instances=self.shapes.fewest_instances(len(alive)))
         try:
             plan = plan_migration(old, alive, shape, self.shapes.partition_for(shape[1]), self.records.layer_bytes(),
                                   senders=alive)

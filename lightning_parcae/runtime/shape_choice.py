@@ -629,10 +629,8 @@ class ShapeChooser:
                        predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"),
                        throughput=self.stats.get("throughput"), exploration=self.stats.get("exploration"))
         if shape is None:  # every member is alive here: save a checkpoint before stopping
-            need = self.fewest_instances(len(avail))
-            return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances"
-                                          + (f" (the model needs at least {need})" if need else ""),
-                                          checkpoint=True, min_instances=need)
+            return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
+                                          checkpoint=True, min_instances=self.fewest_instances(len(avail)))
         if shape == cur and not leaving:
             return None
         try:

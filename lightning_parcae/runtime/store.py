@@ -489,15 +489,20 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
         """Wait up to ``timeout_s`` for a write under the directory ``name`` after ``index`` (a :meth:`snapshot`'s):
         True after one (read the snapshot again), False on the timeout. Writes elsewhere (heartbeats) do not wake
         it. One request however long it waits."""
+        return self._watch_dir(self.prefix + _scope_dir(name), index, timeout_s)
+
+    def _watch_dir(self, directory: str, index: int, timeout_s: float) -> bool:
+        """One recursive watch of ``directory`` from after ``index`` (a listing's): True at the next write under it
+        (or when the index fell out of etcd's event window: something may have changed), False on the timeout."""
         import etcd
 
         try:
-            self.client.watch(key=self.prefix + _scope_dir(name), recursive=True,
-                              index=index + 1 if index else None, timeout=max(1e-3, timeout_s))
+            self.client.watch(key=directory, recursive=True, index=index + 1 if index else None,
+                              timeout=max(1e-3, timeout_s))
             return True
         except etcd.EtcdWatchTimedOut:
             return False
-        except etcd.EtcdEventIndexCleared:  # fell out of etcd's event window: something may have changed
+        except etcd.EtcdEventIndexCleared:
             return True
 
     def wait_for(self, key: str, timeout_s: float) -> bool:
@@ -552,25 +557,14 @@ class _EtcdStore(_etcd_store_base()):  # type: ignore[misc]
         Raises:
             ValueError: A key lives in another directory (:attr:`directories`): this waits on one directory.
         """
-        import etcd
-
         elsewhere = [k for k in keys if self._dir_of(k) != self.prefix]
         if elsewhere:
             raise ValueError(f"wait_for_all waits on one directory; {elsewhere[0]!r} lives in "
                              f"{self._dir_of(elsewhere[0])!r}: wait for it with wait_for")
-        try:
-            listing = self.client.get(key=self.prefix)
-            present = {node.key for node in listing.children}
-            if all(self.prefix + self._encode(k) in present for k in keys):
-                return True
-            index = int(listing.etcd_index or 0)
-        except etcd.EtcdKeyNotFound as exc:  # no key written under it yet
-            index = int((exc.payload or {}).get("index") or 0)
-        try:
-            self.client.watch(key=self.prefix, recursive=True, index=index + 1 if index else None,
-                              timeout=max(1e-3, timeout_s))
-        except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
-            pass
+        present, index = self._listing(self.prefix)
+        if all(self.prefix + self._encode(k) in present for k in keys):
+            return True
+        self._watch_dir(self.prefix, index, timeout_s)
         return False
 
     def get(self, key: str) -> bytes:
