@@ -625,6 +625,26 @@ def test_a_notice_during_start_up_leaves_the_candidate_out_without_a_relaunch(tm
 
 
 @pytest.mark.timeout(60)
+def test_a_fallback_that_saved_a_checkpoint_is_resumed_from_its_step_without_charging_redo(tmp_path: Path) -> None:
+    """Regression (issue 21, the lh_80_90 replay): the members stopped for a fallback at step 49 and saved
+    ``last.ckpt`` there (their ``fallback`` events name it), but the launcher remembered only periodic checkpoint
+    events (step 40): the relaunch was recorded as resuming from 40, and the restart charged 9 steps (32 s) of redo
+    that the workers -- resuming from 49 -- never did."""
+    cfg = _config(["--instances", "2", "--run-dir", str(tmp_path), "--no-plot", "--", "python", "x.py"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    st = launcher.state
+    w = {"source": "worker", "generation": 0, "samples": 0, "time": 1.0}
+    fb = {"source": "elastic", "event": "fallback", "generation": 0, "reason": "no shape fits", "time": 2.0}
+    _write_events(tmp_path, [{**w, "event": "checkpoint", "step": 40},
+                             {**fb, "member": "i1", "step": 49, "checkpoint": str(tmp_path / "last.ckpt")},
+                             {**fb, "member": "i0", "step": 49, "checkpoint": str(tmp_path / "last.ckpt")}])
+    launcher._read_events()
+    assert st.last_ckpt_step == 49
+    _write_events(tmp_path, [{**fb, "member": "i2", "step": 51, "checkpoint": None}])  # saved nothing: no claim
+    launcher._read_events()
+    assert st.last_ckpt_step == 49
+
+
 def test_elastic_waits_for_enough_instances_before_relaunching_a_model_that_needs_them(tmp_path: Path) -> None:
     """Regression (issue 21, the GPT-1.5B replay of lh_80_90 at N <= 10): the trace fell below the fewest instances
     the model fits on (5 < 6), the members stopped with a checkpoint ("no shape fits 5 instances"), and the

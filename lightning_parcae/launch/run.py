@@ -310,7 +310,8 @@ class Launcher:
 
     def _observe(self, ev: dict[str, Any]) -> None:
         """What an event changes in the run: a generation's first step (which completes a pending restart), a
-        checkpoint, the job's end, a member's reason for a fallback."""
+        checkpoint (periodic, or the one the members saved for a fallback), the job's end, a member's reason for a
+        fallback."""
         st = self.state
         if ev.get("source") == "worker":
             kind = ev.get("event")
@@ -329,6 +330,10 @@ class Launcher:
                 st.fallback_reason = str(ev.get("reason", ""))
             if ev.get("min_instances"):
                 st.min_instances = int(ev["min_instances"])
+            if ev.get("checkpoint") and ev.get("step") is not None:
+                # the members saved this checkpoint as they stopped: the relaunch resumes from its step, not from the
+                # last periodic one (regression: lh_80_90's relaunch was charged 9 steps of redo it never did)
+                st.last_ckpt_step = int(ev["step"])
 
     # ------------------------------------------------------------------------------------------------ workers
     def kill_all(self) -> None:
