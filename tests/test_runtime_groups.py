@@ -365,3 +365,55 @@ def test_arrival_wait_on_etcd_sleeps_in_a_watch_until_the_last_rank_arrives(etcd
     with pytest.raises(PeerLostError, match="r3 missed heartbeats"):
         await_arrivals(store, 0, 9, timedelta(seconds=20), aborted)  # type: ignore[arg-type]
     assert time.monotonic() - t1 < 0.3 + ARRIVAL_WATCH_S + 0.25
+
+
+_EXIT_SCRIPT = r"""
+import atexit, sys, time
+import torch.distributed as dist
+import lightning_parcae.runtime.groups as groups
+# registered before the first build, so it runs after the groups' own exit handler (atexit is last in, first out)
+atexit.register(lambda: print("initialized at the end:", dist.is_initialized(), flush=True))
+groups.EXIT_SHUTDOWN_S = float(sys.argv[1])
+if sys.argv[2] == "hang":
+    dist.destroy_process_group = lambda *a, **k: time.sleep(60)
+groups.ProcessGroups(0, 0, 1, 1, 1, dist.HashStore()).build()
+print("built", flush=True)
+if sys.argv[3] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+def _run_exit_script(tmp_path: object, bound: float, destroy: str, end: str) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "exit_script.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
+    return subprocess.run([sys.executable, str(script), str(bound), destroy, end], capture_output=True, text=True,
+                          timeout=90, env=env)
+
+
+def test_groups_left_up_after_the_script_are_destroyed_at_exit_while_the_interpreter_is_whole(tmp_path: object) -> None:
+    """Regression (about 1 static 1 x 2 run in 40): the groups a job leaves up after ``fit`` (so that
+    ``save_checkpoint`` still works) were torn down by interpreter finalization, and a rank that had finished its work
+    aborted with "terminate called without an active exception" (-6). An ``atexit`` handler now destroys them first:
+    a handler that runs after it sees no process group."""
+    done = _run_exit_script(tmp_path, 30.0, "real", "ok")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "built" in done.stdout and "initialized at the end: False" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("end,code", [("ok", 0), ("raise", 1)])
+def test_groups_shutdown_at_exit_that_hangs_ends_the_process_within_its_bound_with_the_scripts_status(
+        tmp_path: object, end: str, code: int) -> None:
+    """A shutdown that blocks at exit (a group whose peer died) does not hang the process: after the bound it ends
+    at once -- status 0 if the script finished, 1 if an exception ended it."""
+    import time
+
+    t = time.monotonic()
+    done = _run_exit_script(tmp_path, 1.0, "hang", end)
+    assert done.returncode == code, (done.returncode, done.stderr[-2000:])
+    assert time.monotonic() - t < 30, "the bound of 1 s was not kept"
+    assert "took over 1 s" in done.stderr, done.stderr[-2000:]

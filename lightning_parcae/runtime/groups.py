@@ -16,7 +16,11 @@ ranks ``0 .. P-1`` and global rank 0 is stage 0 of replica 0.
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import logging
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,13 +33,18 @@ from lightning_parcae.runtime.store import drop_scopes, scoped
 from lightning_parcae.runtime.torch_internals import forget_process_groups, set_group_timeout
 
 __all__ = ["Coords", "ProcessGroups", "await_arrivals", "await_connected", "connect_timeout", "coords_of",
-           "device_backends", "init_transition_world", "rank_of", "retire_scopes", "GLOO_CONNECT_FACTOR"]
+           "device_backends", "init_transition_world", "rank_of", "retire_scopes", "shut_down_groups_at_exit",
+           "GLOO_CONNECT_FACTOR", "EXIT_SHUTDOWN_S"]
 
 GLOO_CONNECT_FACTOR = 5
 """gloo waits this many times a group's timeout for the first connection of each pair (``tcp::Pair::waitUntil``:
 "use a longer timeout when waiting for initial connect"), once the peer's address is in the store."""
 
 _log = logging.getLogger(__name__)
+
+EXIT_SHUTDOWN_S = 30.0
+"""How long :func:`shut_down_groups_at_exit` lets the process groups' shutdown take at interpreter exit before it
+ends the process without it."""
 
 ARRIVAL_WATCH_S = 0.2
 """Longest single watch of :func:`await_arrivals` on a store that watches: the abort is checked between them."""
@@ -353,6 +362,7 @@ class ProcessGroups:
         await_connected(prefixed, self.rank, self.world, self.timeout, self.aborted,
                         what=f"process groups of generation {self.generation}")
         self._built = True
+        shut_down_groups_at_exit()
         if self.rank == 0:
             retire_scopes(self.store, self.generation)
         self.set_op_timeout(self.timeout)
@@ -443,3 +453,63 @@ class ProcessGroups:
     def pipeline_group_of(self, replica: int) -> Any:
         """The pipeline group of ``replica``."""
         return self._pipeline_groups[replica]
+
+
+_AT_EXIT: list[bool] = []
+_FAILED: list[bool] = []
+
+
+def shut_down_groups_at_exit() -> None:
+    """Destroy whatever process groups are still up when the script ends, while the interpreter is still whole.
+
+    Regression (a static 1 x 2 pipeline, about 1 run in 40 here; seen in two tests of the full suite): the strategy
+    keeps a generation's groups up after ``fit``, as Lightning's DDP does, so ``trainer.save_checkpoint`` and later
+    Trainer stages work. Left to interpreter finalization, gloo's threads and the work objects they hold were torn
+    down with the interpreter half gone, and a rank that had finished its work aborted ("terminate called without an
+    active exception", exit status -6) -- the failure torch reports when ``destroy_process_group`` is never called
+    (pytorch/pytorch#190489). Registered once per process when its first generation is built; ``atexit`` runs it
+    after non-daemon threads (a background checkpoint write) have finished. Destroying a group whose peer died could
+    block, so the shutdown gets :data:`EXIT_SHUTDOWN_S`; past that the process ends at once, with status 1 if an
+    exception ended the script, else 0. A process that left a generation after a failure has already arranged to
+    exit without destructors (:func:`~lightning_parcae.runtime.lifecycle.exit_without_destructors_at_shutdown`,
+    registered later, so it runs first).
+    """
+    if _AT_EXIT:
+        return
+    _AT_EXIT.append(True)
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        _FAILED.append(True)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    atexit.register(_shut_down, EXIT_SHUTDOWN_S)
+
+
+def _destroy_all() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 -- at exit: say it, do not replace the script's outcome
+        _log.warning("process groups' shutdown at exit failed: %s", exc)
+
+
+def _shut_down(bound_s: float) -> None:
+    """The ``atexit`` handler of :func:`shut_down_groups_at_exit`."""
+    from lightning_parcae.runtime.lifecycle import exit_now  # noqa: PLC0415 -- only at exit
+
+    if not dist.is_initialized():
+        return
+    try:
+        worker = threading.Thread(target=_destroy_all, name="parcae-exit-shutdown", daemon=True)
+        worker.start()
+    except RuntimeError:  # a Python that refuses new threads at shutdown: a C-level watchdog bounds it instead
+        faulthandler.dump_traceback_later(bound_s, exit=True)
+        _destroy_all()
+        faulthandler.cancel_dump_traceback_later()
+        return
+    worker.join(bound_s)
+    if worker.is_alive():
+        _log.warning("process groups' shutdown at exit took over %.0f s (a peer gone?); exiting without it", bound_s)
+        exit_now(1 if _FAILED else 0)
