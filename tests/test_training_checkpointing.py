@@ -25,7 +25,8 @@ class Module(nn.Module):
 def _checkpoints() -> tuple[StrategyCheckpoints, DataPath, Module, StageState]:
     module = Module()
     groups = types.SimpleNamespace(data_parallel=2, pipeline_stages=2, coords=types.SimpleNamespace(stage=1, replica=0))
-    state = StageState(groups=groups, stack_path="net", layer_names=["0", "1"], partition=[1, 1])  # type: ignore[arg-type]
+    state = StageState(groups=groups, stack_path="net", layer_names=["0", "1"], partition=[1, 1],  # type: ignore[arg-type]
+                       layer_times=[0.25, 0.5])
     host = types.SimpleNamespace(lightning_module=module, optimizers=[], global_rank=0, is_global_zero=True,
                                  root_device=torch.device("cpu"), checkpoint_io=None, elastic_runtime=None)
     data = DataPath(state, 2, False, lambda b: b)
@@ -39,10 +40,36 @@ def test_a_saved_checkpoint_records_the_layout_and_resumes_the_cursor(tmp_path: 
     ckpts.save({"state_dict": {}}, path)
     saved = torch.load(path, weights_only=True)[CKPT_KEY]
     assert saved["layout"] == {"data_parallel": 2, "pipeline_stages": 2, "partition": [1, 1],
-                               "layer_names": ["0", "1"], "stack_path": "net", "micro_batches": 2}
+                               "layer_names": ["0", "1"], "stack_path": "net", "micro_batches": 2,
+                               "layer_times": [0.25, 0.5], "global_batch": 8, "device": "cpu"}
     fresh, fresh_data, _, _ = _checkpoints()
     fresh.load(path)
     assert fresh_data.resume == {"epoch": 1, "cursor": 24, "rng": None, "rng_now": None}
+    assert fresh.resumed_layout is not None and fresh.resumed_layout["layer_times"] == [0.25, 0.5]
+
+
+def test_a_checkpoint_offers_its_layer_times_only_to_the_same_kind_of_device_and_none_without_them(
+        tmp_path: Path) -> None:
+    """The layer times a relaunch may reuse instead of profiling were measured on one kind of device: a checkpoint
+    written on another (here: a record saying ``cuda:...``) offers none; one of the format before them loads and
+    offers none."""
+    ckpts, data, _, _ = _checkpoints()
+    data.global_batch = 8
+    path = tmp_path / "last.ckpt"
+    ckpts.save({"state_dict": {}}, path)
+    full = torch.load(path, weights_only=True)
+    full[CKPT_KEY]["layout"]["device"] = "cuda:Tesla V100-SXM2-16GB"
+    torch.save(full, tmp_path / "gpu.ckpt")
+    for key in ("layer_times", "global_batch", "device"):
+        full[CKPT_KEY]["layout"].pop(key)
+    torch.save(full, tmp_path / "old.ckpt")
+    fresh, _, _, _ = _checkpoints()
+    fresh.load(path)
+    assert fresh.resumed_layout is not None
+    fresh.load(tmp_path / "gpu.ckpt")
+    assert fresh.resumed_layout is None
+    fresh.load(tmp_path / "old.ckpt")
+    assert fresh.resumed_layout is None
 
 
 def test_local_state_dump_returns_this_process_own_state() -> None:

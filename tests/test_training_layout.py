@@ -230,6 +230,9 @@ class FakeProfiler:
     def profile(self, trainer: Any, stack: nn.Module) -> list[float]:
         return [1.0] * len(stack)
 
+    def layer_times(self, trainer: Any, stack: nn.Module, saved: Any = None) -> tuple[list[float], bool]:
+        return self.profile(trainer, stack), False
+
 
 def _outside_layout(stage: int, stages: int = 2, tied: bool = False,
                     balance: Optional[list[int]] = None) -> tuple[OutsideNet, StageLayout, StageState]:
@@ -305,3 +308,41 @@ def test_a_joiner_adopts_the_outside_classes_and_holds_only_its_stages_parts() -
     layout.use_groups(FakeGroups(2, 2, stage=1))  # type: ignore[arg-type]
     layout.place(trainer=None, joining=True)  # type: ignore[arg-type]
     assert _storage_bytes(module.inp) == 0 and _storage_bytes(module.head) == 6 * 4
+
+
+class _ReusingProfiler(FakeProfiler):
+    """Measures [1, 2, 3, 4] s, or reuses what it is offered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offered: list[Any] = []
+
+    def layer_times(self, trainer: Any, stack: nn.Module, saved: Any = None) -> tuple[list[float], bool]:
+        self.offered.append(saved)
+        return (list(saved[0]), True) if saved is not None else ([1.0, 2.0, 3.0, 4.0], False)
+
+
+@pytest.mark.parametrize("record,offered", [
+    (None, None),
+    ({"stack_path": "net", "layer_names": ["0", "1", "2", "3"], "layer_times": [2.0, 2.0, 1.0, 1.0],
+      "global_batch": 8}, ([2.0, 2.0, 1.0, 1.0], 8)),
+    ({"stack_path": "net", "layer_names": ["0", "1", "2"], "layer_times": [2.0, 2.0, 1.0], "global_batch": 8}, None),
+    ({"stack_path": "other", "layer_names": ["0", "1", "2", "3"], "layer_times": [2.0, 2.0, 1.0, 1.0],
+      "global_batch": 8}, None),
+    ({"stack_path": "net", "layer_names": ["0", "1", "2", "3"], "layer_times": [1.0, 1.0, 1.0, 1.0],
+      "global_batch": 8}, None),  # a fixed balance / P = 1 measured nothing: placeholders
+    ({"stack_path": "net", "layer_names": ["0", "1", "2", "3"], "layer_times": [2.0, 2.0, 1.0, 1.0]}, None),
+])
+def test_a_resumed_checkpoints_layer_times_are_offered_only_for_the_same_measured_stack(
+        record: Optional[dict], offered: Any) -> None:
+    """What the layout offers the profiler from the checkpoint it resumes from (issue 21: a relaunch need not
+    profile again): the times of the same stack path and layer names, measured (not the 1.0 placeholders of a fixed
+    balance) and with the batch they were measured on; reused times already count the parts outside the stack, so
+    the outside seconds (0.5 before, 2.0 after) are added only to measured ones."""
+    module = OutsideNet()
+    profiler = _ReusingProfiler()
+    layout, state = _layout(module, FakeGroups(2, 2, stage=0), profiler, pipeline_stages=2)
+    layout.resumed_layout = lambda: record
+    layout.partition_module(trainer=None)  # type: ignore[arg-type]
+    assert profiler.offered == [offered]
+    assert state.layer_times == ([2.0, 2.0, 1.0, 1.0] if offered else [1.5, 2.0, 3.0, 6.0])

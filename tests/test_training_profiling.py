@@ -64,6 +64,44 @@ def test_profile_times_every_layer_of_a_sequential() -> None:
     assert len(times) == 3 and all(t > 0 for t in times)
 
 
+class _Seq(nn.Module):
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.example_input_array = torch.ones(batch, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_relaunch_reuses_the_checkpoints_layer_times_for_a_sample_of_their_batch_instead_of_profiling(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 21): every relaunch profiled the whole stack again on rank 0 while the others waited -- 41
+    of the 45 s from the roster to the first step of the emulated GPT-1.5B at 1 x 6 -- though the checkpoint it
+    resumed from came from the same layers. Saved times for the same layers and a sample of the batch they were
+    measured on are used as they are; for another batch size or another layer count the layers are measured."""
+    import lightning_parcae.training.profiling as profiling
+
+    calls: list[int] = []
+    real = profiling.profile_layer_times
+
+    def counted(*args: object, **kwargs: object) -> list[float]:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profiling, "profile_layer_times", counted)
+    module = _Seq(batch=4)
+    profiler = _profiler(module, "net", ["0", "1", "2"])
+    saved = [0.3, 0.1, 0.2]
+    assert profiler.layer_times(None, module.net, (saved, 4)) == (saved, True)  # type: ignore[arg-type]
+    assert calls == []
+    times, reused = profiler.layer_times(None, module.net, (saved, 8))  # type: ignore[arg-type]
+    assert not reused and calls == [1] and times != saved
+    times, reused = profiler.layer_times(None, module.net, (saved[:2], 4))  # type: ignore[arg-type]
+    assert not reused and calls == [1, 1]
+    assert profiler.profile(None, module.net) != saved and calls == [1, 1, 1]  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------------------------ parts outside the stack (issue 22)
 class LM(nn.Module):
     """A tiny block-list LM whose ``training_step`` the classification runs (no Lightning needed).

@@ -58,6 +58,13 @@ CKPT_KEY = "parcae"
 CKPT_VERSION = 1
 
 
+def device_kind(device: torch.device) -> str:
+    """What a checkpoint records of the device its layer times were measured on: ``cpu``, or ``cuda:<name>``."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
 class CheckpointHost(Protocol):
     """What the checkpoints need from the strategy: module, optimizers, rank, device, checkpoint IO, runtime."""
 
@@ -109,6 +116,9 @@ class StrategyCheckpoints:
         """Saves into the store that failed every attempt (training went on; the previous checkpoint stays)."""
         self.writer: Optional[threading.Thread] = None
         self.local_dump = False  # True while the runtime wants this process's own keys only (no gather)
+        self.resumed_layout: Optional[dict[str, Any]] = None
+        """The layout record of the checkpoint last loaded, when it was saved on the same kind of device (its layer
+        times may then spare the relaunch a profile: :meth:`StageLayout.saved_layer_times`)."""
 
     @contextmanager
     def local_state_dump(self) -> Iterator[None]:
@@ -190,6 +200,10 @@ class StrategyCheckpoints:
                 "layer_names": list(st.layer_names),
                 "stack_path": st.stack_path or "",
                 "micro_batches": self.micro_batches,
+                # what the layer times were measured on: a relaunch with the same reuses them (no new profile)
+                "layer_times": [float(t) for t in st.layer_times],
+                "global_batch": int(self.data.global_batch or 0),
+                "device": device_kind(self.host.root_device),
             },
         }
         if s.is_global_zero:
@@ -253,6 +267,11 @@ class StrategyCheckpoints:
         else:
             checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
         parcae = checkpoint.get(CKPT_KEY)
+        self.resumed_layout = None
+        if isinstance(parcae, Mapping) and isinstance(parcae.get("layout"), Mapping):
+            layout = dict(parcae["layout"])
+            if layout.get("device") == device_kind(self.host.root_device):
+                self.resumed_layout = layout
         if isinstance(parcae, Mapping) and "data" in parcae:
             self.data.resume_from(parcae["data"])
             saved_b = int(parcae["data"].get("global_batch", 0))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -104,14 +104,19 @@ class StageLayout:
         options: The strategy's options (``layers_attr``, ``pipeline_stages``, ``balance``, memory limits, M).
         host: The strategy, for the module, its device and optimizers.
         profiler: Checks a block list can be cut and times the layers.
+        resumed_layout: Returns the layout record of the checkpoint this process resumes from (None without one):
+            its layer times spare a relaunch the profile (:meth:`saved_layer_times`).
     """
 
     def __init__(self, state: StageState, options: "StrategyOptions", host: LayoutHost,
-                 profiler: "LayerProfiler") -> None:
+                 profiler: "LayerProfiler", resumed_layout: Optional[Callable[[], Optional[Mapping[str, Any]]]] = None
+                 ) -> None:
         self.state = state
         self.options = options
         self.host = host
         self.profiler = profiler
+        self.resumed_layout = resumed_layout or (lambda: None)
+        """The layout record of the checkpoint this process resumes from (read before ``setup``), or None."""
 
     def stack(self) -> nn.Sequential:
         """The layer stack inside the module (the stage module once the stack has been replaced by it)."""
@@ -218,9 +223,12 @@ class StageLayout:
             if o.max_stage_memory_bytes is not None:
                 _check_sizes_memory(sizes, memory, o.max_stage_memory_bytes)
         else:
-            times = self.profiler.profile(trainer, stack)
-            times[0] += outside.pre_seconds  # the outside parts run on the first and the last stage
-            times[-1] += outside.post_seconds
+            times, reused = self.profiler.layer_times(trainer, stack, self.saved_layer_times())
+            if reused:
+                log.info("ParcaeStrategy reused the layer times of the checkpoint it resumes from")
+            else:
+                times[0] += outside.pre_seconds  # the outside parts run on the first and the last stage
+                times[-1] += outside.post_seconds
             if p_opt is None:
                 p_opt = choose_pipeline_stages(times, world, o.micro_batches, memory, o.max_stage_memory_bytes)
                 log.info("ParcaeStrategy chose pipeline_stages=%d from the profile %s", p_opt, times)
@@ -231,6 +239,26 @@ class StageLayout:
         st.partition = sizes
         st.full_stack = stack
         self.build()
+
+    def saved_layer_times(self) -> Optional[tuple[list[float], int]]:
+        """The layer times of the checkpoint this process resumes from and the global batch they were measured on,
+        when they are for this layer stack (its path and layer names; the checkpoints offer only those measured on
+        the same kind of device: :meth:`~lightning_parcae.training.checkpointing.StrategyCheckpoints.load`). None
+        otherwise; the profiler reuses them only for a sample of that batch (:meth:`LayerProfiler.layer_times`)."""
+        rec, st = self.resumed_layout(), self.state
+        if not rec:
+            return None
+        times = rec.get("layer_times")
+        if not isinstance(times, list) or not times or len(times) != len(st.layer_names):
+            return None
+        try:
+            values, batch = [float(t) for t in times], int(rec.get("global_batch") or 0)
+        except (TypeError, ValueError):
+            return None
+        same = rec.get("stack_path") == st.stack_path and list(rec.get("layer_names") or []) == st.layer_names
+        finite = all(0 < v < float("inf") for v in values)
+        placeholder = all(v == 1.0 for v in values)  # a fixed balance or P = 1 measured nothing (partition_module)
+        return (values, batch) if same and finite and not placeholder and batch > 0 else None
 
     def classify_outside(self, trainer: "pl.Trainer", stack: nn.Module) -> "OutsideParts":
         """The classes of the parts outside the stack (:meth:`LayerProfiler.classify_outside`), when the job may

@@ -268,8 +268,27 @@ class LayerProfiler:
 
     def profile(self, trainer: "pl.Trainer", stack: nn.Sequential) -> list[float]:
         """Per-layer times, measured on global rank 0 and shared with every rank (so all agree on the split)."""
+        return self.layer_times(trainer, stack)[0]
+
+    def layer_times(self, trainer: "pl.Trainer", stack: nn.Sequential,
+                    saved: Optional[tuple[list[float], int]] = None) -> tuple[list[float], bool]:
+        """Per-layer times for the split: the times of the checkpoint this job resumes from (``saved``: the times
+        and the global batch they were measured on, :meth:`StageLayout.saved_layer_times`) when global rank 0 has
+        them for the same layers and its sample batch has that size -- else measured now. Rank 0 decides and every
+        rank receives its times and its choice, so all agree.
+
+        Problem: measuring every layer's forward and backward on a whole batch, a few times over, on one process
+        while the others wait took 41 of the 45 s a relaunch of the emulated GPT-1.5B at 1 x 6 spent from its roster
+        to its first step (issue 21) -- paid again at every relaunch for layers measured before.
+
+        Returns:
+            (times, reused): the times, and whether they are the saved ones (they then already include the parts
+            outside the stack, added when they were measured).
+        """
         assert self.state.groups is not None
+        n = len(self.state.layer_names)
         times: list[Any] = [None]
+        reuse = False
         if self.host.global_rank == 0:
             block_sample = self.block_sample if is_block_list(stack) else None
             extra: tuple[tuple, dict] = ((), {})
@@ -279,7 +298,10 @@ class LayerProfiler:
                 sample = None
             else:
                 sample = self._sample_stack_input(trainer)
-            if sample is None:
+            if saved is not None and sample is not None and len(saved[0]) == n and sample.dim() > 0 \
+                    and int(saved[1]) == int(sample.shape[0]):
+                times[0], reuse = list(saved[0]), True
+            elif sample is None:
                 warnings.warn("ParcaeStrategy found no sample input to profile; balancing by parameter count",
                               stacklevel=2)
                 times[0] = [float(sum(p.numel() for p in m.parameters()) + 1) for m in stack]
@@ -296,12 +318,13 @@ class LayerProfiler:
                 finally:
                     stack.train(was_training)
         if self.state.groups.world > 1:
-            # floats only: a tensor broadcast (nothing from the network is unpickled)
-            n = len(self.state.layer_names)
-            t = torch.tensor(times[0] if times[0] is not None else [0.0] * n, dtype=torch.float64)
+            # floats only: a tensor broadcast (nothing from the network is unpickled); the last one is rank 0's choice
+            t = torch.tensor((times[0] if times[0] is not None else [0.0] * n) + [1.0 if reuse else 0.0],
+                             dtype=torch.float64)
             dist.broadcast(t, src=0)
-            times[0] = t.tolist()
-        return list(times[0])
+            values = t.tolist()
+            times[0], reuse = values[:-1], values[-1] > 0.5
+        return list(times[0]), bool(reuse)
 
     def _sample_stack_input(self, trainer: "pl.Trainer") -> Optional[Tensor]:
         """The layer stack's input for one batch: from ``example_input_array`` or the training data."""

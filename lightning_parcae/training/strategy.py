@@ -181,7 +181,8 @@ class ParcaeStrategyMixin:
         # the parts (each does one job; see docs/design.md), each given only what it uses
         ns_name = self._ns_name
         self.profiler = LayerProfiler(self.stage_state, o.profile_repeats, self)
-        self.layout = StageLayout(self.stage_state, o, self, self.profiler)
+        self.layout = StageLayout(self.stage_state, o, self, self.profiler,
+                                  resumed_layout=lambda: self.checkpoints.resumed_layout)
         self.process = ProcessSetup(self, o, self.layout, ns_name)
         # a batch the data path rebuilds goes where Lightning's loop sends one: the precision's dtype (64-true:
         # double; regression -- a window replayed after a loss fed float32 rows to a float64 model), then the device
