@@ -649,7 +649,10 @@ def test_elastic_waits_for_enough_instances_before_relaunching_a_model_that_need
     """Regression (issue 21, the GPT-1.5B replay of lh_80_90 at N <= 10): the trace fell below the fewest instances
     the model fits on (5 < 6), the members stopped with a checkpoint ("no shape fits 5 instances"), and the
     launcher relaunched at once on the 5, whose first generation cannot hold the model: the run failed. Now the
-    fallback says how many the model needs, and the launcher waits, paused, until the trace has them."""
+    fallback says how many the model needs, and the launcher waits, paused, until the trace has them. Meanwhile the
+    instance left starts the relaunch early (a candidate that imports and loads), and the first generation forms on
+    two once the trace gives the second (regression of the same replay: the relaunch began only when the trace came
+    back, 16-23 s of imports on two cores before its roster)."""
     trace = tmp_path / "trace.csv"
     trace.write_text("0,2\n1000,1\n4000,2\n")
     run_dir = tmp_path / "run"
@@ -661,12 +664,39 @@ def test_elastic_waits_for_enough_instances_before_relaunching_a_model_that_need
     _assert_nothing_left(launcher)
     assert report["final_step"] == 60 and report["num_restarts"] == 1
     launches = _launcher_events(report, "launch")
-    assert [x["N"] for x in launches] == [2, 2], launches  # never on the one instance left
+    assert [x["N"] for x in launches] == [2, 1] and launches[1]["waiting_for"] == 2, launches  # started early
     paused = _launcher_events(report, "paused")
     assert len(paused) == 1 and paused[0]["N"] == 1 and paused[0]["min_instances"] == 2, paused
     t0 = report["events"][0]["time"]
-    assert launches[1]["time"] - t0 >= 3.5  # the trace came back to 2 at 4 s
+    assert launches[1]["time"] - t0 < 3.5  # before the trace came back to 2 at 4 s
+    rosters = [x for x in _launcher_events(report, "roster") if x["launch"] == 1]
+    assert len(rosters) == 1 and len(rosters[0]["members"]) == 2, rosters  # never on the one instance left
+    assert rosters[0]["time"] - t0 >= 3.5
+    enough = _launcher_events(report, "enough")
+    assert len(enough) == 1 and len(enough[0]["candidates"]) == 2 and enough[0]["time"] - t0 >= 3.5, enough
     assert launcher.state.min_instances == 2
+
+
+def test_a_launch_waiting_for_instances_survives_losing_every_candidate_and_outwaits_the_startup_timeout(
+        tmp_path: Path) -> None:
+    """The early relaunch waits as long as the trace keeps too few instances: the trace falls to 1 (the candidate
+    starts), then to 0 (it is noticed and leaves: no worker alive is not a failed run while the launch waits) and
+    comes back to 2 after longer than ``--startup-timeout`` (waiting for instances is not a stalled start-up)."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,2\n1000,1\n2000,0\n6000,2\n")
+    run_dir = tmp_path / "run"
+    cfg = _config(["--instances", "2", "--trace", str(trace), "--interval", "1", "--time-scale", "1", "--grace", "1",
+                   "--startup-timeout", "2.5", "--run-dir", str(run_dir), "--no-plot", "--", sys.executable, FAKE,
+                   "--steps", "60", "--fallback-below", "2"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    report = launcher.run()
+    _assert_nothing_left(launcher)
+    assert report["final_step"] == 60 and report["num_restarts"] == 1
+    t0 = report["events"][0]["time"]
+    rosters = [x for x in _launcher_events(report, "roster") if x["launch"] == 1]
+    assert len(rosters) == 1 and len(rosters[0]["members"]) == 2 and rosters[0]["time"] - t0 >= 5.5, rosters
+    left = [x for x in _launcher_events(report, "left_out") if x["launch"] == 1]
+    assert left and left[0]["reason"] == "noticed", left
 
 
 @pytest.mark.timeout(60)

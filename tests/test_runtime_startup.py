@@ -49,6 +49,38 @@ def test_a_candidate_gives_up_with_a_named_error_when_no_roster_comes() -> None:
                      sleep=lambda s: None)
 
 
+class _Waiting:
+    """No roster; the launch's waiting record says the latest of ``renewals`` (clock times) that has passed."""
+
+    def __init__(self, renewals: list[float]) -> None:
+        self.renewals, self.now = renewals, 0.0
+
+    def clock(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def get(self, key: str, timeout_s: float | None = 0.0) -> dict | None:
+        if not key.endswith("/waiting"):
+            return None
+        passed = [r for r in self.renewals if r <= self.now]
+        return {"need": 6, "t": max(passed)} if passed else None
+
+
+def test_a_candidate_of_a_launch_that_waits_for_instances_waits_as_long_as_the_launcher_renews_the_wait() -> None:
+    """A relaunch started early during a pause (``parcae run``: the trace has fewer instances than the model fits
+    on) may wait longer than ``ROSTER_WAIT_S``: each renewal of the launch's waiting record restarts the candidate's
+    wait; once the launcher stops renewing it, the candidate gives up as before."""
+    plain = _Waiting([])
+    with pytest.raises(RosterTimeout):
+        await_roster(plain, roster_key(2), noticed=lambda: False, timeout_s=5.0, clock=plain.clock,
+                     sleep=lambda s: None)
+    renewed = _Waiting([3.0, 8.0])
+    with pytest.raises(RosterTimeout):
+        await_roster(renewed, roster_key(2), noticed=lambda: False, timeout_s=5.0, clock=renewed.clock,
+                     sleep=lambda s: None)
+    assert plain.now <= 7 and renewed.now >= 15, (plain.now, renewed.now)  # two renewals: three waits of 5 s
+
+
 def _runtime(store, member: str):  # noqa: ANN001, ANN202
     from lightning_parcae.runtime.config import RuntimeConfig
     from lightning_parcae.runtime.coordinator import Coordinator

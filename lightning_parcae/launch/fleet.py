@@ -45,6 +45,8 @@ __all__ = ["Fleet", "StartupRound", "shared_units"]
 MEMBERS_GONE_S = 3.0
 """How long every training member must be gone (standbys waiting) before the launcher starts the fallback itself:
 phase events reach the launcher with a delay."""
+WAITING_BEAT_S = 60.0
+"""How often a launch that waits for instances renews its waiting record (its candidates' roster wait restarts)."""
 FINISHED_DRAIN_S = 15.0
 """After the job reported its end, processes still alive this long (e.g. a standby that never heard) get SIGKILL."""
 
@@ -60,6 +62,13 @@ class StartupRound:
         roster: The roster once written (None while the candidates are arriving).
         roster_at: Wall time the roster was written (None before).
         left_out: Candidates noticed or lost before the roster.
+        waiting_for: While positive, the launch was started early, during a pause, on fewer instances than the model
+            fits on (:meth:`Fleet.launch_when_enough`): no roster until this many candidates are alive, and an
+            instance the trace adds joins as a candidate. 0 once enough are there (or for a launch that never
+            waited).
+        resume: The checkpoint the launch resumes from (for candidates added while it waits).
+        enough_at: Wall time the waiting launch had enough candidates (None before, or if it never waited).
+        waiting_beat_at: Wall time of the last :func:`~lightning_parcae.runtime.startup.waiting_key` record.
     """
 
     launch: int
@@ -68,6 +77,10 @@ class StartupRound:
     roster: Optional[StartupRoster] = None
     roster_at: Optional[float] = None
     left_out: list[str] = field(default_factory=list)
+    waiting_for: int = 0
+    resume: Optional[Union[str, Path]] = None
+    enough_at: Optional[float] = None
+    waiting_beat_at: float = 0.0
 
 
 def shared_units(cfg: RunConfig, host_capacity: Callable[[], int]) -> int:
@@ -191,9 +204,10 @@ class Fleet:
             self._next_instance += 1
         self.state.n = n
 
-    def launch_instances(self) -> None:
+    def launch_instances(self, waiting_for: int = 0) -> None:
         """(Re)launch: every instance starts as a start-up candidate; the first generation is formed from those
-        that arrive (:meth:`form_roster`: the oldest arrived as members, D a power of two; the others standbys)."""
+        that arrive (:meth:`form_roster`: the oldest arrived as members, D a power of two; the others standbys).
+        ``waiting_for``: start them early, during a pause, and form nothing before that many are alive."""
         cfg, st = self.cfg, self.state
         ids = sorted(self.instances)
         _, p = initial_members(len(ids), cfg.pipeline_stages)
@@ -206,13 +220,19 @@ class Fleet:
         for k in ids:
             self.spawn(k, join=False, candidate=True, p=p, resume=ckpt)
         st.started_at = time.time()
-        self.startup = StartupRound(launch=launch, p=p, launched_at=st.started_at)
+        self.startup = StartupRound(launch=launch, p=p, launched_at=st.started_at, waiting_for=int(waiting_for),
+                                    resume=ckpt)
         candidates = [self.instances[k].member for k in ids]  # type: ignore[union-attr]
         self.events("launch", launch=launch, generation=launch, N=len(ids), candidates=candidates,
-                    P=p or "auto", resume_ckpt=str(ckpt) if resume else None, resume_step=st.resume_step)
+                    P=p or "auto", resume_ckpt=str(ckpt) if resume else None, resume_step=st.resume_step,
+                    waiting_for=int(waiting_for) or None)
         what = f"relaunch from {'last.ckpt' if cfg.checkpoint_dir is None else ckpt}" if resume else "launch"
-        self.say(f"{what} #{launch}: {len(ids)} instances, start-up candidates {candidates} (P={p or 'auto'}); the "
-                 "first generation forms from those that arrive")
+        if waiting_for:
+            self.say(f"{what} #{launch} started early: start-up candidates {candidates} import and load while the "
+                     f"run waits for {waiting_for} instances; the first generation forms once the trace has them")
+        else:
+            self.say(f"{what} #{launch}: {len(ids)} instances, start-up candidates {candidates} (P={p or 'auto'}); "
+                     "the first generation forms from those that arrive")
 
     def launch_when_enough(self) -> None:
         """A launch is due (PENDING): launch once the trace has at least the fewest instances the model fits on
@@ -234,6 +254,26 @@ class Fleet:
             why = f"{n} instance(s), fewer than the {need} the model fits on"
             self.events("paused", reason=why, N=n, min_instances=need)
             self.say(f"paused: {why}; relaunching from the checkpoint when the trace has {need}")
+        if n >= 1:
+            # the instances left start the relaunch now (import, Trainer, checkpoint read) and wait for the others
+            # (regression: after lh_80_90's dip the relaunch began only when the trace came back, and six
+            # candidates spent 16-23 s importing on two cores before the roster)
+            self._paused_at = None
+            self.launch_instances(waiting_for=need)
+
+    def waiting(self) -> bool:
+        """Whether the current launch was started early and waits for instances (:meth:`launch_when_enough`)."""
+        rnd = self.startup
+        return bool(rnd is not None and rnd.launch == self.state.launch and rnd.roster is None and rnd.waiting_for
+                    and self.state.phase is Phase.STARTING)
+
+    def _start_instance(self, instance: int) -> Worker:
+        """A process for a new (or replaced) instance while a launch is running: a candidate of a launch that
+        waits for instances, else a warm standby."""
+        rnd = self.startup
+        if self.waiting() and rnd is not None:
+            return self.spawn(instance, join=False, candidate=True, p=rnd.p, resume=rnd.resume)
+        return self.spawn(instance, join=True)
 
     def form_roster(self, now: Optional[float] = None) -> Optional[StartupRoster]:
         """Write the current launch's start-up roster once its candidates have arrived (the rule:
@@ -252,6 +292,16 @@ class Fleet:
         now = time.time() if now is None else now
         live = {w.member: w for w in self.pool.workers if w.candidate and w.launch == rnd.launch and w.alive()
                 and self.instances.get(w.instance) is w}
+        if rnd.waiting_for:
+            if len(live) < rnd.waiting_for:
+                self._beat_waiting(rnd, now)
+                return None
+            rnd.waiting_for, rnd.enough_at = 0, now
+            if st.pending_restart is not None:
+                st.pending_restart["new_N"] = len(self.instances)
+            self.events("enough", launch=rnd.launch, candidates=sorted(live), N=len(self.instances))
+            self.say(f"the trace has {len(self.instances)} instances: launch #{rnd.launch}'s first generation forms "
+                     "from the candidates that arrive")
         decision = decide_roster([Candidate(m, w.instance, self.reports.arrived.get(m)) for m, w in live.items()],
                                  launched_at=rnd.launched_at, now=now, pipeline_stages=self.cfg.pipeline_stages,
                                  launch_p=rnd.p)
@@ -280,6 +330,18 @@ class Fleet:
                  + (f", left out {list(roster.left_out)}" if roster.left_out else "") + f" ({roster.why})")
         return roster
 
+    def _beat_waiting(self, rnd: StartupRound, now: float) -> None:
+        """Tell a waiting launch's candidates it still waits (they would give up after ``ROSTER_WAIT_S``)."""
+        if now - rnd.waiting_beat_at < WAITING_BEAT_S:
+            return
+        from lightning_parcae.runtime.startup import waiting_key  # noqa: PLC0415
+
+        try:
+            self.store.publish(waiting_key(roster_key(rnd.launch)), {"need": rnd.waiting_for, "t": now})
+            rnd.waiting_beat_at = now
+        except Exception as exc:  # noqa: BLE001 -- a store hiccup: tried again next poll
+            self.events("store_error", error=str(exc))
+
     def startup_progress_at(self) -> float:
         """Wall time of the current launch's latest start-up progress: the launch itself, a candidate's arrival (it
         imported, built its Trainer and reached the store) or the roster.
@@ -292,9 +354,12 @@ class Fleet:
         rnd = self.startup
         if rnd is None:
             return self.state.started_at
+        if self.waiting():
+            return time.time()  # waiting for instances is not a stalled start-up
         ours = {w.member for w in self.pool.workers if w.launch == rnd.launch}
         arrivals = [t for m, t in self.reports.arrived.items() if m in ours]
-        return max([self.state.started_at, *arrivals] + ([rnd.roster_at] if rnd.roster_at is not None else []))
+        marks = [t for t in (rnd.roster_at, rnd.enough_at) if t is not None]
+        return max([self.state.started_at, *arrivals, *marks])
 
     def notice(self, w: Worker) -> str:
         """Remove ``w``'s instance: notice (store key + SIGTERM), or SIGKILL at once if it holds no state -- a
@@ -462,13 +527,15 @@ class Fleet:
                 self._next_instance += 1
                 self.instances[k] = None
                 if running:
-                    added.append(self.spawn(k, join=True).member)
+                    added.append(self._start_instance(k).member)
                 else:
                     added.append(f"i{k}")
-            batch = self._publish_batch(added) if running else None
+            waiting = self.waiting()
+            batch = self._publish_batch(added) if running and not waiting else None
             self.events("add", old_N=cur, new_N=target, joiners=added, batch=batch)
             st.changes.append({"t": time.time() - st.t0, "old_N": cur, "new_N": target, "added": added})
-            how = "started as warm standby" if running else "will start at the next launch"
+            how = ("started as start-up candidate of the waiting launch" if waiting else
+                   "started as warm standby" if running else "will start at the next launch")
             self.say(f"trace: {cur} -> {target} instances: new {', '.join(added)} {how}")
         st.n = target
         shapes = self.reports.shapes
@@ -562,9 +629,10 @@ class Fleet:
         why = "noticed" if w.noticed_at is not None else "stopped" if w.killed else "lost" if lost else "exited"
         self.events("left_out", member=w.member, instance=w.instance, launch=w.launch, rc=rc, reason=why)
         if lost and current and self.state.training:
-            new = self.spawn(w.instance, join=True)
+            new = self._start_instance(w.instance)
             self.say(f"start-up candidate {w.member} died by signal {-rc} before the roster: left out of the first "
-                     f"generation; warm standby {new.member} takes its instance")
+                     f"generation; {'candidate' if new.candidate else 'warm standby'} {new.member} takes its "
+                     "instance")
 
     def _count_lost(self, w: Worker, rc: int) -> None:
         """Count one unrequested death by signal of ``w``'s instance; past ``--max-restarts`` the run fails."""

@@ -421,7 +421,7 @@ class Launcher:
                     break
                 fleet.drain(alive)
                 continue
-            if not alive and st.training:
+            if not alive and st.training and not fleet.waiting():  # a launch that waits may lose every candidate
                 time.sleep(0.5)
                 self._read_events()
                 if not st.finished:

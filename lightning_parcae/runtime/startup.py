@@ -36,7 +36,8 @@ from typing import Any, Callable, Optional, Protocol
 
 from lightning_parcae.errors import CoordinationError
 
-__all__ = ["StartupRoster", "RosterTimeout", "roster_key", "arrival_key", "await_roster", "ROSTER_WAIT_S"]
+__all__ = ["StartupRoster", "RosterTimeout", "roster_key", "arrival_key", "waiting_key", "await_roster",
+           "ROSTER_WAIT_S"]
 
 ROSTER_WAIT_S = 900.0
 """How long a candidate waits for its launch's roster before it gives up (the launcher's ``--startup-timeout``
@@ -47,6 +48,12 @@ _PREFIX = "parcae/startup"
 def roster_key(launch: int) -> str:
     """Store key of launch ``launch``'s start-up roster."""
     return f"{_PREFIX}/{int(launch)}/roster"
+
+
+def waiting_key(roster: str) -> str:
+    """Store key under which the launcher says that the launch of the roster under key ``roster`` waits for
+    instances (renewed while it waits; each renewal restarts its candidates' :data:`ROSTER_WAIT_S`)."""
+    return f"{roster.rsplit('/', 1)[0]}/waiting"
 
 
 def arrival_key(roster: str, member: str) -> str:
@@ -119,7 +126,8 @@ def await_roster(records: RecordReader, key: str, *, noticed: Callable[[], bool]
         key: The roster's key (:func:`roster_key`; the worker has it from ``PARCAE_ROSTER``).
         noticed: Polled while waiting; True -- a preemption notice -- ends the wait: the candidate holds no state
             and leaves at once.
-        timeout_s: Give up after this long (:class:`RosterTimeout`).
+        timeout_s: Give up after this long (:class:`RosterTimeout`) -- unless the launcher renewed the launch's
+            :func:`waiting_key` record since the last time this wait checked it (the launch waits for instances).
         poll_s: Store polling period.
         clock: Monotonic clock (seconds).
         sleep: Sleeps ``poll_s``.
@@ -131,6 +139,7 @@ def await_roster(records: RecordReader, key: str, *, noticed: Callable[[], bool]
         RosterTimeout: No roster within ``timeout_s``.
     """
     start = clock()
+    renewed: Optional[float] = None
     while True:
         if noticed():
             return None
@@ -138,6 +147,11 @@ def await_roster(records: RecordReader, key: str, *, noticed: Callable[[], bool]
         if rec is not None:
             return StartupRoster.from_record(rec)
         if clock() - start >= timeout_s:
+            waiting = records.get(waiting_key(key))  # the launch was started early and waits for instances
+            t = float(waiting.get("t", 0.0)) if waiting else None
+            if t is not None and t != renewed:
+                renewed, start = t, clock()
+                continue
             raise RosterTimeout(
                 f"no start-up roster under {key!r} within {timeout_s:g} s: the launcher that started this candidate "
                 "writes it once enough candidates arrived; is it still running, and does this worker use its store "
