@@ -657,14 +657,17 @@ def test_elastic_waits_for_enough_instances_before_relaunching_a_model_that_need
     trace.write_text("0,2\n1000,1\n4000,2\n")
     run_dir = tmp_path / "run"
     cfg = _config(["--instances", "2", "--trace", str(trace), "--interval", "1", "--time-scale", "1", "--grace", "3",
-                   "--run-dir", str(run_dir), "--no-plot", "--", sys.executable, FAKE, "--steps", "60",
-                   "--fallback-below", "2"])
+                   "--pipeline-stages", "2", "--run-dir", str(run_dir), "--no-plot", "--", sys.executable, FAKE,
+                   "--steps", "60", "--fallback-below", "2"])
     launcher = Launcher(cfg, out=open(os.devnull, "w"))
     report = launcher.run()
     _assert_nothing_left(launcher)
     assert report["final_step"] == 60 and report["num_restarts"] == 1
     launches = _launcher_events(report, "launch")
     assert [x["N"] for x in launches] == [2, 1] and launches[1]["waiting_for"] == 2, launches  # started early
+    # with the P of the count it waits for (regression: P = 1 of the one instance left, whose roster then formed
+    # on it alone and never waited: the GPT-1.5B replay's early relaunch on 5 instances got P = 5)
+    assert launches[1]["P"] == 2, launches
     paused = _launcher_events(report, "paused")
     assert len(paused) == 1 and paused[0]["N"] == 1 and paused[0]["min_instances"] == 2, paused
     t0 = report["events"][0]["time"]

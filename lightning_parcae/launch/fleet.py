@@ -67,6 +67,8 @@ class StartupRound:
             instance the trace adds joins as a candidate. 0 once enough are there (or for a launch that never
             waited).
         resume: The checkpoint the launch resumes from (for candidates added while it waits).
+        need: The ``waiting_for`` the launch started with: its roster takes at least this many arrived candidates
+            (with ``--pipeline-stages auto`` the arrivals' count sets the first generation's size).
         enough_at: Wall time the waiting launch had enough candidates (None before, or if it never waited).
         waiting_beat_at: Wall time of the last :func:`~lightning_parcae.runtime.startup.waiting_key` record.
     """
@@ -78,6 +80,7 @@ class StartupRound:
     roster_at: Optional[float] = None
     left_out: list[str] = field(default_factory=list)
     waiting_for: int = 0
+    need: int = 0
     resume: Optional[Union[str, Path]] = None
     enough_at: Optional[float] = None
     waiting_beat_at: float = 0.0
@@ -210,7 +213,9 @@ class Fleet:
         ``waiting_for``: start them early, during a pause, and form nothing before that many are alive."""
         cfg, st = self.cfg, self.state
         ids = sorted(self.instances)
-        _, p = initial_members(len(ids), cfg.pipeline_stages)
+        # a launch started early gets the P of the count it waits for (regression: P = 5 of the 5 instances left,
+        # so its roster formed on them and never waited for the sixth)
+        _, p = initial_members(max(len(ids), int(waiting_for)), cfg.pipeline_stages)
         launch = st.launch + 1
         ckpt, ckpt_step = cfg.resume_checkpoint() if launch > 0 else (None, None)
         resume = ckpt is not None
@@ -221,7 +226,7 @@ class Fleet:
             self.spawn(k, join=False, candidate=True, p=p, resume=ckpt)
         st.started_at = time.time()
         self.startup = StartupRound(launch=launch, p=p, launched_at=st.started_at, waiting_for=int(waiting_for),
-                                    resume=ckpt)
+                                    need=int(waiting_for), resume=ckpt)
         candidates = [self.instances[k].member for k in ids]  # type: ignore[union-attr]
         self.events("launch", launch=launch, generation=launch, N=len(ids), candidates=candidates,
                     P=p or "auto", resume_ckpt=str(ckpt) if resume else None, resume_step=st.resume_step,
@@ -302,6 +307,8 @@ class Fleet:
             self.events("enough", launch=rnd.launch, candidates=sorted(live), N=len(self.instances))
             self.say(f"the trace has {len(self.instances)} instances: launch #{rnd.launch}'s first generation forms "
                      "from the candidates that arrive")
+        if rnd.need and sum(1 for m in live if self.reports.arrived.get(m) is not None) < rnd.need:
+            return None  # the model needs that many: no first generation of the ones that arrived first
         decision = decide_roster([Candidate(m, w.instance, self.reports.arrived.get(m)) for m, w in live.items()],
                                  launched_at=rnd.launched_at, now=now, pipeline_stages=self.cfg.pipeline_stages,
                                  launch_p=rnd.p)
