@@ -375,3 +375,37 @@ def test_start_up_progress_is_the_latest_arrival_or_roster_not_the_launch(tmp_pa
     assert f.startup_progress_at() == t0 + 100.0
     assert f.form_roster(now=t0 + 100.5) is not None
     assert f.startup_progress_at() == t0 + 100.5
+
+
+@pytest.mark.parametrize("pipeline_stages", ["3", "auto"])
+def test_a_launch_started_early_waits_for_the_instances_the_model_needs_and_takes_added_ones_as_candidates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipeline_stages: str) -> None:
+    """During a pause for want of instances (2 left, the model needs 3) the relaunch starts at once on the two:
+    they import meanwhile, but no roster forms on them -- not even once both arrived and the settle time passed --
+    the waiting record is published for their roster wait, an instance the trace adds joins as a candidate of the
+    same launch, and the roster forms once the third arrived (with ``auto`` too, where two arrivals would otherwise
+    have been enough for a roster; its first generation is then the largest power of two of the arrivals, as at any
+    launch with ``auto`` -- which may be fewer than the model needs: not changed here)."""
+    f, p = _parts_fleet(tmp_path, monkeypatch, pipeline_stages=pipeline_stages)
+    f.add_instances(2)
+    p["state"].min_instances = 3
+    f.launch_when_enough()
+    st = p["state"]
+    assert st.phase is Phase.STARTING and f.waiting()
+    assert [e[ROSTER_ENV] for e in p["started"]] == ["parcae/startup/0/roster"] * 2
+    launch = p["events"].of("launch")[0]
+    assert launch["waiting_for"] == 3 and launch["P"] == (3 if pipeline_stages == "3" else "auto")
+    long_ago = time.time() - 10 * SETTLE_MIN_S
+    _arrive(f, p, "i0", "i1", at=long_ago)
+    assert f.form_roster() is None
+    assert [k for k, _ in p["store"].published] == ["parcae/startup/0/waiting"]
+    assert time.time() - f.startup_progress_at() < 1.0  # waiting is not a stalled start-up
+    f.change(3)
+    added = p["pool"].workers[-1]
+    assert added.candidate and not added.joiner and p["started"][-1][ROSTER_ENV] == "parcae/startup/0/roster"
+    assert p["started"][-1][JOIN_ENV] == "0"
+    assert f.form_roster() is None and not f.waiting()  # three alive: no longer waiting, but only two arrived
+    assert p["events"].of("enough")[0]["candidates"] == ["i0", "i1", "i2"]
+    _arrive(f, p, "i2")
+    roster = f.form_roster()
+    assert roster is not None and roster.members == (("i0", "i1", "i2") if pipeline_stages == "3" else ("i0", "i1"))
