@@ -409,3 +409,23 @@ def test_a_launch_started_early_waits_for_the_instances_the_model_needs_and_take
     _arrive(f, p, "i2")
     roster = f.form_roster()
     assert roster is not None and roster.members == (("i0", "i1", "i2") if pipeline_stages == "3" else ("i0", "i1"))
+
+
+def test_a_launch_started_early_waits_again_if_a_loss_leaves_too_few_before_its_roster(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Enough candidates were alive (3 of 3), then one was noticed before the roster: the launch waits for
+    instances again (not a start-up stall that ``--startup-timeout`` would fail), and forms once the trace gives a
+    third instance and its candidate arrived."""
+    f, p = _parts_fleet(tmp_path, monkeypatch, pipeline_stages="3")
+    f.add_instances(2)
+    p["state"].min_instances = 3
+    f.launch_when_enough()
+    f.change(3)
+    _arrive(f, p, "i0", "i1")
+    assert f.form_roster() is None and not f.waiting()
+    f.change(2)  # the newest (i2, not arrived) goes
+    assert f.form_roster() is None and f.waiting()
+    f.change(3)
+    _arrive(f, p, "i3")
+    roster = f.form_roster()
+    assert roster is not None and roster.members == ("i0", "i1", "i3"), roster

@@ -38,7 +38,7 @@ from lightning_parcae.launch.processes import (
 from lightning_parcae.launch.relaunch import Relaunch
 from lightning_parcae.launch.startup import Candidate, decide_roster
 from lightning_parcae.launch.state import EventSink, Phase, RunState, WorkerReports
-from lightning_parcae.runtime.startup import StartupRoster, roster_key
+from lightning_parcae.runtime.startup import StartupRoster, roster_key, waiting_key
 
 __all__ = ["Fleet", "StartupRound", "shared_units"]
 
@@ -64,8 +64,8 @@ class StartupRound:
         left_out: Candidates noticed or lost before the roster.
         waiting_for: While positive, the launch was started early, during a pause, on fewer instances than the model
             fits on (:meth:`Fleet.launch_when_enough`): no roster until this many candidates are alive, and an
-            instance the trace adds joins as a candidate. 0 once enough are there (or for a launch that never
-            waited).
+            instance the trace adds joins as a candidate. 0 while enough are alive (again positive if a loss leaves
+            too few before the roster), and for a launch that never waited.
         resume: The checkpoint the launch resumes from (for candidates added while it waits).
         need: The ``waiting_for`` the launch started with: its roster takes at least this many arrived candidates
             (with ``--pipeline-stages auto`` the arrivals' count sets the first generation's size).
@@ -297,18 +297,20 @@ class Fleet:
         now = time.time() if now is None else now
         live = {w.member: w for w in self.pool.workers if w.candidate and w.launch == rnd.launch and w.alive()
                 and self.instances.get(w.instance) is w}
-        if rnd.waiting_for:
-            if len(live) < rnd.waiting_for:
+        if rnd.need:  # a launch started early, during a pause: the model needs rnd.need instances
+            if len(live) < rnd.need:  # too few alive (still, or again after a loss): wait for instances
+                rnd.waiting_for = rnd.need
                 self._beat_waiting(rnd, now)
                 return None
-            rnd.waiting_for, rnd.enough_at = 0, now
-            if st.pending_restart is not None:
-                st.pending_restart["new_N"] = len(self.instances)
-            self.events("enough", launch=rnd.launch, candidates=sorted(live), N=len(self.instances))
-            self.say(f"the trace has {len(self.instances)} instances: launch #{rnd.launch}'s first generation forms "
-                     "from the candidates that arrive")
-        if rnd.need and sum(1 for m in live if self.reports.arrived.get(m) is not None) < rnd.need:
-            return None  # the model needs that many: no first generation of the ones that arrived first
+            if rnd.waiting_for:
+                rnd.waiting_for, rnd.enough_at = 0, now
+                if st.pending_restart is not None:
+                    st.pending_restart["new_N"] = len(self.instances)
+                self.events("enough", launch=rnd.launch, candidates=sorted(live), N=len(self.instances))
+                self.say(f"the trace has {len(self.instances)} instances: launch #{rnd.launch}'s first generation "
+                         "forms from the candidates that arrive")
+            if sum(1 for m in live if self.reports.arrived.get(m) is not None) < rnd.need:
+                return None  # no first generation of the ones that arrived first
         decision = decide_roster([Candidate(m, w.instance, self.reports.arrived.get(m)) for m, w in live.items()],
                                  launched_at=rnd.launched_at, now=now, pipeline_stages=self.cfg.pipeline_stages,
                                  launch_p=rnd.p)
@@ -341,8 +343,6 @@ class Fleet:
         """Tell a waiting launch's candidates it still waits (they would give up after ``ROSTER_WAIT_S``)."""
         if now - rnd.waiting_beat_at < WAITING_BEAT_S:
             return
-        from lightning_parcae.runtime.startup import waiting_key  # noqa: PLC0415
-
         try:
             self.store.publish(waiting_key(roster_key(rnd.launch)), {"need": rnd.waiting_for, "t": now})
             rnd.waiting_beat_at = now
