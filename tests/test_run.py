@@ -645,6 +645,21 @@ def test_a_fallback_that_saved_a_checkpoint_is_resumed_from_its_step_without_cha
     assert st.last_ckpt_step == 49
 
 
+def _run_needing_two(tmp_path: Path, counts: str, *extra: str) -> tuple[Launcher, dict]:
+    """``parcae run`` of fake workers that fall back below 2 instances, over the trace ``counts`` (ms,count lines);
+    it must end at step 60 after exactly one relaunch, leaving no process behind."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text(counts)
+    cfg = _config(["--instances", "2", "--trace", str(trace), "--interval", "1", "--time-scale", "1", *extra,
+                   "--run-dir", str(tmp_path / "run"), "--no-plot", "--", sys.executable, FAKE, "--steps", "60",
+                   "--fallback-below", "2"])
+    launcher = Launcher(cfg, out=open(os.devnull, "w"))
+    report = launcher.run()
+    _assert_nothing_left(launcher)
+    assert report["final_step"] == 60 and report["num_restarts"] == 1
+    return launcher, report
+
+
 def test_elastic_waits_for_enough_instances_before_relaunching_a_model_that_needs_them(tmp_path: Path) -> None:
     """Regression (issue 21, the GPT-1.5B replay of lh_80_90 at N <= 10): the trace fell below the fewest instances
     the model fits on (5 < 6), the members stopped with a checkpoint ("no shape fits 5 instances"), and the
@@ -653,16 +668,7 @@ def test_elastic_waits_for_enough_instances_before_relaunching_a_model_that_need
     instance left starts the relaunch early (a candidate that imports and loads), and the first generation forms on
     two once the trace gives the second (regression of the same replay: the relaunch began only when the trace came
     back, 16-23 s of imports on two cores before its roster)."""
-    trace = tmp_path / "trace.csv"
-    trace.write_text("0,2\n1000,1\n4000,2\n")
-    run_dir = tmp_path / "run"
-    cfg = _config(["--instances", "2", "--trace", str(trace), "--interval", "1", "--time-scale", "1", "--grace", "3",
-                   "--pipeline-stages", "2", "--run-dir", str(run_dir), "--no-plot", "--", sys.executable, FAKE,
-                   "--steps", "60", "--fallback-below", "2"])
-    launcher = Launcher(cfg, out=open(os.devnull, "w"))
-    report = launcher.run()
-    _assert_nothing_left(launcher)
-    assert report["final_step"] == 60 and report["num_restarts"] == 1
+    launcher, report = _run_needing_two(tmp_path, "0,2\n1000,1\n4000,2\n", "--grace", "3", "--pipeline-stages", "2")
     launches = _launcher_events(report, "launch")
     assert [x["N"] for x in launches] == [2, 1] and launches[1]["waiting_for"] == 2, launches  # started early
     # with the P of the count it waits for (regression: P = 1 of the one instance left, whose roster then formed
@@ -685,16 +691,7 @@ def test_a_launch_waiting_for_instances_survives_losing_every_candidate_and_outw
     """The early relaunch waits as long as the trace keeps too few instances: the trace falls to 1 (the candidate
     starts), then to 0 (it is noticed and leaves: no worker alive is not a failed run while the launch waits) and
     comes back to 2 after longer than ``--startup-timeout`` (waiting for instances is not a stalled start-up)."""
-    trace = tmp_path / "trace.csv"
-    trace.write_text("0,2\n1000,1\n2000,0\n6000,2\n")
-    run_dir = tmp_path / "run"
-    cfg = _config(["--instances", "2", "--trace", str(trace), "--interval", "1", "--time-scale", "1", "--grace", "1",
-                   "--startup-timeout", "2.5", "--run-dir", str(run_dir), "--no-plot", "--", sys.executable, FAKE,
-                   "--steps", "60", "--fallback-below", "2"])
-    launcher = Launcher(cfg, out=open(os.devnull, "w"))
-    report = launcher.run()
-    _assert_nothing_left(launcher)
-    assert report["final_step"] == 60 and report["num_restarts"] == 1
+    _, report = _run_needing_two(tmp_path, "0,2\n1000,1\n2000,0\n6000,2\n", "--grace", "1", "--startup-timeout", "2.5")
     t0 = report["events"][0]["time"]
     rosters = [x for x in _launcher_events(report, "roster") if x["launch"] == 1]
     assert len(rosters) == 1 and len(rosters[0]["members"]) == 2 and rosters[0]["time"] - t0 >= 5.5, rosters
