@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from lightning_parcae.errors import ConfigurationError, PeerLostError, RendezvousError
+from lightning_parcae.runtime.lifecycle import exit_now, script_failed, track_script_failure
 from lightning_parcae.runtime.store import drop_scopes, scoped
 from lightning_parcae.runtime.torch_internals import forget_process_groups, set_group_timeout
 
@@ -456,7 +456,6 @@ class ProcessGroups:
 
 
 _AT_EXIT: list[bool] = []
-_FAILED: list[bool] = []
 
 
 def shut_down_groups_at_exit() -> None:
@@ -477,13 +476,7 @@ def shut_down_groups_at_exit() -> None:
     if _AT_EXIT:
         return
     _AT_EXIT.append(True)
-    previous = sys.excepthook
-
-    def hook(kind: Any, value: Any, tb: Any) -> None:
-        _FAILED.append(True)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
+    track_script_failure()
     atexit.register(_shut_down, EXIT_SHUTDOWN_S)
 
 
@@ -497,8 +490,6 @@ def _destroy_all() -> None:
 
 def _shut_down(bound_s: float) -> None:
     """The ``atexit`` handler of :func:`shut_down_groups_at_exit`."""
-    from lightning_parcae.runtime.lifecycle import exit_now  # noqa: PLC0415 -- only at exit
-
     if not dist.is_initialized():
         return
     try:
@@ -512,4 +503,4 @@ def _shut_down(bound_s: float) -> None:
     worker.join(bound_s)
     if worker.is_alive():
         _log.warning("process groups' shutdown at exit took over %.0f s (a peer gone?); exiting without it", bound_s)
-        exit_now(1 if _FAILED else 0)
+        exit_now(1 if script_failed() else 0)

@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional
 
 from lightning_parcae.contract import FALLBACK_EXIT, RELEASED_EXIT, FENCED_EXIT
 
-__all__ = ["Phase", "Lifecycle", "IllegalTransitionError", "exit_now", "exit_without_destructors_at_shutdown", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
+__all__ = ["Phase", "Lifecycle", "IllegalTransitionError", "exit_now", "exit_without_destructors_at_shutdown",
+           "track_script_failure", "script_failed", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
 log = logging.getLogger("lightning_parcae.lifecycle")
 
@@ -117,6 +118,28 @@ class Lifecycle:
 
 
 _HARD_EXIT: list[bool] = []
+_SCRIPT_FAILED: list[bool] = []
+_FAILURE_HOOKED: list[bool] = []
+
+
+def track_script_failure() -> None:
+    """From now on, remember whether an exception ended the script (``sys.excepthook`` is wrapped once per
+    process): what an exit handler that ends the process itself reports as its status (:func:`script_failed`)."""
+    if _FAILURE_HOOKED:
+        return
+    _FAILURE_HOOKED.append(True)
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        _SCRIPT_FAILED.append(True)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def script_failed() -> bool:
+    """Whether an exception ended the script (tracked since :func:`track_script_failure`)."""
+    return bool(_SCRIPT_FAILED)
 
 
 def exit_without_destructors_at_shutdown() -> None:
@@ -132,15 +155,8 @@ def exit_without_destructors_at_shutdown() -> None:
     _HARD_EXIT.append(True)
     import atexit  # noqa: PLC0415
 
-    failed: list[bool] = []
-    previous = sys.excepthook
-
-    def hook(kind: Any, value: Any, tb: Any) -> None:
-        failed.append(True)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-    atexit.register(lambda: exit_now(1 if failed else 0))
+    track_script_failure()
+    atexit.register(lambda: exit_now(1 if script_failed() else 0))
 
 
 def exit_now(code: int) -> None:
