@@ -62,13 +62,10 @@ class StartupRound:
         roster: The roster once written (None while the candidates are arriving).
         roster_at: Wall time the roster was written (None before).
         left_out: Candidates noticed or lost before the roster.
-        waiting_for: While positive, the launch was started early, during a pause, on fewer instances than the model
-            fits on (:meth:`Fleet.launch_when_enough`): no roster until this many candidates are alive, and an
-            instance the trace adds joins as a candidate. 0 while enough are alive (again positive if a loss leaves
-            too few before the roster), and for a launch that never waited.
-        resume: The checkpoint the launch resumes from (for candidates added while it waits).
-        need: The ``waiting_for`` the launch started with: its roster takes at least this many arrived candidates
-            (with ``--pipeline-stages auto`` the arrivals' count sets the first generation's size).
+        need: Positive for a launch started early, during a pause, on fewer instances than the model fits on
+            (:meth:`Fleet.launch_when_enough`): no roster before this many candidates are alive and arrived.
+        waiting: While fewer than ``need`` candidates are alive (at the start, or again after a loss before the
+            roster): an instance the trace adds joins as a candidate, and the launch is not a stalled start-up.
         enough_at: Wall time the waiting launch had enough candidates (None before, or if it never waited).
         waiting_beat_at: Wall time of the last :func:`~lightning_parcae.runtime.startup.waiting_key` record.
     """
@@ -79,8 +76,8 @@ class StartupRound:
     roster: Optional[StartupRoster] = None
     roster_at: Optional[float] = None
     left_out: list[str] = field(default_factory=list)
-    waiting_for: int = 0
     need: int = 0
+    waiting: bool = False
     resume: Optional[Union[str, Path]] = None
     enough_at: Optional[float] = None
     waiting_beat_at: float = 0.0
@@ -225,8 +222,8 @@ class Fleet:
         for k in ids:
             self.spawn(k, join=False, candidate=True, p=p, resume=ckpt)
         st.started_at = time.time()
-        self.startup = StartupRound(launch=launch, p=p, launched_at=st.started_at, waiting_for=int(waiting_for),
-                                    need=int(waiting_for), resume=ckpt)
+        self.startup = StartupRound(launch=launch, p=p, launched_at=st.started_at, need=int(waiting_for),
+                                    waiting=bool(waiting_for), resume=ckpt)
         candidates = [self.instances[k].member for k in ids]  # type: ignore[union-attr]
         self.events("launch", launch=launch, generation=launch, N=len(ids), candidates=candidates,
                     P=p or "auto", resume_ckpt=str(ckpt) if resume else None, resume_step=st.resume_step,
@@ -269,7 +266,7 @@ class Fleet:
     def waiting(self) -> bool:
         """Whether the current launch was started early and waits for instances (:meth:`launch_when_enough`)."""
         rnd = self.startup
-        return bool(rnd is not None and rnd.launch == self.state.launch and rnd.roster is None and rnd.waiting_for
+        return bool(rnd is not None and rnd.launch == self.state.launch and rnd.roster is None and rnd.waiting
                     and self.state.phase is Phase.STARTING)
 
     def _start_instance(self, instance: int) -> Worker:
@@ -299,11 +296,11 @@ class Fleet:
                 and self.instances.get(w.instance) is w}
         if rnd.need:  # a launch started early, during a pause: the model needs rnd.need instances
             if len(live) < rnd.need:  # too few alive (still, or again after a loss): wait for instances
-                rnd.waiting_for = rnd.need
+                rnd.waiting = True
                 self._beat_waiting(rnd, now)
                 return None
-            if rnd.waiting_for:
-                rnd.waiting_for, rnd.enough_at = 0, now
+            if rnd.waiting:
+                rnd.waiting, rnd.enough_at = False, now
                 if st.pending_restart is not None:
                     st.pending_restart["new_N"] = len(self.instances)
                 self.events("enough", launch=rnd.launch, candidates=sorted(live), N=len(self.instances))
@@ -344,7 +341,7 @@ class Fleet:
         if now - rnd.waiting_beat_at < WAITING_BEAT_S:
             return
         try:
-            self.store.publish(waiting_key(roster_key(rnd.launch)), {"need": rnd.waiting_for, "t": now})
+            self.store.publish(waiting_key(roster_key(rnd.launch)), {"need": rnd.need, "t": now})
             rnd.waiting_beat_at = now
         except Exception as exc:  # noqa: BLE001 -- a store hiccup: tried again next poll
             self.events("store_error", error=str(exc))
