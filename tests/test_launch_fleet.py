@@ -384,8 +384,7 @@ def test_a_launch_started_early_waits_for_the_instances_the_model_needs_and_take
     they import meanwhile, but no roster forms on them -- not even once both arrived and the settle time passed --
     the waiting record is published for their roster wait, an instance the trace adds joins as a candidate of the
     same launch, and the roster forms once the third arrived (with ``auto`` too, where two arrivals would otherwise
-    have been enough for a roster; its first generation is then the largest power of two of the arrivals, as at any
-    launch with ``auto`` -- which may be fewer than the model needs: not changed here)."""
+    have been enough for a roster, and the three are all members: a power of two, 2, would not hold the model)."""
     f, p = _parts_fleet(tmp_path, monkeypatch, pipeline_stages=pipeline_stages)
     f.add_instances(2)
     p["state"].min_instances = 3
@@ -408,7 +407,7 @@ def test_a_launch_started_early_waits_for_the_instances_the_model_needs_and_take
     assert p["events"].of("enough")[0]["candidates"] == ["i0", "i1", "i2"]
     _arrive(f, p, "i2")
     roster = f.form_roster()
-    assert roster is not None and roster.members == (("i0", "i1", "i2") if pipeline_stages == "3" else ("i0", "i1"))
+    assert roster is not None and roster.members == ("i0", "i1", "i2")
 
 
 def test_a_launch_started_early_waits_again_if_a_loss_leaves_too_few_before_its_roster(

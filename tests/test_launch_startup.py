@@ -27,8 +27,8 @@ def _cands(n: int, arrived: dict[int, float]) -> list[Candidate]:
     return [Candidate(f"i{k}", k, arrived.get(k)) for k in range(n)]
 
 
-def _decide(cands: list[Candidate], now: float, p: str = "1", launch_p: int = 1):  # noqa: ANN202
-    return decide_roster(cands, launched_at=T0, now=now, pipeline_stages=p, launch_p=launch_p)
+def _decide(cands: list[Candidate], now: float, p: str = "1", launch_p: int = 1, fewest: int = 0):  # noqa: ANN202
+    return decide_roster(cands, launched_at=T0, now=now, pipeline_stages=p, launch_p=launch_p, fewest=fewest)
 
 
 def test_nobody_arrived_means_wait() -> None:
@@ -102,3 +102,19 @@ def test_a_fixed_pipeline_needs_its_p_members_and_falls_back_when_fewer_are_left
 def test_auto_p_takes_a_power_of_two_member_count() -> None:
     d = _decide(_cands(3, {0: T0 + 1, 1: T0 + 1, 2: T0 + 1}), now=T0 + 1, p="auto", launch_p=0)
     assert d is not None and d.members == ("i0", "i1") and d.standbys == ("i2",)
+
+
+def test_auto_p_forms_no_first_generation_smaller_than_the_model_needs() -> None:
+    """Regression (issue 21): once a fallback said the model needs 6 instances, an ``auto`` relaunch on 7 formed its
+    roster of the 4 that a power of two allows -- a first generation that cannot hold the model. Now all 7 arrivals
+    are members, 5 settled arrivals are no roster, and 5 candidates left alive can never form one."""
+    every = {k: T0 + 1 for k in range(7)}
+    d = _decide(_cands(7, every), now=T0 + 1, p="auto", launch_p=0, fewest=6)
+    assert d is not None and d.members == tuple(f"i{k}" for k in range(7)) and d.standbys == ()
+    five = {k: T0 + 1 for k in range(5)}
+    assert _decide(_cands(7, five), now=T0 + 1 + 50 * SETTLE_MIN_S, p="auto", launch_p=0, fewest=6) is None
+    six = {k: T0 + 1 for k in range(6)}
+    d = _decide(_cands(7, six), now=T0 + 1 + 50 * SETTLE_MIN_S, p="auto", launch_p=0, fewest=6)
+    assert d is not None and len(d.members) == 6 and d.standbys == ("i6",)
+    never = _decide(_cands(5, five), now=T0 + 2, p="auto", launch_p=0, fewest=6)
+    assert never is not None and not never.feasible and "the 6 instances the model needs" in never.why

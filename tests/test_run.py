@@ -120,6 +120,15 @@ def test_initial_members_uses_power_of_two_d_if_count_does_not_split(n: int, p: 
     assert initial_members(n, p) == expected
 
 
+@pytest.mark.parametrize("n,p,fewest,expected", [(7, "auto", 6, (7, 0)), (6, "auto", 6, (6, 0)), (9, "auto", 6, (8, 0)),
+                                                 (5, "auto", 6, (4, 0)), (7, "auto", 4, (4, 0)), (13, "6", 6, (12, 6))])
+def test_initial_members_with_auto_never_takes_a_power_of_two_below_what_the_model_needs(
+        n: int, p: str, fewest: int, expected: tuple) -> None:
+    """Regression (issue 21): with ``--pipeline-stages auto`` a relaunch after a dip started a first generation of
+    the largest power of two of the instances (4 of 7) although the fallback had said the model needs 6."""
+    assert initial_members(n, p, fewest) == expected
+
+
 def test_config_rejects_if_time_scale_not_positive() -> None:
     with pytest.raises(ConfigurationError, match="--time-scale"):
         _config(["--instances", "1", "--time-scale", "0", "--", "python", "x.py"])

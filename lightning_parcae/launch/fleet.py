@@ -310,7 +310,7 @@ class Fleet:
                 return None  # no first generation of the ones that arrived first
         decision = decide_roster([Candidate(m, w.instance, self.reports.arrived.get(m)) for m, w in live.items()],
                                  launched_at=rnd.launched_at, now=now, pipeline_stages=self.cfg.pipeline_stages,
-                                 launch_p=rnd.p)
+                                 launch_p=rnd.p, fewest=max(rnd.need, st.min_instances))
         if decision is None:
             return None
         if not decision.feasible:

@@ -35,16 +35,21 @@ POLL_S = 0.2
 """How often the launcher looks at its processes and the event log (seconds)."""
 
 
-def initial_members(n: int, pipeline_stages: str) -> tuple[int, int]:
+def initial_members(n: int, pipeline_stages: str, fewest: int = 0) -> tuple[int, int]:
     """How many of ``n`` instances start a (re)launch as initial members under ``--elastic``, and their P.
 
     The first generation's D must split the script's global batch; the launcher does not know the batch, so it
     takes the largest count whose D is a power of two (any usual batch size splits). The other instances start as
     warm standbys, and the liveput optimizer admits them when a shape that uses them is better.
 
+    With ``auto`` and a model that needs ``fewest`` instances (what a fallback said: ``min_instances``), a power of
+    two below it would be a first generation that cannot hold the model; then all ``n`` are members (D = 1 and
+    P = n is always a split the strategy may pick).
+
     Args:
         n: Instances available (>= 1).
         pipeline_stages: ``--pipeline-stages`` (a number or ``auto``).
+        fewest: The fewest instances the model fits on (0: not known).
 
     Returns:
         (members, P): ``members`` is ``D * P`` with D a power of two (for ``auto``, P is 0: the strategy picks a
@@ -54,6 +59,8 @@ def initial_members(n: int, pipeline_stages: str) -> tuple[int, int]:
     d = 1
     while (2 * d) * max(p, 1) <= n:
         d *= 2
+    if not p and d < fewest <= n:
+        return n, p
     return d * max(p, 1), p
 
 

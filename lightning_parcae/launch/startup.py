@@ -25,7 +25,9 @@ The rule (:func:`decide_roster`), over the live candidates of the launch:
   (if ever) it arrives;
 * with a fixed ``--pipeline-stages`` the roster needs the launch's P members (its workers were started with that
   P); when fewer candidates are left alive, no roster can form and the launcher relaunches (:class:`RosterDecision`
-  with no members).
+  with no members). Likewise once a fallback said how many instances the model needs (``min_instances``, e.g. a
+  model that fits on no fewer than 6 stages): no roster of fewer forms, and with ``auto`` a power of two below that
+  count gives way to all the arrivals (:func:`~.processes.initial_members`).
 
 Members are the oldest arrived instances, in instance order (rank 0 the oldest), as the fixed ranks were.
 """
@@ -95,7 +97,7 @@ def settle_bound(launched_at: float, first_arrival: float) -> float:
 
 
 def decide_roster(candidates: Sequence[Candidate], *, launched_at: float, now: float, pipeline_stages: str,
-                  launch_p: int) -> Optional[RosterDecision]:
+                  launch_p: int, fewest: int = 0) -> Optional[RosterDecision]:
     """Whether to write the launch's roster now, and with whom (see the module docstring for the rule).
 
     Args:
@@ -104,21 +106,25 @@ def decide_roster(candidates: Sequence[Candidate], *, launched_at: float, now: f
         now: Wall time now.
         pipeline_stages: ``--pipeline-stages`` (a number or ``auto``).
         launch_p: The P the launch's workers were started with (0 for ``auto``).
+        fewest: The fewest instances the model fits on, once a fallback said (``min_instances``; 0: not known): no
+            first generation of fewer forms.
 
     Returns:
         None: wait. Otherwise the decision; one without members means no roster can ever form.
     """
-    need = max(int(launch_p), 1)
+    need = max(int(launch_p), 1, int(fewest))
     if len(candidates) < need:
+        what = (f"the {need} pipeline stages the launch was started with" if need == int(launch_p) else
+                f"the {need} instances the model needs")
         return RosterDecision((), tuple(c.member for c in candidates),
-                              f"only {len(candidates)} start-up candidate(s) left alive, fewer than the {need} "
-                              f"pipeline stages the launch was started with" if candidates else
+                              f"only {len(candidates)} start-up candidate(s) left alive, fewer than {what}"
+                              if candidates else
                               "every start-up candidate was noticed or lost before the first generation formed")
     arrived = sorted((c for c in candidates if c.arrived_at is not None), key=lambda c: c.instance)
     if not arrived:
         return None
-    total = initial_members(len(candidates), pipeline_stages)[0]
-    now_members = initial_members(len(arrived), pipeline_stages)[0] if len(arrived) >= need else 0
+    total = initial_members(len(candidates), pipeline_stages, fewest)[0]
+    now_members = initial_members(len(arrived), pipeline_stages, fewest)[0] if len(arrived) >= need else 0
     times = [float(c.arrived_at) for c in arrived if c.arrived_at is not None]
     settle = settle_bound(launched_at, min(times))
     if len(arrived) == len(candidates):
