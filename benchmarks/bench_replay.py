@@ -158,7 +158,31 @@ def summarize(ev: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
             "explorations": explores, "lost_s": {k: round(v, 3) for k, v in lost.items()},
             "migrations": {k: sum(1 for m in seen.values() if m["kind"] == k) for k in {m["kind"] for m in seen.values()}},
             "restarts": len(restarts), "shapes": shapes,
-            "restart_lost_s": [float(e.get("lost_s", 0.0)) for e in restarts]}
+            "restart_lost_s": [float(e.get("lost_s", 0.0)) for e in restarts], **relaunch_parts(ev)}
+
+
+def relaunch_parts(ev: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """The two parts of the restart fallback's relaunches, measured apart (the forecast prices them apart):
+    ``relaunch_launch_s``, from each relaunch (generation >= 1) to its first step's start, and ``relaunch_stop_s``,
+    from a training generation's last step to its processes' exit (the checkpoint and the exit; the step under way
+    when the notice came still trains)."""
+    launches = {int(e["generation"]): e["time"] for e in ev
+                if e.get("source") == "launcher" and e.get("event") == "launch" and int(e.get("generation", 0)) >= 1}
+    starts: dict[int, float] = {}
+    last_step: dict[int, float] = {}
+    for e in ev:
+        if e.get("source") != "worker" or "generation" not in e:
+            continue
+        g = int(e["generation"])
+        if e.get("event") == "start":
+            starts.setdefault(g, e["time"])
+        elif e.get("event") == "checkpoint" and e.get("reason") == "notice":
+            last_step[g] = e["time"] - float(e.get("save_s", 0.0))
+    stops = [e["time"] - last_step[int(e["generation"])] for e in ev
+             if e.get("source") == "launcher" and e.get("event") == "stopped" and e.get("graceful")
+             and int(e.get("generation", -1)) in last_step]
+    return {"relaunch_launch_s": [round(starts[g] - t, 3) for g, t in sorted(launches.items()) if g in starts],
+            "relaunch_stop_s": [round(x, 3) for x in stops]}
 
 
 def join_delays(ev: list[dict[str, Any]]) -> list[float]:
@@ -266,8 +290,10 @@ def _after(res: Any, startup_s: float) -> float:
 
 def forecast(profile_path: Path, schedule: list[int], wall_interval: float, startup_s: float,
              restart_s: Optional[float], n_min: int, pipeline_stages: int = 2,
-             restart_startup_s: Optional[float] = None, join_delay_s: float = 0.0) -> dict[str, float]:
-    """The simulator's forecast of each policy from the Parcae run's fitted profile."""
+             restart_startup_s: Optional[float] = None, join_delay_s: float = 0.0,
+             launch_s: Optional[float] = None) -> dict[str, float]:
+    """The simulator's forecast of each policy from the Parcae run's fitted profile (``restart_s``: a relaunch of a
+    training generation, its stop included; ``launch_s``: a relaunch while nothing trains)."""
     from lightning_parcae.planning.measured import load_cost_model  # noqa: PLC0415
     from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
     from lightning_parcae.signals.traces import from_counts, usable_counts  # noqa: PLC0415
@@ -296,9 +322,10 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
     cm_r.c = replace(cm_r.c, restart_ms=1000.0 * (restart_s if restart_s is not None else startup_s), checkpoint_ms=0.0)
     # the launcher's restart fallback: P fixed at the run's --pipeline-stages, every change relaunches, a change
     # during a relaunch starts it over (the artifact's "throughput" policy re-picks P and adds a concurrent restart:
-    # it forecast 0.82-1.21 of the measured runs)
+    # it forecast 0.82-1.21 of the measured runs); a change while nothing trains pays the launch alone
     out["restart"] = run_policy("relaunch", cm_r, iv, wall_interval, pipeline_stages=pipeline_stages,
-                                startup_ms=1000.0 * (restart_startup_s if restart_startup_s is not None else startup_s)).samples
+                                startup_ms=1000.0 * (restart_startup_s if restart_startup_s is not None else startup_s),
+                                launch_ms=None if launch_s is None else 1000.0 * launch_s).samples
     thr = cm.throughput
     best = thr.best(n_min)
     out["static"] = (thr.throughput(*best) if best else 0.0) * max(0.0, len(schedule) * wall_interval - startup_s)
@@ -315,15 +342,20 @@ def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) ->
     """Set ``r["join_delay_s"]`` and ``r["forecast"]`` of one segment from its runs' events and Parcae profile."""
     restart = r["runs"].get("restart", {})
     lost = restart.get("restart_lost_s") or []
+    if (seg_dir / "restart" / "events.jsonl").exists():  # older results.json lack the parts: read them again
+        restart.update(relaunch_parts(read_events(seg_dir / "restart")))
+    launches, stops = restart.get("relaunch_launch_s") or [], restart.get("relaunch_stop_s") or []
+    launch_s = statistics.mean(launches) if launches else None
+    if launch_s is not None:  # a relaunch of a training generation: its stop, then a launch
+        restart_s: Optional[float] = launch_s + (statistics.mean(stops) if stops else 0.0)
+    else:  # no relaunch reached a step: the whole losses, or (none measured) what the launch's start-up took
+        restart_s = statistics.mean(lost) if lost else r["runs"].get("parcae", {}).get("startup_s")
     r["join_delay_s"] = _join_delay(seg_dir)
     r["forecast"] = forecast(seg_dir / "parcae" / "profile.json", r["schedule"], wall_interval,
-                             counted_startup(r["runs"].get("parcae", {})),
-                             # no restart measured: a relaunch costs what the launch's own start-up did
-                             statistics.mean(lost) if lost else r["runs"].get("parcae", {}).get("startup_s"),
-                             r["n_min"],
+                             counted_startup(r["runs"].get("parcae", {})), restart_s, r["n_min"],
                              pipeline_stages=int(r.get("pipeline_stages", 2)),
                              restart_startup_s=counted_startup(restart) if restart else None,
-                             join_delay_s=r["join_delay_s"])
+                             join_delay_s=r["join_delay_s"], launch_s=launch_s)
 
 
 def counted_startup(run: dict[str, Any]) -> float:

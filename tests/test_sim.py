@@ -433,6 +433,24 @@ def test_relaunch_starts_over_if_a_change_comes_during_a_relaunch() -> None:
     assert math.isclose(res.samples, thr * (5.0 + 5.0 + 10.0 + 10.0), rel_tol=1e-9)
 
 
+def test_relaunch_prices_a_change_while_nothing_trains_as_a_launch_without_a_stop() -> None:
+    """Regression (issue 21): the forecast of the restart fallback on lh_80_90 was 0.71 of the measured run -- it
+    priced every change at a whole restart (the stop of a training generation, its checkpoint, the launch), also a
+    change that killed a relaunch still starting (killed at once: nothing to save) and the relaunch at the end of
+    a pause (nothing running). With ``launch_ms`` those pay the launch alone."""
+    cm = _pipeline_cm(restart_s=15.0)
+    iv = from_counts([4, 3, 4, 4, 1, 1, 2, 2, 2], interval_s=10.0, start_n=0).as_tuples()
+    res = run_policy("relaunch", cm, iv, 10.0, pipeline_stages=2, startup_ms=0.0, launch_ms=8000.0)
+    # 0: trains; 1 (a change while training): 15 s restart -> 10 lost, 5 carried; 2 (a change during it): a launch,
+    # 8 s; 3: trains; 4-5: paused at N = 1; 6 (back to 2, nothing running): a launch, 8 s; 7-8 train
+    assert res.lost_ms == [0.0, 10000.0, 8000.0, 0.0, 0.0, 0.0, 8000.0, 0.0, 0.0]
+    assert res.cost_ms == [0.0, 15000.0, 8000.0, 0.0, 0.0, 0.0, 8000.0, 0.0, 0.0]
+    whole = run_policy("relaunch", cm, iv, 10.0, pipeline_stages=2, startup_ms=0.0)
+    assert whole.lost_ms[2] == 10000.0 and whole.lost_ms[6] == 10000.0 and whole.samples < res.samples
+    with pytest.raises(ConfigurationError, match="launch_ms must be >= 0"):
+        run_policy("relaunch", cm, iv, 10.0, pipeline_stages=2, launch_ms=-1.0)
+
+
 def test_relaunch_raises_if_pipeline_stages_is_not_positive() -> None:
     cm = _pipeline_cm()
     with pytest.raises(ConfigurationError, match="pipeline_stages must be >= 1"):

@@ -71,6 +71,27 @@ def test_a_notice_on_any_rank_stops_every_rank_after_a_checkpoint(run_dir: Path)
     assert [e["event"] for e in _events(run_dir)] == ["checkpoint", "stop"]
 
 
+def test_a_notice_before_the_first_step_stops_every_rank_without_a_step_or_a_checkpoint(run_dir: Path) -> None:
+    """Regression (issue 21): a relaunch noticed during its set-up (the next change of the trace came first) ran a
+    step and saved a checkpoint before stopping; now it stops at the start, and the checkpoint it resumed from
+    stays the resume point."""
+    cb = callback_class("run")(every_n_steps=0, check_token=False)
+    trainer = _trainer(Strategy(stop=True), step=24)  # another rank was notified while starting
+    cb.on_train_start(trainer, None)
+    assert trainer.should_stop and cb.stopped_for_restart and trainer.saved == []
+    cb.on_train_batch_end(trainer, None, torch.tensor(1.0), torch.ones(4), 0)  # Lightning would not run it
+    cb.on_train_end(trainer, None)
+    assert trainer.saved == []
+    assert [(e["event"], e["step"]) for e in _events(run_dir)] == [("stop", 24)]
+
+
+def test_a_generation_without_a_notice_starts_training(run_dir: Path) -> None:
+    cb = callback_class("run")(every_n_steps=0, check_token=False)
+    trainer = _trainer(Strategy(), step=24)
+    cb.on_train_start(trainer, None)
+    assert not trainer.should_stop and [e["event"] for e in _events(run_dir)] == ["start"]
+
+
 def test_the_elastic_callback_runs_the_step_boundary_and_logs_the_shape() -> None:
     calls: list[str] = []
     layout = types.SimpleNamespace(members=["a", "b"], data_parallel=2, pipeline_stages=1)

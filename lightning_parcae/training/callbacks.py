@@ -187,11 +187,27 @@ class ParcaeRunCallbackMixin:
         """Take SIGTERM back from Lightning (flag only) and report the start of this generation."""
         if not self.active:
             return
-        if _elastic(trainer) is None:  # live reconfiguration handles SIGTERM itself (migrate, not stop)
-            self._install_handler()
         self._resumed_step = int(trainer.global_step)
         self._last_step = self._resumed_step
+        if _elastic(trainer) is None:  # live reconfiguration handles SIGTERM itself (migrate, not stop)
+            self._install_handler()
+            if trainer.strategy.reduce_boolean_decision(self.notified, all=False):
+                self._stop_before_training(trainer)
+                return
         self._emit(trainer, "start", resumed_from=self._resumed_step, resume_ckpt=resume_path())
+
+    def _stop_before_training(self, trainer: pl.Trainer) -> None:
+        """A notice came while this generation started (it was superseded by the next change): stop before the
+        first step, without a checkpoint -- the one it resumed from is the state it holds.
+
+        Regression (issue 21, the restart fallback's replay of lh_80_90): a generation noticed during its set-up
+        ran one step and saved a checkpoint before stopping, 12 s of a relaunch that the next one repeated.
+        """
+        self._agreed_stop = True
+        self.stopped_for_restart = True
+        self._emit(trainer, "stop", reason="notice before the first step (restart fallback)",
+                   resumed_from=self._resumed_step)
+        trainer.should_stop = True
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

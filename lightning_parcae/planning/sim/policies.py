@@ -18,7 +18,8 @@ Policies:
   ``restart_ms`` (a measured restart's whole loss: downtime plus the steps redone since the last checkpoint); a
   change during an unfinished relaunch starts it over (the launcher kills the relaunching generation), it does not
   add a second one as the artifact's accounting does. Option ``startup_ms``: the first launch's cost (default:
-  a restart's).
+  a restart's). Option ``launch_ms``: what a relaunch costs when nothing is training -- a change during an
+  unfinished relaunch, or the end of a pause -- where no generation stops and saves (default: a restart's).
 * ``parcae`` -- the liveput optimizer (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`): at the start
   of interval k it knows that interval's arrivals and preemptions (the same knowledge ``throughput`` reacts to --
   the artifact scores ``throughput`` with the count *after* interval k's events) and forecasts only the
@@ -222,13 +223,16 @@ def _fixed_depth_shape(thr: ThroughputModel, n: int, p: int) -> Optional[Shape]:
 
 
 def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *,
-              pipeline_stages: Optional[int] = None, startup_ms: Optional[float] = None, **_: object) -> PolicyResult:
+              pipeline_stages: Optional[int] = None, startup_ms: Optional[float] = None,
+              launch_ms: Optional[float] = None, **_: object) -> PolicyResult:
     res = PolicyResult("relaunch", interval_s)
     thr = cm.throughput
     p = int(pipeline_stages) if pipeline_stages else 0
     if pipeline_stages is not None and p < 1:
         raise ConfigurationError(f"relaunch: pipeline_stages must be >= 1, got {pipeline_stages!r}")
-    remain, started = 0.0, False
+    if launch_ms is not None and launch_ms < 0:
+        raise ConfigurationError(f"relaunch: launch_ms must be >= 0, got {launch_ms!r}")
+    remain, started, training = 0.0, False, False
     for prev, n_in, n_out in intervals:
         n = prev + n_in - n_out
         if not p:
@@ -240,17 +244,20 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
         shape = _fixed_depth_shape(thr, n, p)
         if shape is None:  # too few instances for one pipeline: the job waits (its state is in the checkpoint)
             _record(res, n, (0, 0), 0.0, 0.0, 0.0)
-            remain = 0.0
+            remain, training = 0.0, False
             continue
         cost = 0.0
         if not started or n_in + n_out > 0:
             if not started and startup_ms is not None:
                 cost = float(startup_ms)
+            elif started and not training and launch_ms is not None:
+                cost = float(launch_ms)  # nothing trains (a relaunch under way, or a pause): no stop, a launch
             else:
                 cost = cm.restart_ms(shape[0], shape[1], "add" if n_in > 0 or not started else "remove")
             remain = cost  # a relaunch under way is abandoned and started over
             started = True
         remain = _train_after(res, n, shape, thr.throughput(*shape), interval_s, remain, cost)
+        training = remain <= 0.0
     return res
 
 
