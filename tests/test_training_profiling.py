@@ -4,6 +4,8 @@ with a fake strategy (rank 0 of one process) and plain modules."""
 from __future__ import annotations
 
 import types
+import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -28,11 +30,11 @@ class Blocks(nn.Module):
         return x
 
 
-def _profiler(module: nn.Module, stack_path: str, layer_names: list[str]) -> LayerProfiler:
+def _profiler(module: nn.Module, stack_path: str, layer_names: list[str], micro_batches: int = 1) -> LayerProfiler:
     state = StageState(groups=types.SimpleNamespace(world=1), stack_path=stack_path,  # type: ignore[arg-type]
                        layer_names=layer_names)
     host = types.SimpleNamespace(lightning_module=module, global_rank=0, batch_to_device=lambda b: b)
-    return LayerProfiler(state, 1, host)  # type: ignore[arg-type]
+    return LayerProfiler(state, 1, host, micro_batches)  # type: ignore[arg-type]
 
 
 def test_a_chained_block_list_can_be_cut_and_its_first_input_is_kept() -> None:
@@ -100,6 +102,90 @@ def test_a_relaunch_reuses_the_checkpoints_layer_times_for_a_sample_of_their_bat
     times, reused = profiler.layer_times(None, module.net, (saved[:2], 4))  # type: ignore[arg-type]
     assert not reused and calls == [1, 1]
     assert profiler.profile(None, module.net) != saved and calls == [1, 1, 1]  # type: ignore[arg-type]
+
+
+class _Sleepy(nn.Module):
+    """A layer whose forward + backward take ``ms`` per row (the emulated accelerator), and that records the rows
+    it was run on."""
+
+    def __init__(self, ms: float, seen: list[int]) -> None:
+        super().__init__()
+        self.ms, self.seen, self.lin = ms, seen, nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from lightning_parcae.testing.emulated_device import emulated_compute
+
+        self.seen.append(int(x.shape[0]))
+        if mask is not None:
+            x = x * mask  # a batched extra argument must have the rows of the hidden state
+        return emulated_compute(self.lin(x), self.ms / 3.0)  # backward: twice the forward
+
+
+class _SleepyBlocks(nn.Module):
+    def __init__(self, seen: list[int], batch: int, mask_rows: Optional[int]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Sleepy(ms, seen) for ms in (2.0, 6.0, 4.0)])
+        self.example_input_array = torch.ones(batch, 2)
+        self.mask_rows = mask_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = None if self.mask_rows is None else torch.ones(self.mask_rows, 2)
+        for block in self.blocks:
+            x = block(x, mask)
+        return x
+
+
+@pytest.mark.parametrize("mask_rows", [None, 32])
+def test_the_layers_are_timed_on_one_micro_batch_and_scaled_to_the_whole_batch(mask_rows: Optional[int]) -> None:
+    """Regression (issue 21): rank 0 timed every layer on the whole global batch (41 s of each first launch of the
+    emulated GPT-1.5B at 1 x 6; on a GPU a whole batch through one layer need not fit where a micro-batch does).
+    With M = 8 the layers run on 32 / 8 = 4 rows -- a batched extra argument (a mask) cut alike -- and the times
+    are those of the whole batch (the emulated layers take 2, 6 and 4 ms a row: 64, 192, 128 ms for 32 rows)."""
+    seen: list[int] = []
+    module = _SleepyBlocks(seen, batch=32, mask_rows=mask_rows)
+    profiler = _profiler(module, "blocks", ["0", "1", "2"], micro_batches=8)
+    assert profiler.check_block_list(trainer=None, stack=module.blocks) is None
+    seen.clear()
+    times, reused = profiler.layer_times(None, module.blocks)  # type: ignore[arg-type]
+    assert not reused and set(seen) == {4}
+    for t, want in zip(times, (0.064, 0.192, 0.128)):
+        assert want <= t < want * 1.6, times
+
+
+def test_a_micro_batch_that_does_not_run_falls_back_to_timing_the_whole_batch() -> None:
+    """An extra argument whose first dimension is the batch size by chance (a 32-row table the blocks index whole)
+    cannot be cut: the cut sample fails, and the whole batch is timed instead -- not a parameter-count balance."""
+    seen: list[int] = []
+    tried: list[int] = []
+
+    class Indexing(_Sleepy):
+        def forward(self, x: torch.Tensor, table: Optional[torch.Tensor] = None) -> torch.Tensor:
+            assert table is not None
+            tried.append(int(x.shape[0]))
+            return super().forward(x + table[31])  # row 31 of the table, whatever the batch
+
+    class Table(_SleepyBlocks):
+        def __init__(self) -> None:
+            super().__init__(seen, batch=32, mask_rows=None)
+            self.blocks = nn.ModuleList([Indexing(ms, seen) for ms in (2.0, 6.0, 4.0)])
+            self.table = torch.ones(32, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x, self.table)
+            return x
+
+    module = Table()
+    profiler = _profiler(module, "blocks", ["0", "1", "2"], micro_batches=8)
+    assert profiler.check_block_list(trainer=None, stack=module.blocks) is None
+    seen.clear()
+    tried.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "balancing by parameter count"
+        times, _ = profiler.layer_times(None, module.blocks)  # type: ignore[arg-type]
+    assert tried[0] == 4 and set(seen) == {32}  # the cut sample failed in the first layer; the whole one ran
+    for t, want in zip(times, (0.064, 0.192, 0.128)):
+        assert want <= t < want * 1.6, times
 
 
 # ------------------------------------------------------------------------------------ parts outside the stack (issue 22)

@@ -180,7 +180,7 @@ class ParcaeStrategyMixin:
         self.stage_state = StageState()
         # the parts (each does one job; see docs/design.md), each given only what it uses
         ns_name = self._ns_name
-        self.profiler = LayerProfiler(self.stage_state, o.profile_repeats, self)
+        self.profiler = LayerProfiler(self.stage_state, o.profile_repeats, self, o.micro_batches)
         self.layout = StageLayout(self.stage_state, o, self, self.profiler,
                                   resumed_layout=lambda: self.checkpoints.resumed_layout)
         self.process = ProcessSetup(self, o, self.layout, ns_name)
