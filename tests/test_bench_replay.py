@@ -81,3 +81,28 @@ def test_a_run_that_never_trained_counts_nothing(clock) -> None:  # type: ignore
 def test_older_results_without_the_counted_field_read_as_the_launch_clock() -> None:
     assert bench_replay.counted_startup({"startup_s": 12.5}) == 12.5
     assert bench_replay.counted_startup({"startup_s": 12.5, "counted_startup_s": 0.0}) == 0.0
+
+
+def test_a_relaunch_is_measured_as_a_launch_and_a_stop_apart() -> None:
+    """Regression (issue 21): the restart fallback's forecast priced every change at the mean whole loss of the
+    completed relaunches (stop, checkpoint and launch: 31.7 s on lh_80_90), also a change that killed a relaunch
+    still starting, which pays no stop (0.71 of the measured run). The launch (to the first step's start) and the
+    stop (the last step's end to the exit) are read apart: a generation killed before it trained has no launch,
+    one noticed before its first step (no notice checkpoint) no stop."""
+    ev: list[dict[str, Any]] = [
+        {"source": "launcher", "event": "launch", "generation": 0, "time": 0.0},
+        {"source": "worker", "event": "start", "generation": 0, "time": 40.0},
+        {"source": "worker", "event": "checkpoint", "reason": "notice", "generation": 0, "time": 70.0, "save_s": 0.5},
+        {"source": "launcher", "event": "stopped", "generation": 0, "graceful": True, "time": 74.0},
+        {"source": "launcher", "event": "launch", "generation": 1, "time": 74.0},
+        {"source": "launcher", "event": "stopped", "generation": 1, "graceful": True, "time": 96.0},  # before a step
+        {"source": "launcher", "event": "launch", "generation": 2, "time": 96.0},
+        {"source": "worker", "event": "start", "generation": 2, "time": 117.0},
+        {"source": "worker", "event": "checkpoint", "reason": "periodic", "generation": 2, "time": 130.0, "save_s": 1},
+        {"source": "worker", "event": "checkpoint", "reason": "notice", "generation": 2, "time": 140.0, "save_s": 1.0},
+        {"source": "launcher", "event": "stopped", "generation": 2, "graceful": True, "time": 144.0},
+        {"source": "launcher", "event": "launch", "generation": 3, "time": 144.0},
+        {"source": "launcher", "event": "stopped", "generation": 3, "graceful": False, "time": 144.1},  # killed
+    ]
+    parts = bench_replay.relaunch_parts(ev)
+    assert parts == {"relaunch_launch_s": [21.0], "relaunch_stop_s": [4.5, 5.0]}

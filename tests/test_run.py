@@ -597,6 +597,29 @@ def test_restart_fallback_relaunches_at_a_splitting_d_if_the_trace_leaves_three(
     assert [(e["N"], e["D"]) for e in launches][-1] == (3, 2)
 
 
+@pytest.mark.timeout(200)  # ~45 s on 2 cores
+def test_restart_fallback_keeps_running_if_only_instances_beyond_its_shape_change(tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression (issue 21, the restart fallback's replay of the p3 segments at P = 6 on 6-10 instances): every
+    change of the count stopped and relaunched the job, also those where it ran 1 x 6 before and after and the
+    instances that came and went were idle. P = 2 on a trace 2 -> 3 -> 2 -> 4: the two changes of the third,
+    idle instance relaunch nothing; 4 instances (D = 2) relaunch once."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,2\n60000,3\n120000,2\n180000,4\n")  # a change every 5 s at --time-scale 12
+    run_dir = tmp_path / "run"
+    rc = main(["--instances", "4", "--restart-fallback", "--pipeline-stages", "2", "--trace", str(trace),
+               "--time-scale", "12", "--grace", "30", "--run-dir", str(run_dir), "--no-plot", "--progress-every", "10",
+               "--", sys.executable, EXAMPLE, "--max-steps", "600", "--step-delay", "0.04", "--ckpt-every", "50"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["final_step"] == 600
+    assert [(e["N"], e["D"], e["P"]) for e in _launcher_events(report, "launch")] == [(2, 1, 2), (4, 2, 2)]
+    spares = _launcher_events(report, "spare_change")
+    assert [(e["old_N"], e["new_N"], e["generation"]) for e in spares] == [(2, 3, 0), (3, 2, 0)], spares
+    assert "only idle instances beyond D x P" in out
+
+
 @pytest.mark.slow  # ~30-60 s on 2 cores: four real workers import torch while one of them is noticed
 @pytest.mark.timeout(300)
 def test_a_notice_during_start_up_leaves_the_candidate_out_without_a_relaunch(tmp_path: Path) -> None:

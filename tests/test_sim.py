@@ -451,6 +451,16 @@ def test_relaunch_prices_a_change_while_nothing_trains_as_a_launch_without_a_sto
         run_policy("relaunch", cm, iv, 10.0, pipeline_stages=2, launch_ms=-1.0)
 
 
+def test_relaunch_does_not_restart_for_a_change_of_idle_instances_only() -> None:
+    """Regression (issue 21): as the launcher now does (``Relaunch.spares_only``), a change that leaves the fixed-P
+    shape as it is -- instances beyond D x P come or go -- costs nothing; a change of the shape still relaunches."""
+    cm = _pipeline_cm(restart_s=15.0)
+    iv = from_counts([6, 7, 6, 8, 8], interval_s=10.0, start_n=0).as_tuples()
+    res = run_policy("relaunch", cm, iv, 10.0, pipeline_stages=2, startup_ms=0.0)
+    assert res.shapes == [(3, 2), (3, 2), (3, 2), (4, 2), (4, 2)]
+    assert res.cost_ms == [0.0, 0.0, 0.0, 15000.0, 0.0] and res.lost_ms == [0.0, 0.0, 0.0, 10000.0, 5000.0]
+
+
 def test_relaunch_raises_if_pipeline_stages_is_not_positive() -> None:
     cm = _pipeline_cm()
     with pytest.raises(ConfigurationError, match="pipeline_stages must be >= 1"):

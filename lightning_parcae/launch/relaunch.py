@@ -1,7 +1,8 @@
 """The restart fallback: stop the whole group and relaunch it at a new size from the last checkpoint.
 
-Problem: under ``--restart-fallback`` every membership change -- and under ``--elastic`` the loss of a whole stage --
-restarts the job the way torchrun does: every worker stops (gracefully when it can, so rank 0 writes
+Problem: under ``--restart-fallback`` every change of the workers' membership -- and under ``--elastic`` the loss of a
+whole stage -- restarts the job the way torchrun does (a change of idle instances beyond D x P that leaves the shape
+as it is restarts nothing: :meth:`Relaunch.spares_only`): every worker stops (gracefully when it can, so rank 0 writes
 ``run_dir/ckpt/last.ckpt`` at an agreed step), the launcher picks a shape whose data-parallel width splits the
 global batch, starts a new generation of workers that resume from the checkpoint, and measures what the restart
 cost. :class:`Relaunch` is that state machine; it works on the run's :class:`~.state.RunState` (the phase changes
@@ -73,6 +74,16 @@ class Relaunch:
             b, m = self.reports.batch
             d = next((k for k in range(n // p, 0, -1) if batch_splits(b, k, m)), 1)
         return d * p, d, p
+
+    def spares_only(self, target: int) -> bool:
+        """Whether a change of the trace to ``target`` instances leaves the running generation as it is: none of
+        its workers is removed (the trace removes the newest instances first: those beyond D x P) and ``target``
+        gives the same shape. Always False with ``auto`` (every instance is a worker there)."""
+        st = self.state
+        if self.cfg.pipeline_stages == "auto" or not self.pool.workers or st.shape == (0, 0):
+            return False
+        workers, d, p = self.shape_for(target)
+        return target >= len(self.pool.workers) and workers == len(self.pool.workers) and (d, p) == tuple(st.shape)
 
     def fewest_instances(self) -> int:
         """The fewest instances a generation of the restart fallback can run on: its fixed P (every generation

@@ -486,7 +486,9 @@ class Launcher:
                     raise pool.failure(f"parcae run failed: generation {st.generation} reported no training step "
                                        f"within {cfg.startup_timeout_s:g} s", pool.workers[:1])
             target = self.target_at(elapsed)
-            if target != st.n:
+            if target != st.n and pool.workers and self.relaunch.spares_only(target):
+                self._spare_change(target)
+            elif target != st.n:
                 if pool.workers:
                     st.pending_restart = self.relaunch.stop_generation(target)
                 st.n = target
@@ -504,6 +506,24 @@ class Launcher:
                     print(f"[parcae run] paused: {why}; the job resumes from last.ckpt when the trace has "
                           f"{fewest}", file=self.out, flush=True)
             self.console.progress()
+
+    def _spare_change(self, target: int) -> None:
+        """``--restart-fallback``: the trace changed only instances beyond the running D x P (none of its workers
+        leaves, and the new count gives the same shape): the generation keeps training, nothing relaunches.
+
+        Regression (issue 21, the restart fallback's replay of the p3 segments at P = 6 on 6-10 instances): every
+        change of the count stopped and relaunched the job, also 9 -> 10 -> 8 -> 7 -> 6, where it ran 1 x 6 before
+        and after each change and the instances that came and went were idle.
+        """
+        st = self.state
+        self.event("spare_change", generation=st.generation, old_N=st.n, new_N=target, D=st.shape[0],
+                   P=st.shape[1], note="only instances beyond D x P changed: the generation keeps running")
+        print(f"[parcae run] {st.n} -> {target} instances: only idle instances beyond D x P = "
+              f"{st.shape[0]} x {st.shape[1]} changed; generation {st.generation} keeps running",
+              file=self.out, flush=True)
+        st.n = target
+        st.timeline.append({"t": time.time() - st.t0, "N": target, "workers": st.shape[0] * st.shape[1],
+                            "D": st.shape[0], "P": st.shape[1], "generation": st.generation})
 
     # ------------------------------------------------------------------------------------------------ report
     def report(self) -> dict[str, Any]:

@@ -14,7 +14,8 @@ Policies:
   while fewer instances than the shape needs are present it trains nothing.
 * ``relaunch`` -- ``parcae run --restart-fallback`` as the launcher implements it: a fixed pipeline depth
   (option ``pipeline_stages``; default: the depth of the best shape for the first interval's count) and the widest
-  D that fits (instances beyond D x P idle); every change of count stops the whole job and relaunches it, paying
+  D that fits (instances beyond D x P idle); every change of count that changes that shape (a change of idle
+  instances does not: the launcher removes those first) stops the whole job and relaunches it, paying
   ``restart_ms`` (a measured restart's whole loss: downtime plus the steps redone since the last checkpoint); a
   change during an unfinished relaunch starts it over (the launcher kills the relaunching generation), it does not
   add a second one as the artifact's accounting does. Option ``startup_ms``: the first launch's cost (default:
@@ -233,6 +234,7 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
     if launch_ms is not None and launch_ms < 0:
         raise ConfigurationError(f"relaunch: launch_ms must be >= 0, got {launch_ms!r}")
     remain, started, training = 0.0, False, False
+    running: Optional[Shape] = None  # the shape of the generation running or relaunching (None: nothing runs)
     for prev, n_in, n_out in intervals:
         n = prev + n_in - n_out
         if not p:
@@ -244,10 +246,12 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
         shape = _fixed_depth_shape(thr, n, p)
         if shape is None:  # too few instances for one pipeline: the job waits (its state is in the checkpoint)
             _record(res, n, (0, 0), 0.0, 0.0, 0.0)
-            remain, training = 0.0, False
+            remain, training, running = 0.0, False, None
             continue
         cost = 0.0
-        if not started or n_in + n_out > 0:
+        # a change that leaves the shape as it is touches only idle instances beyond D x P (the launcher removes
+        # those first): nothing relaunches
+        if not started or (n_in + n_out > 0 and shape != running):
             if not started and startup_ms is not None:
                 cost = float(startup_ms)
             elif started and not training and launch_ms is not None:
@@ -256,6 +260,7 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
                 cost = cm.restart_ms(shape[0], shape[1], "add" if n_in > 0 or not started else "remove")
             remain = cost  # a relaunch under way is abandoned and started over
             started = True
+        running = shape
         remain = _train_after(res, n, shape, thr.throughput(*shape), interval_s, remain, cost)
         training = remain <= 0.0
     return res
