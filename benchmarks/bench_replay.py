@@ -342,8 +342,8 @@ def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) ->
     """Set ``r["join_delay_s"]`` and ``r["forecast"]`` of one segment from its runs' events and Parcae profile."""
     restart = r["runs"].get("restart", {})
     lost = restart.get("restart_lost_s") or []
-    if (seg_dir / "restart" / "events.jsonl").exists():  # older results.json lack the parts: read them again
-        restart.update(relaunch_parts(read_events(seg_dir / "restart")))
+    if "relaunch_launch_s" not in restart and (seg_dir / "restart" / "events.jsonl").exists():
+        restart.update(relaunch_parts(read_events(seg_dir / "restart")))  # older results.json lack the parts
     launches, stops = restart.get("relaunch_launch_s") or [], restart.get("relaunch_stop_s") or []
     launch_s = statistics.mean(launches) if launches else None
     if launch_s is not None:  # a relaunch of a training generation: its stop, then a launch

@@ -486,7 +486,7 @@ class Launcher:
                     raise pool.failure(f"parcae run failed: generation {st.generation} reported no training step "
                                        f"within {cfg.startup_timeout_s:g} s", pool.workers[:1])
             target = self.target_at(elapsed)
-            if target != st.n and pool.workers and self.relaunch.spares_only(target):
+            if target != st.n and self.relaunch.spares_only(target):
                 self._spare_change(target)
             elif target != st.n:
                 if pool.workers:

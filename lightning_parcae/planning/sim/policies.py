@@ -233,7 +233,7 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
         raise ConfigurationError(f"relaunch: pipeline_stages must be >= 1, got {pipeline_stages!r}")
     if launch_ms is not None and launch_ms < 0:
         raise ConfigurationError(f"relaunch: launch_ms must be >= 0, got {launch_ms!r}")
-    remain, started, training = 0.0, False, False
+    remain, started = 0.0, False
     running: Optional[Shape] = None  # the shape of the generation running or relaunching (None: nothing runs)
     for prev, n_in, n_out in intervals:
         n = prev + n_in - n_out
@@ -246,7 +246,7 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
         shape = _fixed_depth_shape(thr, n, p)
         if shape is None:  # too few instances for one pipeline: the job waits (its state is in the checkpoint)
             _record(res, n, (0, 0), 0.0, 0.0, 0.0)
-            remain, training, running = 0.0, False, None
+            remain, running = 0.0, None
             continue
         cost = 0.0
         # a change that leaves the shape as it is touches only idle instances beyond D x P (the launcher removes
@@ -254,15 +254,14 @@ def _relaunch(cm: MigrationCostModel, intervals: Intervals, interval_s: float, *
         if not started or (n_in + n_out > 0 and shape != running):
             if not started and startup_ms is not None:
                 cost = float(startup_ms)
-            elif started and not training and launch_ms is not None:
-                cost = float(launch_ms)  # nothing trains (a relaunch under way, or a pause): no stop, a launch
+            elif started and (running is None or remain > 0.0) and launch_ms is not None:
+                cost = float(launch_ms)  # nothing trains (a pause, or a relaunch under way): no stop, a launch
             else:
                 cost = cm.restart_ms(shape[0], shape[1], "add" if n_in > 0 or not started else "remove")
             remain = cost  # a relaunch under way is abandoned and started over
             started = True
         running = shape
         remain = _train_after(res, n, shape, thr.throughput(*shape), interval_s, remain, cost)
-        training = remain <= 0.0
     return res
 
 
