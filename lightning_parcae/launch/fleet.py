@@ -543,9 +543,8 @@ class Fleet:
             self.say(f"trace: {cur} -> {target} instances: new {', '.join(added)} {how}")
         st.n = target
         shapes = self.reports.shapes
-        st.timeline.append({"t": time.time() - st.t0, "N": target, "workers": len(self.instances),
-                            "D": shapes[-1]["D"] if shapes else 0, "P": shapes[-1]["P"] if shapes else 0,
-                            "generation": self.reports.egen})
+        st.mark(target, len(self.instances), shapes[-1]["D"] if shapes else 0, shapes[-1]["P"] if shapes else 0,
+                self.reports.egen)
         if target == 0:
             self.events("paused", reason="no instances available")
 

@@ -121,8 +121,7 @@ class Relaunch:
             log_path = logs / f"gen{generation}_rank{rank}.log"
             self.pool.workers.append(Worker(rank, start_worker_process(cfg.command, env, log_path), log_path))
         st.launched(generation=generation, resume_step=resume_step, instances=n, now=time.time())
-        st.timeline.append({"t": time.time() - st.t0, "N": n, "workers": workers, "D": d, "P": p,
-                            "generation": generation})
+        st.mark(n, workers, d, p, generation)
         self.events("launch", generation=generation, N=n, workers=workers, D=d, P=p,
                     resume_ckpt=str(ckpt) if ckpt else None, resume_step=resume_step, master_port=port)
 

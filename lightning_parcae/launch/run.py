@@ -397,7 +397,7 @@ class Launcher:
         cfg, st, fleet, pool = self.cfg, self.state, self.fleet, self.pool
         n0 = self.target_at(0.0)
         fleet.add_instances(n0)
-        st.timeline.append({"t": 0.0, "N": n0, "workers": n0, "D": 0, "P": 0, "generation": -1})
+        st.mark(n0, n0, 0, 0, -1, t=0.0)
         if not n0:
             self.event("paused", reason="no instances available")
         while True:
@@ -498,8 +498,7 @@ class Launcher:
                 elif st.phase is not Phase.PAUSED:
                     if st.phase is not Phase.PENDING:
                         st.pause()
-                    st.timeline.append({"t": time.time() - st.t0, "N": target, "workers": 0, "D": 0, "P": 0,
-                                        "generation": st.generation})
+                    st.mark(target, 0, 0, 0, st.generation)
                     why = ("no instances available" if target == 0 else
                            f"{target} instance(s), fewer than the {fewest} pipeline stages every generation keeps")
                     self.event("paused", reason=why)
@@ -522,8 +521,7 @@ class Launcher:
               f"{st.shape[0]} x {st.shape[1]} changed; generation {st.generation} keeps running",
               file=self.out, flush=True)
         st.n = target
-        st.timeline.append({"t": time.time() - st.t0, "N": target, "workers": st.shape[0] * st.shape[1],
-                            "D": st.shape[0], "P": st.shape[1], "generation": st.generation})
+        st.mark(target, st.shape[0] * st.shape[1], st.shape[0], st.shape[1], st.generation)
 
     # ------------------------------------------------------------------------------------------------ report
     def report(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ The phases of a run (``--elastic`` and ``--restart-fallback`` alike; PAUSED only
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
@@ -122,7 +123,7 @@ class RunState:
     """Seconds into the run at which ``Fleet`` SIGKILLed a member whose grace period ended (appended by ``Fleet``;
     the console's recovery costs start there)."""
     timeline: list[dict[str, Any]] = field(default_factory=list)
-    """Instances over time: one entry whenever the running group changes (appended by the launcher's loop,
+    """Instances over time: one entry whenever the running group changes (:meth:`mark`, by the launcher's loop,
     ``Fleet.change`` and ``Relaunch.start_generation``)."""
     changes: list[dict[str, Any]] = field(default_factory=list)
     """``--elastic``: the trace's membership changes and what was done (appended by ``Fleet.change``)."""
@@ -135,6 +136,12 @@ class RunState:
             raise PhaseError(f"parcae run: illegal phase change {self.phase.name} -> {to.name} ({why}); legal from "
                              f"{self.phase.name}: {sorted(p.name for p in _LEGAL[self.phase]) or 'none'}")
         self.phase = to
+
+    def mark(self, n: int, workers: int, d: int, p: int, generation: int, t: Optional[float] = None) -> None:
+        """Append a :attr:`timeline` entry: ``n`` instances, ``workers`` of them running D x P of ``generation``,
+        ``t`` seconds into the run (default: now)."""
+        self.timeline.append({"t": time.time() - self.t0 if t is None else t, "N": n, "workers": workers, "D": d,
+                              "P": p, "generation": generation})
 
     def launched(self, *, generation: int, resume_step: int, instances: int, now: float,
                  launch: Optional[int] = None) -> None:
