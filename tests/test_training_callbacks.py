@@ -63,6 +63,26 @@ def test_periodic_checkpoints_every_n_steps_after_the_resumed_step(run_dir: Path
     assert all(e["D"] == 2 and e["global_batch"] == 8 for e in _events(run_dir))
 
 
+@pytest.mark.parametrize("step_s", [0.5, 6.0, 30.0])
+def test_progress_reports_the_rate_also_when_a_step_takes_longer_than_the_rate_window(
+        run_dir: Path, monkeypatch: pytest.MonkeyPatch, step_s: float) -> None:
+    """Regression: the rate was taken over the batches of the last 5 s only, so a job whose steps took longer (the
+    GPT-1.5B emulation at time scale 3: 4.8 s at 2 x 7; a large model on real hardware: tens of seconds) kept one
+    entry in that window and never wrote a progress event -- no rate on the console, and a static measurement of
+    0 samples/s."""
+    from lightning_parcae.training import callbacks  # noqa: PLC0415
+
+    clock = [1000.0]
+    monkeypatch.setattr(callbacks.time, "time", lambda: clock[0])
+    cb = callback_class("run")(every_n_steps=0, progress_every_s=0.0, check_token=False)
+    for step in range(1, 6):
+        clock[0] += step_s
+        cb.on_train_batch_end(_trainer(Strategy(), step), None, torch.tensor(1.0), torch.ones(4), 0)
+    rates = [e["samples_per_s"] for e in _events(run_dir) if e["event"] == "progress"]
+    assert len(rates) == 4  # every step after the first
+    assert rates == pytest.approx([8 / step_s] * 4)  # global batch 8 per step
+
+
 def test_a_notice_on_any_rank_stops_every_rank_after_a_checkpoint(run_dir: Path) -> None:
     cb = callback_class("run")(every_n_steps=0, check_token=False)
     trainer = _trainer(Strategy(stop=True), step=5)  # another rank was notified

@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ParcaeRunCallback", "ParcaeElasticCallback", "resume_path", "RUN_DIR_ENV", "RESUME_ENV", "callback_class"]
 
+RATE_WINDOW_S = 5.0
+"""The progress events' samples/s is taken over the batches of the last this many seconds (at least the last step)."""
+
 
 
 def resume_path() -> Optional[str]:
@@ -233,7 +236,10 @@ class ParcaeRunCallbackMixin:
         now = time.time()
         step = int(trainer.global_step)
         self._window.append((now, step))
-        self._window = [w for w in self._window if now - w[0] <= 5.0] or [(now, step)]
+        # the rate is taken over the last 5 s, but over at least the last step: a job whose steps take longer (a
+        # large model: tens of seconds per step) kept a window of one entry and never reported progress at all
+        recent = [w for w in self._window if now - w[0] <= RATE_WINDOW_S]
+        self._window = recent if len(recent) > 1 else self._window[-2:]
         if self._agreed_stop:
             return
         # under gradient accumulation only a batch that ended an optimizer step is a place to stop or checkpoint (a
