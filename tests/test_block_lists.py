@@ -52,9 +52,6 @@ def _parity(tmp_path: Path, variant: str, p: int, d: int) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(400)
 def test_block_list_with_mask_pipelines_like_one_process(tmp_path: Path) -> None:
     _parity(tmp_path, "mask", 2, 1)
 
