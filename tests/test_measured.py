@@ -224,6 +224,33 @@ def test_a_tries_expected_cost_is_its_trial_at_the_fitted_rate_and_two_migration
     assert model.exploration_cost_s((3, 1), 0.3) == pytest.approx(0.6)  # not allowed (64 % 3): no trial to price
 
 
+def test_a_try_lasts_from_its_decision_to_the_first_decision_after_it_is_measured():
+    """A shape is left only at a planning decision: with decisions every ``boundary_s`` a try of 0.13 s of steps
+    after a 0.2 s move still holds its shape until the next decision."""
+    rng = np.random.default_rng(0)
+    model = make(cores=8)
+    feed(model, [(1, 1)], rng, 0.0, cores=8, overhead=1.0, allreduce_ms_per_mb=1.0, p2p_ms=0.1)
+    shape = (2, 2)
+    steps = (2 + model.min_samples) * model.step_ms(*shape) / 1000.0
+    assert model.exploration_cost_s(shape, 0.2) == pytest.approx(steps + 0.4)  # no boundaries: the steps alone
+    assert model.exploration_cost_s(shape, 0.2, boundary_s=10.0) == pytest.approx(10.0 - 0.2 + 0.4)
+    # the steps end after the second boundary: two intervals
+    assert model.exploration_cost_s(shape, 0.2, boundary_s=(steps + 0.2) / 1.5) == pytest.approx(
+        2 * (steps + 0.2) / 1.5 - 0.2 + 0.4)
+
+
+def test_a_try_that_pays_back_over_its_steps_does_not_over_the_intervals_it_holds():
+    """Regression (N = 32 replay, lh_80_90, time scale 3: 20 s intervals): at N = 24 the job ran 4x6 measured at
+    39.3 samples/s; 2x9 was fitted at 29.1 with a 0.50 uncertainty (only 4x6 measured). Priced as its ~22 s of
+    steps the try was worth +145 samples over a 240 s horizon and was made; it held 2x9 until the second decision
+    (45 s, measured 30) -- the whole gap to the reactive policy. Priced to that decision (a 0.7 s move, 20 s
+    intervals: 39.3 s) it is worth less than nothing."""
+    assert exploration_value(39.3, 29.1, 0.5 * 29.1, trial_s=22.0, horizon_s=240.0, move_cost_s=0.7) > 0
+    held = math.ceil((0.7 + 22.0) / 20.0) * 20.0 - 0.7
+    assert held == pytest.approx(39.3)
+    assert exploration_value(39.3, 29.1, 0.5 * 29.1, trial_s=held, horizon_s=240.0, move_cost_s=0.7) < 0
+
+
 def test_the_exploration_budget_refuses_a_try_that_would_take_its_share_over_the_cap_until_time_makes_room():
     """Problem (issue 21): each try pays back on its own, but nothing bounded their sum. The budget admits a try
     while ``(explored + cost) / (elapsed + cost) <= max_share``; the first try is always admitted (the launch

@@ -572,6 +572,18 @@ def test_the_exploration_cap_bounds_the_share_of_wall_time_in_tries_and_resumes_
     assert (last["tries"], last["refused"], last["max_share"]) == (budget.tries, budget.refused, 0.1)
 
 
+def test_a_try_is_priced_until_the_planning_decision_that_can_end_it() -> None:
+    """Regression (N = 32 replay, lh_80_90: a 2x9 try priced at its ~22 s of steps held its shape to the second
+    20 s decision, 45 s): a shape is left only at a planning decision, so the chooser prices a try -- in its expected
+    value and in the budget's expected cost -- from the decision that starts it to the first decision after it is
+    measured. Here steps take ~0.2 s and decisions come every 10 s: every try costs at least one interval."""
+    job = _Job(max_share=1.0, interval_s=10.0)
+    job.run(120.0)
+    tries = [kw for _, name, kw in job.events if name == "explore"]
+    assert tries, "no try to price"
+    assert all(kw["expected_cost_s"] >= job.interval_s for kw in tries), [kw["expected_cost_s"] for kw in tries]
+
+
 def test_an_exploration_cap_of_zero_never_explores() -> None:
     job = _Job(max_share=0.0)
     job.run(200.0)

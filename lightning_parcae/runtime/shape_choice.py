@@ -327,11 +327,12 @@ class ShapeChooser:
             # (regression: with ``elif`` here a job launched as 1x2 on 3 instances was vetoed from 1x3, fitted
             # 13 % faster, every interval for 15 s and never tried it)
             move_s = self._move_cost_s()
-            explore = measured.exploration(n_next, cur, self.config.interval_s * stay, move_s)
+            explore = measured.exploration(n_next, cur, self.config.interval_s * stay, move_s,
+                                           boundary_s=self.config.interval_s)
             if explore is not None:
                 # the share of wall time in tries is capped (issue 21: at N >= 8 every next unmeasured shape can
                 # be worth a try on its own while the fit stays unsure)
-                cost = measured.exploration_cost_s(explore, move_s)
+                cost = measured.exploration_cost_s(explore, move_s, boundary_s=self.config.interval_s)
                 admitted = self.exploration.admit(cost, self._elapsed(now))
                 fields = dict(current=list(cur), chosen=list(explore), measured_current=measured.measured(*cur),
                               fitted=measured.throughput(*explore), uncertainty=measured.uncertainty(*explore),
