@@ -197,6 +197,23 @@ def test_s3_endpoint_that_refuses_connections_is_refused_at_start() -> None:
         CheckpointStore("s3://b-x-y/job", storage_options=opts, timeout_s=20).check()
 
 
+class EndpointConnectionError(Exception):
+    """Named like botocore's: the explanation goes by the error's text, type name included."""
+
+
+def test_an_unreachable_endpoint_on_a_port_with_403_in_it_is_not_called_access_denied(tmp_path: Path) -> None:
+    """Regression (a fresh-clone CI run, 2026-12-05): the free port picked for the refused-connection test was 44031,
+    the error's text held "127.0.0.1:44031", and any "403" in it meant access denied -- the error told the user to
+    give the credentials write access when the endpoint was down. A 403 counts only as a status of its own."""
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    down = EndpointConnectionError('Could not connect to the endpoint URL: "http://127.0.0.1:44031/b/job/.p-403a"')
+    assert "endpoint could not be reached" in str(store._explain(down, "could not be written"))
+    for denied in (PermissionError("Forbidden"),
+                   OSError("An error occurred (403) when calling the PutObject operation: Forbidden"),
+                   OSError("An error occurred (AccessDenied) when calling the PutObject operation")):
+        assert "access denied" in str(store._explain(denied, "could not be written")), denied
+
+
 def test_s3_silent_endpoint_is_an_error_within_the_bound_not_a_hang() -> None:
     pytest.importorskip("s3fs")
     with S3Server() as frozen:

@@ -44,6 +44,9 @@ from lightning_parcae.errors import CheckpointStorageError
 
 __all__ = ["CheckpointRef", "CheckpointStore", "EXTRAS", "SaveFailed", "read_url", "checked_location", "resume_point"]
 
+_HTTP_403 = re.compile(r"(?<![0-9a-z])403(?![0-9a-z])")
+"""An HTTP 403 status in an error's text -- not the digits inside a port, an address or a probe object's name."""
+
 EXTRAS: dict[str, tuple[str, str]] = {
     "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
     "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
@@ -296,7 +299,10 @@ class CheckpointStore:
                    "or an instance role; GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_CONNECTION_STRING)")
         elif "nosuchbucket" in low or "does not exist" in low or isinstance(exc, FileNotFoundError):
             fix = "the bucket/container does not exist: create it first (the launcher never creates buckets)"
-        elif "accessdenied" in low or "forbidden" in low or "403" in low or isinstance(exc, PermissionError):
+        elif (isinstance(exc, ConnectionError) or "connectionerror" in low or "connecttimeout" in low) and not (
+                "accessdenied" in low or isinstance(exc, PermissionError)):
+            fix = "the endpoint could not be reached: check AWS_ENDPOINT_URL / the network"
+        elif "accessdenied" in low or "forbidden" in low or _HTTP_403.search(low) or isinstance(exc, PermissionError):
             fix = "access denied: give these credentials write access to that location"
         elif "connect" in low or "endpoint" in low or "timed out" in low or "timeout" in low:
             fix = "the endpoint could not be reached: check AWS_ENDPOINT_URL / the network"
