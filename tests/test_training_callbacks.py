@@ -83,6 +83,25 @@ def test_progress_reports_the_rate_also_when_a_step_takes_longer_than_the_rate_w
     assert rates == pytest.approx([8 / step_s] * 4)  # global batch 8 per step
 
 
+@pytest.mark.parametrize("batch_s", [0.5, 3.0])
+def test_progress_under_gradient_accumulation_counts_whole_steps(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 batch_s: float) -> None:
+    """Four batches per optimizer step: the rate is steps over the time between the batches that completed them --
+    also when a step (4 x 3 s) is longer than the rate window, where the batch before the step's last one would
+    give four times the rate."""
+    from lightning_parcae.training import callbacks  # noqa: PLC0415
+
+    clock = [1000.0]
+    monkeypatch.setattr(callbacks.time, "time", lambda: clock[0])
+    cb = callback_class("run")(every_n_steps=0, progress_every_s=0.0, check_token=False)
+    for batch in range(1, 21):
+        clock[0] += batch_s
+        cb.on_train_batch_end(_trainer(Strategy(), batch // 4), None, torch.tensor(1.0), torch.ones(4), 0)
+    rates = [e["samples_per_s"] for e in _events(run_dir) if e["event"] == "progress"]
+    assert rates and rates[-1] == pytest.approx(8 / (4 * batch_s))
+    assert all(r > 0 for r in rates)
+
+
 def test_a_notice_on_any_rank_stops_every_rank_after_a_checkpoint(run_dir: Path) -> None:
     cb = callback_class("run")(every_n_steps=0, check_token=False)
     trainer = _trainer(Strategy(stop=True), step=5)  # another rank was notified

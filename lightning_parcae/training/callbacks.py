@@ -238,8 +238,14 @@ class ParcaeRunCallbackMixin:
         self._window.append((now, step))
         # the rate is taken over the last 5 s, but over at least the last step: a job whose steps take longer (a
         # large model: tens of seconds per step) kept a window of one entry and never reported progress at all
-        recent = [w for w in self._window if now - w[0] <= RATE_WINDOW_S]
-        self._window = recent if len(recent) > 1 else self._window[-2:]
+        # and from the batch that completed a step (under gradient accumulation a window starting at a batch inside
+        # a step miscounts it): the oldest step completed in the last 5 s, else the newest completed before them
+        completed: dict[int, float] = {}
+        for t, s in self._window:
+            completed.setdefault(s, t)
+        inside = [s for s, t in completed.items() if now - t <= RATE_WINDOW_S and s < step]
+        start = min(inside) if inside else max((s for s in completed if s < step), default=step)
+        self._window = [w for w in self._window if w[1] >= start]
         if self._agreed_stop:
             return
         # under gradient accumulation only a batch that ended an optimizer step is a place to stop or checkpoint (a
@@ -258,7 +264,7 @@ class ParcaeRunCallbackMixin:
             return
         if self.every_n_steps and step % self.every_n_steps == 0 and step > self._resumed_step:
             self._save(trainer, "periodic")
-        if len(self._window) > 1 and now - self._last_progress >= self.progress_every_s:
+        if self._window[0][1] < step and now - self._last_progress >= self.progress_every_s:
             self._last_progress = now
             self._emit(trainer, "progress", samples_per_s=self._rate(), **_loss_field(outputs))
 
