@@ -579,8 +579,8 @@ class MeasuredThroughput(ThroughputModel):
                            boundary_s: float = 0.0) -> float:
         """Expected wall time of a try of ``shape``, as :class:`ExplorationBudget` charges it before it starts.
 
-        The trial (``warmup_steps + min_samples`` steps at the fitted rate, as :meth:`exploration` prices it)
-        plus two migrations: there, and back if it loses -- the try's worst case, so that an admitted try cannot
+        The trial (``warmup_steps + min_samples`` steps at the fitted rate, with ``boundary_s`` on to the next
+        decision, as :meth:`exploration` prices it) plus two migrations: there, and back if it loses -- the try's worst case, so that an admitted try cannot
         overrun the cap by its return.
 
         Args:

@@ -294,18 +294,19 @@ class CheckpointStore:
     def _explain(self, exc: BaseException, what: str) -> CheckpointStorageError:
         text = f"{type(exc).__name__}: {exc}"
         low = text.lower()
+        unreachable = "the endpoint could not be reached: check AWS_ENDPOINT_URL / the network"
+        denied = "accessdenied" in low or isinstance(exc, PermissionError)  # by the error's own kind or code
         if "credential" in low or "nocredentials" in low or "unable to locate" in low:
             fix = ("no credentials were found: set the cloud's credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
                    "or an instance role; GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_CONNECTION_STRING)")
         elif "nosuchbucket" in low or "does not exist" in low or isinstance(exc, FileNotFoundError):
             fix = "the bucket/container does not exist: create it first (the launcher never creates buckets)"
-        elif (isinstance(exc, ConnectionError) or "connectionerror" in low or "connecttimeout" in low) and not (
-                "accessdenied" in low or isinstance(exc, PermissionError)):
-            fix = "the endpoint could not be reached: check AWS_ENDPOINT_URL / the network"
-        elif "accessdenied" in low or "forbidden" in low or _HTTP_403.search(low) or isinstance(exc, PermissionError):
+        elif not denied and (isinstance(exc, ConnectionError) or "connectionerror" in low or "connecttimeout" in low):
+            fix = unreachable  # before the text's "forbidden" / 403: a refused connection's URL may hold either
+        elif denied or "forbidden" in low or _HTTP_403.search(low):
             fix = "access denied: give these credentials write access to that location"
         elif "connect" in low or "endpoint" in low or "timed out" in low or "timeout" in low:
-            fix = "the endpoint could not be reached: check AWS_ENDPOINT_URL / the network"
+            fix = unreachable
         else:
             fix = "give a location this process can write"
         return CheckpointStorageError(f"checkpoint directory {self.url!r} {what} ({text}); {fix}")

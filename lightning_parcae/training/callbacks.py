@@ -236,10 +236,10 @@ class ParcaeRunCallbackMixin:
         now = time.time()
         step = int(trainer.global_step)
         self._window.append((now, step))
-        # the rate is taken over the last 5 s, but over at least the last step: a job whose steps take longer (a
-        # large model: tens of seconds per step) kept a window of one entry and never reported progress at all
-        # and from the batch that completed a step (under gradient accumulation a window starting at a batch inside
-        # a step miscounts it): the oldest step completed in the last 5 s, else the newest completed before them
+        # the rate is taken over the last 5 s, but over at least one step (a job whose steps take longer -- a large
+        # model: tens of seconds per step -- kept a window of one entry and never reported progress at all), and
+        # from the batch that completed a step (under gradient accumulation a window starting at a batch inside a
+        # step miscounts it): from the oldest step completed in the last 5 s, else the newest completed before
         completed: dict[int, float] = {}
         for t, s in self._window:
             completed.setdefault(s, t)
