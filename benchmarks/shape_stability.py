@@ -15,10 +15,9 @@ unless measured slower". This script reads a ``parcae run`` run directory (``eve
   *measured* faster than the current one (the decision's ``throughput.measured`` against ``throughput.current``).
   Each is listed with its times, shapes and the decision's reason;
 * ``exploration``: the issue's "bound the share of time spent exploring" -- tries started (``explore`` events),
-  tries the cap refused (``explore_refused``), and the share of wall time tries cost. The share is the
-  leader's own accounting (``explored_s`` over ``elapsed_s``: each try's migrations whole and its time in the
-  tried shape by what it fell short of the shape it left, against the time since its first step boundary;
-  runs logged before issue 21's change charged the trial's wall time), which ``explore``, ``explore_refused``, ``explore_done`` and ``decision``
+  tries the cap refused (``explore_refused``), and the share of wall time spent in tries. The share is the
+  leader's own accounting (``explored_s`` over ``elapsed_s``: each try's migrations and trial time, against the
+  time since its first step boundary), which ``explore``, ``explore_refused``, ``explore_done`` and ``decision``
   events carry; the latest report is extended to the run's last event (``share``: no try starts without an
   ``explore`` event, so the time after it explored nothing new). A run logged before that accounting existed
   reports ``share`` None (its ``explore`` events say when a try started, not how long it lasted). After a change
@@ -42,7 +41,7 @@ _FORCED = ("notice", "lost", "recovery", "operator requested", "fallback")
 
 
 def exploration(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Tries, refused tries and the share of wall time tries cost in one run's events (module docstring).
+    """Tries, refused tries and the share of wall time spent exploring in one run's events (module docstring).
 
     Args:
         events: The run's events (``events.jsonl``), in any order.
@@ -131,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for d, r in reports.items():
         ex = r["exploration"]
-        share = "share n/a" if ex["share"] is None else (
-            f"tries cost {100 * ex['share']:.1f} % of {ex['elapsed_s']:.0f} s "
-            f"(cap {100 * float(ex['max_share']):.0f} %)")
+        share = "share n/a" if ex["share"] is None else \
+            f"{100 * ex['share']:.1f} % of {ex['elapsed_s']:.0f} s exploring (cap {100 * float(ex['max_share']):.0f} %)"
         print(f"{d}: {r['count_changes']} count changes, {r['generations']} generations ({r['in_place']} in place, "
               f"{r['relaunches']} relaunches), {r['per_change']} per change, {len(r['early_leaves'])} early leaves; "
               f"{ex['tries']} tries, {ex['refused']} refused, {share}"

@@ -19,7 +19,6 @@ from lightning_parcae.planning.measured import (
     MeasuredThroughput,
     PipelineThroughput,
     exploration_value,
-    expected_shortfall,
     load_measured_profile,
     min_stages_for_memory,
 )
@@ -223,56 +222,6 @@ def test_a_tries_expected_cost_is_its_trial_at_the_fitted_rate_and_two_migration
         assert model.exploration_cost_s(shape, 0.3) == pytest.approx(trial + 0.6)
         assert model.exploration_cost_s(shape, 0.3, warmup_steps=0) == pytest.approx(trial * 5 / 7 + 0.6)
     assert model.exploration_cost_s((3, 1), 0.3) == pytest.approx(0.6)  # not allowed (64 % 3): no trial to price
-
-
-def test_a_tries_expected_cost_weighs_its_trial_by_the_expected_shortfall_against_the_running_shape():
-    """Given the running shape's measured rate, the trial costs what it is expected to lose against staying: a try
-    of a shape fitted well above it costs about its two migrations, one fitted at half of it half its trial."""
-    rng = np.random.default_rng(0)
-    model = make(cores=8)
-    feed(model, [(1, 1)], rng, 0.0, **MACHINES[3])
-    shape = (2, 1)  # fitted with a 0.3 uncertainty
-    whole = model.exploration_cost_s(shape, 0.3, boundary_s=10.0)
-    trial, mu = whole - 0.6, model.throughput(*shape)
-    sigma = mu * model.uncertainty(*shape)
-    assert model.uncertainty(*shape) == pytest.approx(0.3, abs=0.01)
-    for current in (0.5 * mu, mu, 2.0 * mu):
-        assert model.exploration_cost_s(shape, 0.3, boundary_s=10.0, current=current) == pytest.approx(
-            trial * expected_shortfall(current, mu, sigma) + 0.6)
-    assert model.exploration_cost_s(shape, 0.3, boundary_s=10.0, current=mu / 3) < 0.6 + 0.01 * trial
-    assert model.exploration_cost_s(shape, 0.3, boundary_s=10.0, current=2.0 * mu) > 0.6 + 0.45 * trial
-
-
-def test_the_expected_shortfall_is_what_a_believed_rate_falls_short_of_the_current_one():
-    assert expected_shortfall(100.0, 50.0, 0.0) == 0.5 and expected_shortfall(100.0, 120.0, 0.0) == 0.0
-    assert expected_shortfall(0.0, 50.0, 10.0) == 0.0
-    # a normal belief: E[max(0, c - X)] = (c - mu) Phi(z) + sigma phi(z), checked by sampling
-    rng = np.random.default_rng(3)
-    for mean, sigma in [(80.0, 20.0), (100.0, 30.0), (130.0, 40.0)]:
-        x = rng.normal(mean, sigma, 400_000)
-        assert expected_shortfall(100.0, mean, sigma) == pytest.approx(np.maximum(0.0, 100.0 - x).mean() / 100.0,
-                                                                      abs=2e-3)
-    assert expected_shortfall(100.0, 118.0, 0.0) < expected_shortfall(100.0, 118.0, 40.0) < 0.12
-    assert expected_shortfall(1.0, 100.0, 400.0) == 1.0  # a belief that reaches below 0 still loses at most all
-
-
-def test_a_lost_near_equal_try_leaves_room_for_a_try_fitted_faster():
-    """Regression (issue 21, N = 32 replay, lh_80_90, 20 s intervals): the first try, 2x13 at 27 instances (fitted
-    34.5 samples/s against 4x6 measured at 37.3, uncertainty 0.50), held its shape 40 s and measured 35.75 -- 4 %
-    slower. The budget charged those 40 s whole: in a 600 s replay (10 %: 60 s) every later try was refused, 9 times
-    one of 4x7, fitted at 42.9 (+18 %, uncertainty 0.35) -- the shape the reactive policy ran at 28-32 instances,
-    3 % ahead of parcae. Charged by its shortfall, the first try cost its two migrations and ~2 s."""
-    move, trial = 1.0, 40.0
-    old = ExplorationBudget(0.1)
-    assert old.admit(trial + 2 * move, elapsed_s=100.0)
-    old.charge(move + trial + move)  # as it was: wall time
-    assert not any(old.admit(trial + 2 * move, elapsed_s=t) for t in range(160, 600, 20))
-    new = ExplorationBudget(0.1)
-    assert new.admit(trial * expected_shortfall(37.3, 34.5, 0.5 * 34.5) + 2 * move, elapsed_s=100.0)
-    new.charge(move + trial * (1.0 - 35.75 / 37.3) + move)
-    cost = trial * expected_shortfall(35.75, 42.9, 0.354 * 42.9) + 2 * move
-    assert cost < 8.0
-    assert new.admit(cost, elapsed_s=160.0)  # the next decision after the move back may try 4x7
 
 
 def test_a_try_lasts_from_its_decision_to_the_first_decision_after_it_is_measured():

@@ -5,12 +5,11 @@ collaborators (a fake training host, a real GenerationState, records and a Coord
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 import torch.distributed as dist
 
-from lightning_parcae.planning.measured import expected_shortfall
 from lightning_parcae.planning.migration_plan import Layout
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator, booting_key
@@ -461,16 +460,12 @@ def test_a_notice_decision_never_holds_a_standby_back_for_its_batch() -> None:
 
 class _Job:
     """A simulated job around one chooser, on a fake clock: it trains steps at a machine's true step times, plans
-    every ``interval_s`` and migrates (``move_s``) to whatever the chooser returns. It keeps its own account of what
-    its tries cost, independent of the chooser's :class:`ExplorationBudget`: the move to the tried shape whole, the
-    time in it (from entering it to the first decision after it is measured) by the fraction of the launch shape's
-    rate of the shape it left falls short by, and the move back if it lost. ``speed`` gives each shape's rate as a
-    fraction of the launch shape's (default: every other shape 0.95)."""
+    every ``interval_s`` and migrates (``move_s``) to whatever the chooser returns. It keeps its own account of the
+    time spent in tries (from the decision of an ``explore`` to the tried shape's measurement, plus the move back
+    if the try lost), independent of the chooser's :class:`ExplorationBudget`."""
 
-    def __init__(self, max_share: float, *, n: int = 12, interval_s: float = 10.0, move_s: float = 0.5,
-                 speed: Optional[Callable[[tuple[int, int]], float]] = None) -> None:
+    def __init__(self, max_share: float, *, n: int = 12, interval_s: float = 10.0, move_s: float = 0.5) -> None:
         self.n, self.interval_s, self.move_s = n, interval_s, move_s
-        self.speed = speed or (lambda shape: 1.0 if shape == (2, 2) else 0.95)
         self.now = 1000.0
         self.events: list = []
         self.members = tuple(f"m{i}" for i in range(n))
@@ -485,9 +480,9 @@ class _Job:
         model = self.chooser.model()
         assert model is not None
         self.model = model
-        # the machine: the launch shape runs as the formula says, every other shape at ``speed`` of it; the fit
-        # (which the formula's family cannot bend to that) stays unsure and every next unmeasured shape is again
-        # worth a try -- each with a positive expected value, each lost
+        # the machine: the launch shape runs as the formula says; every other shape measures 5 % slower than it, so
+        # the fit (which the formula's family cannot bend to that) stays unsure and every next unmeasured shape is
+        # again worth a try -- each with a positive expected value, each lost
         self.launch_rate = 720 / (model.prior.step_ms(2, 2) / 1000.0)
         self.start, self.generation, self.step = self.now, 0, 0
         self.explored_s = 0.0
@@ -498,7 +493,7 @@ class _Job:
         return self.state.layout.data_parallel, self.state.layout.pipeline_stages
 
     def step_s(self, shape: tuple[int, int]) -> float:
-        return 720 / (self.launch_rate * self.speed(shape))
+        return 720 / (self.launch_rate * (1.0 if shape == (2, 2) else 0.95))
 
     def move(self, shape: tuple[int, int]) -> None:
         d, p = shape
@@ -519,26 +514,22 @@ class _Job:
             self.chooser.record_step(self.step)
             t = self._try
             if t is not None and t["phase"] == "trial" and self.model.measured(*cur) is not None:
-                ratio = self.speed(cur) / self.speed(t["origin"])
-                t["shortfall"], t["phase"] = max(0.0, 1.0 - ratio), "lost" if ratio <= 1.1 else "won"
+                self.explored_s += self.now - t["since"]  # decided -> measured (the move there included)
+                t["phase"] = "lost" if self.model.measured(*cur) <= 1.1 * self.launch_rate else "won"
             if self.now < plan_at:
                 continue
             plan_at = self.now + self.interval_s
             seen = len(self.events)
             shape = self.chooser.choose(self.n, self.n, observe=True)
             moves = shape is not None and shape != cur
-            tried = any(name == "explore" for _, name, _ in self.events[seen:])
             if t is not None and t["phase"] != "trial":  # the first planning after a try's measurement ends it:
-                self.explored_s += (self.now - t["entered"]) * t["shortfall"]  # its time in the shape
-                if moves and t["phase"] == "lost" and not tried:  # a lost one moves back (a move to the next
-                    self.explored_s += self.move_s  # try is that try's)
+                self.explored_s += self.move_s if moves and t["phase"] == "lost" else 0.0  # a lost one moves back
                 self._try = None
             if not moves:
                 continue
+            if any(name == "explore" for _, name, _ in self.events[seen:]):
+                self._try = {"shape": shape, "since": self.now, "phase": "trial"}
             self.move(shape)
-            if tried:
-                self.explored_s += self.move_s  # the move there
-                self._try = {"shape": shape, "origin": cur, "entered": self.now, "phase": "trial"}
 
     @property
     def elapsed_s(self) -> float:
@@ -548,24 +539,21 @@ class _Job:
         return [name for _, name, _ in self.events]
 
 
-def test_without_a_cap_tries_that_each_pay_back_cost_over_a_tenth_of_the_run() -> None:
+def test_without_a_cap_tries_that_each_pay_back_take_a_quarter_of_the_run() -> None:
     """The problem (issue 21, "bound the share of time spent exploring"): at N=12 with dozens of candidates and a
     fit that stays unsure, every next unmeasured shape has a positive expected value on its own, and nothing bounded
-    their sum -- with gigabyte stages (4 s migrations, 10 s intervals) this job's tries cost over 11 % of ten
-    minutes, mostly in migrations."""
-    job = _Job(max_share=1.0, move_s=4.0)
+    their sum -- this job spends over 20 % of ten minutes moving to shapes, measuring them and moving back."""
+    job = _Job(max_share=1.0)
     job.run(600.0)
-    assert job.names().count("explore") >= 15 and "explore_refused" not in job.names()
-    assert job.explored_s / job.elapsed_s > 0.11, (job.explored_s, job.elapsed_s)
-    assert job.chooser.exploration.explored_s == pytest.approx(job.explored_s, abs=1e-6)
+    assert job.names().count("explore") >= 8 and "explore_refused" not in job.names()
+    assert job.explored_s / job.elapsed_s > 0.2, (job.explored_s, job.elapsed_s)
 
 
 def test_the_exploration_cap_bounds_the_share_of_wall_time_in_tries_and_resumes_as_training_makes_room() -> None:
-    """With ``max_exploration_share=0.1`` the same job keeps what its tries cost under 10 % of its wall time: a try
-    is refused (``explore_refused``) while the share so far, the try included at its expected cost, would exceed
-    the cap, and the next one starts once enough training time has passed. The chooser's own account matches the
-    job's."""
-    job = _Job(max_share=0.1, move_s=4.0)
+    """With ``max_exploration_share=0.1`` the same job keeps its tries under 10 % of its wall time: a try is refused
+    (``explore_refused``) while the share so far, the try included at its expected cost, would exceed the cap, and
+    the next one starts once enough training time has passed. The chooser's own account matches the job's."""
+    job = _Job(max_share=0.1)
     job.run(600.0)
     names = job.names()
     assert job.explored_s / job.elapsed_s <= 0.1, (job.explored_s, job.elapsed_s)
@@ -588,16 +576,12 @@ def test_a_try_is_priced_until_the_planning_decision_that_can_end_it() -> None:
     """Regression (N = 32 replay, lh_80_90: a 2x9 try priced at its ~22 s of steps held its shape to the second
     20 s decision, 45 s): a shape is left only at a planning decision, so the chooser prices a try -- in its expected
     value and in the budget's expected cost -- from the decision that starts it to the first decision after it is
-    measured. Here steps take ~0.2 s and decisions come every 10 s: every try's trial lasts at least an interval
-    less the move there, and the budget charges it at the tried shape's expected shortfall, plus two moves."""
+    measured. Here steps take ~0.2 s and decisions come every 10 s: every try costs at least one interval."""
     job = _Job(max_share=1.0, interval_s=10.0)
     job.run(120.0)
     tries = [kw for _, name, kw in job.events if name == "explore"]
     assert tries, "no try to price"
-    for kw in tries:
-        shortfall = expected_shortfall(kw["measured_current"], kw["fitted"], kw["fitted"] * kw["uncertainty"])
-        assert shortfall > 0.01
-        assert kw["expected_cost_s"] >= 2 * job.move_s + (job.interval_s - job.move_s) * shortfall - 1e-3, kw
+    assert all(kw["expected_cost_s"] >= job.interval_s for kw in tries), [kw["expected_cost_s"] for kw in tries]
 
 
 def test_an_exploration_cap_of_zero_never_explores() -> None:

@@ -82,4 +82,4 @@ def test_a_run_logged_before_the_exploration_account_reports_no_share(tmp_path: 
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in
                                                    START + [_account("explore", 5.0, 1.0, 10.0, 2, 3)]))
     assert main([str(tmp_path)]) == 0  # with the account: the share, of how long, under which cap
-    assert "1 tries, 0 refused, tries cost 10.0 % of 10 s (cap 10 %)" in capsys.readouterr().out
+    assert "1 tries, 0 refused, 10.0 % of 10 s exploring (cap 10 %)" in capsys.readouterr().out

@@ -48,7 +48,7 @@ from lightning_parcae.planning.costmodel import (
 )
 from lightning_parcae.errors import ConfigurationError
 
-__all__ = ["PipelineThroughput", "MeasuredThroughput", "exploration_value", "expected_shortfall", "ExplorationBudget",
+__all__ = ["PipelineThroughput", "MeasuredThroughput", "exploration_value", "ExplorationBudget",
            "check_exploration_share", "DEFAULT_MAX_EXPLORATION_SHARE", "load_measured_profile", "load_cost_model",
            "PROFILE_FORMAT", "min_stages_for_memory"]
 
@@ -184,27 +184,6 @@ def exploration_value(current: float, mean: float, sigma: float, trial_s: float,
     return gain_rate * rest - (current - mean) * trial_s - current * move_cost_s * (2.0 - p_win)
 
 
-def expected_shortfall(current: float, mean: float, sigma: float) -> float:
-    """The expected fraction of ``current``'s rate a shape believed to run ``N(mean, sigma)`` samples/s falls short
-    by: ``E[max(0, current - X)] / current``, at most 1 (0 for a certain shape at least as fast; 0 if ``current``
-    is not positive). What a second of trial in that shape is expected to cost against staying, in seconds of the shape
-    left (:meth:`MeasuredThroughput.exploration_cost_s`).
-
-    Args:
-        current: Measured samples/s of the running shape.
-        mean: Believed samples/s of the tried shape.
-        sigma: Its standard deviation (samples/s); 0 means certain.
-    """
-    if current <= 0:
-        return 0.0
-    if sigma <= 0:
-        return max(0.0, current - mean) / current
-    z = (current - mean) / sigma
-    below = 0.5 * math.erfc(-z / math.sqrt(2.0))  # P(X < current)
-    density = math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
-    return min(1.0, max(0.0, (current - mean) * below + sigma * density) / current)  # rates are not negative
-
-
 DEFAULT_MAX_EXPLORATION_SHARE = 0.1
 """Default cap on the share of training wall time spent in exploration tries (see :class:`ExplorationBudget`)."""
 
@@ -229,23 +208,15 @@ def check_exploration_share(value: Any, name: str = "max_exploration_share") -> 
 
 
 class ExplorationBudget:
-    """The share of a job's wall time its exploration tries may cost.
+    """The share of a job's wall time its exploration tries may take.
 
     :func:`exploration_value` makes each try pay for itself *in expectation*; it does not bound how much of a run
     goes into tries. At N >= 8 there are dozens of unmeasured candidates, and while the fit stays unsure (shapes
     that do not follow the fitted family keep its error high) every next one is again worth a try: nothing stopped
     a job from spending 40 % of its time moving to shapes, measuring them and moving back. This is the bound: the
-    runtime charges every try's cost (:meth:`charge`) and asks before the next one (:meth:`admit`). A try costs
-    its migrations whole (training stops: the move there, and the move back if it lost) and its trial by what the
-    tried shape falls short of the one it left -- ``1 - tried / origin`` of each second, 0 if it is as fast; the
-    whole second while it is not measured yet and it is left (a notice, a loss). Plain accounting over the times
+    runtime charges every try's time (:meth:`charge`: the migration to the shape, the trial until it is measured,
+    the migration back if it lost) and asks before the next one (:meth:`admit`). Plain accounting over the times
     it is given (no clock): the caller says how long the job has trained and how much a try is expected to cost.
-
-    Regression (issue 21, N = 32 replay, lh_80_90): the budget charged the trial's wall time. A first try of 2x13
-    (fitted 8 % below the measured 4x6, tried on a 0.5 uncertainty) measured 4 % slower and was charged its 40 s;
-    for the rest of the replay (600 s) the cap refused every try of 4x7, fitted 18 % *faster* than the running
-    shape -- the shape the reactive policy ran at 28-32 instances -- and parcae lost the segment to it. Charged by
-    its shortfall that trial cost ~2 s; a try expected to gain is charged little more than its moves.
 
     A try is refused while ``(explored + cost) / (elapsed + cost) > max_share`` -- the share so far, counting the
     try about to start at its expected cost -- so once the cap is reached the job trains until its time makes
@@ -260,7 +231,7 @@ class ExplorationBudget:
 
     Attributes:
         max_share: The cap.
-        explored_s: Seconds charged to tries so far (see above: migrations whole, trials by their shortfall).
+        explored_s: Seconds charged to tries so far.
         tries: Tries admitted.
         refused: Tries refused by the cap (one per decision that wanted to try and was refused).
 
@@ -282,7 +253,7 @@ class ExplorationBudget:
         """Whether a try expected to take ``cost_s`` seconds fits the cap after ``elapsed_s`` seconds of training.
 
         Args:
-            cost_s: The try's expected cost (:meth:`MeasuredThroughput.exploration_cost_s`).
+            cost_s: The try's expected time (:meth:`MeasuredThroughput.exploration_cost_s`).
             elapsed_s: Wall seconds the job has trained so far (tries included).
         """
         if self.max_share >= 1.0:
@@ -305,8 +276,7 @@ class ExplorationBudget:
         return ok
 
     def charge(self, seconds: float) -> None:
-        """Add ``seconds`` (a try's migration, or its trial time weighted by its shortfall) to the exploring
-        cost; negative values add 0."""
+        """Add ``seconds`` (a migration or trial time of a try) to the exploring time; negative values add 0."""
         self.explored_s += max(0.0, float(seconds))
 
     def report(self, elapsed_s: float) -> Dict[str, Any]:
@@ -552,7 +522,7 @@ class MeasuredThroughput(ThroughputModel):
         + ``min_samples`` steps at the fitted rate), a move to it afterwards only if it measures faster than the
         current shape by :attr:`margin` (the veto's rule), the gain counted over the rest of ``interval_s``. The
         shape with the largest expected value is returned. Whether the try may start is the caller's
-        :class:`ExplorationBudget` (the share of wall time tries may cost; a try's cost:
+        :class:`ExplorationBudget` (the share of wall time tries may take; a try's cost:
         :meth:`exploration_cost_s`).
 
         Regression: the rule was "fitted x (1 + uncertainty) beats the current measurement by the margin"; a shape
@@ -606,28 +576,21 @@ class MeasuredThroughput(ThroughputModel):
         return trial
 
     def exploration_cost_s(self, shape: Shape, move_cost_s: float, warmup_steps: int = 2,
-                           boundary_s: float = 0.0, current: Optional[float] = None) -> float:
-        """Expected cost of a try of ``shape`` in seconds, as :class:`ExplorationBudget` charges it before it starts.
+                           boundary_s: float = 0.0) -> float:
+        """Expected wall time of a try of ``shape``, as :class:`ExplorationBudget` charges it before it starts.
 
-        Two migrations (there, and back if it loses -- the try's worst case, so that an admitted try cannot overrun
-        the cap by its return) plus the trial (``warmup_steps + min_samples`` steps at the fitted rate, with
-        ``boundary_s`` on to the next decision, as :meth:`exploration` prices it) weighted by its expected shortfall
-        against ``current`` (:func:`expected_shortfall` over the fit and its uncertainty): a second in a shape
-        believed as fast costs little, one in a shape believed half as fast half a second.
+        The trial (``warmup_steps + min_samples`` steps at the fitted rate, with ``boundary_s`` on to the next
+        decision, as :meth:`exploration` prices it) plus two migrations: there, and back if it loses -- the try's worst case, so that an admitted try cannot
+        overrun the cap by its return.
 
         Args:
             shape: The candidate.
             move_cost_s: Typical in-place migration time of this job.
             warmup_steps: Steps of a new shape that are not measured.
             boundary_s: Seconds between two decisions (see :meth:`exploration`).
-            current: Measured samples/s of the running shape (None: the whole trial is charged).
         """
         trial = self._trial_s(shape, warmup_steps, move_cost_s, boundary_s)
-        trial = trial if math.isfinite(trial) else 0.0
-        if current is not None:
-            mu = self.throughput(*shape)
-            trial *= expected_shortfall(float(current), mu, mu * self.uncertainty(*shape))
-        return trial + 2.0 * max(0.0, float(move_cost_s))
+        return (trial if math.isfinite(trial) else 0.0) + 2.0 * max(0.0, float(move_cost_s))
 
     def cost_model(self, constants: Optional[MigrationConstants] = None, *,
                    preemption_notice: bool = False) -> DefaultCostModel:

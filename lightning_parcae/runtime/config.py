@@ -49,10 +49,9 @@ class RuntimeConfig:
         roster_key: A start-up candidate of ``parcae run``: the store key of its launch's roster, which says whether
             it is a member of the first generation (and its rank) or a standby (:mod:`.startup`); None: the rank
             was given.
-        max_exploration_share: Cap on the share of training wall time the leader's exploration tries may cost
-            (each try's migrations whole, its trial in the unmeasured shape by what that shape falls short of the
-            one it left; a try is refused while the share so far, the try included at its expected cost, would
-            exceed it -- the first try excepted). In ``[0, 1]``:
+        max_exploration_share: Cap on the share of training wall time the leader spends in exploration tries
+            (each try's migrations and its trial in the unmeasured shape; a try is refused while the share so
+            far, the try included at its expected cost, would exceed it -- the first try excepted). In ``[0, 1]``:
             0 never explores, 1 is no cap; default 0.1 (see
             :class:`~lightning_parcae.planning.measured.ExplorationBudget`).
         preemption_notice: Departures come with a notice and the leaver hands its state over (spot instances:

@@ -4,8 +4,8 @@ Problem: at each planning interval the leader must price every shape that fits t
 by the step times *this* job has measured where it ran a shape, by a model fitted to them elsewhere -- and pick
 the next one with the same decision the simulator scores (:class:`~lightning_parcae.planning.policy.ShapeDecider`),
 then apply the runtime's guards: never move to a shape measured slower unless availability forces it, explore an
-unmeasured shape when the model is unsure and the interval is long -- within a cap on the share of wall time tries
-may cost (``max_exploration_share``: at N >= 8 a job with dozens of unmeasured shapes could otherwise spend a large
+unmeasured shape when the model is unsure and the interval is long -- within a cap on the share of wall time spent
+in tries (``max_exploration_share``: at N >= 8 a job with dozens of unmeasured shapes could otherwise spend a large
 part of its time trying them) -- and honour an operator's one-off resize request.
 It also decides who takes part (standbys whose heartbeat moves and that have no valid notice; the joiners of one
 launch batch together, :data:`BATCH_GRACE_S`) and plans the migration to the chosen shape, publishing the next
@@ -93,9 +93,6 @@ class _Try:
             ``"returning"`` (measured, lost: the migration back is the try's too).
         since: When the current phase began (the chooser's clock); in ``"returning"``, when the move back was
             decided (None: not yet).
-        shortfall: In ``"returning"``: the fraction of the origin's rate the tried shape measured short by (each
-            second in it until the next decision is charged this much).
-        measured_at: In ``"returning"``: when the tried shape was measured.
     """
 
     shape: Shape
@@ -103,8 +100,6 @@ class _Try:
     generation: int
     phase: str
     since: Optional[float]
-    shortfall: float = 0.0
-    measured_at: Optional[float] = None
 
 
 class ShapeChooser:
@@ -124,10 +119,9 @@ class ShapeChooser:
     Attributes:
         stats: The last planning's figures (``predicted_N``, ``liveput``, ``decision``, ``throughput``,
             ``exploration``: :meth:`~lightning_parcae.planning.measured.ExplorationBudget.report`).
-        exploration: The exploration budget (``config.max_exploration_share``): every try's migrations are charged
-            to it whole, its trial time (from entering the shape until it is measured and, if it lost, on to the
-            next decision) by the tried shape's shortfall against the one it left, and the move back if it lost; a
-            try it refuses is an ``explore_refused`` event. The
+        exploration: The exploration budget (``config.max_exploration_share``): every try's migrations and trial
+            time are charged to it, from the decision that starts the try until the shape is measured (and, if it
+            lost, until the job is back in another shape); a try it refuses is an ``explore_refused`` event. The
             training time it is measured against runs from this chooser's first step boundary (a new leader
             starts its own account).
     """
@@ -211,16 +205,14 @@ class ShapeChooser:
             t.phase, t.since = "trial", now
             return
         if t.phase == "trial":
-            self.exploration.charge(now - since)  # left before it was measured (a notice, a loss): all of it
+            self.exploration.charge(now - since)  # left before it was measured (a notice, a loss)
         elif t.phase == "returning" and t.since is not None:
             self.exploration.charge(now - since)  # the migration back from a try that lost
         self._try = None  # the try is over (or the move it was decided for went elsewhere)
 
     def _try_measured(self, model: MeasuredThroughput, now: float) -> None:
-        """After a recorded step: a try whose shape is now measured ends its trial, charged by its shortfall
-        against the shape it left (:class:`~lightning_parcae.planning.measured.ExplorationBudget`); if it lost
-        (not faster than that shape by the margin) its time there until the next decision and the migration back
-        are charged too."""
+        """After a recorded step: a try whose shape is now measured ends its trial; if it lost (not faster than
+        the shape it left by the margin) the migration back is charged too."""
         t = self._try
         if t is None or t.phase != "trial" or self.state.layout is None:
             return
@@ -229,15 +221,14 @@ class ShapeChooser:
         tried, origin = model.measured(*t.shape), model.measured(*t.origin)
         if tried is None:
             return
-        shortfall = 1.0 if origin is None else max(0.0, 1.0 - tried / origin)
-        self.exploration.charge((now - (now if t.since is None else t.since)) * shortfall)
+        self.exploration.charge(now - (now if t.since is None else t.since))
         kept = origin is None or tried > origin * (1.0 + model.margin)
         self.event("explore_done", shape=list(t.shape), origin=list(t.origin), kept=kept, measured=tried,
                    measured_origin=origin, **self.exploration.report(self._elapsed(now)))
         if kept:
             self._try = None
         else:
-            t.phase, t.since, t.shortfall, t.measured_at = "returning", None, shortfall, now
+            t.phase, t.since = "returning", None
 
     def choose(self, n_now: int, n_next: int, observe: bool) -> Optional[Shape]:
         """Next shape: the liveput optimizer over the known next interval and the predicted ones after it.
@@ -326,9 +317,6 @@ class ShapeChooser:
         now = self._clock()
         t = self._try
         if t is not None and t.phase == "returning" and observe:
-            if t.measured_at is not None:  # the lost shape held until this decision: its shortfall is the try's
-                self.exploration.charge((now - t.measured_at) * t.shortfall)
-                t.measured_at = None
             if shape == cur:
                 self._try = None  # the lost try's shape is kept after all: no move back to charge
             else:
@@ -344,8 +332,7 @@ class ShapeChooser:
             if explore is not None:
                 # the share of wall time in tries is capped (issue 21: at N >= 8 every next unmeasured shape can
                 # be worth a try on its own while the fit stays unsure)
-                cost = measured.exploration_cost_s(explore, move_s, boundary_s=self.config.interval_s,
-                                                   current=measured.measured(*cur))
+                cost = measured.exploration_cost_s(explore, move_s, boundary_s=self.config.interval_s)
                 admitted = self.exploration.admit(cost, self._elapsed(now))
                 fields = dict(current=list(cur), chosen=list(explore), measured_current=measured.measured(*cur),
                               fitted=measured.throughput(*explore), uncertainty=measured.uncertainty(*explore),

@@ -111,9 +111,8 @@ class ParcaeStrategyMixin:
         throughput: elastic only: how the optimizer prices shapes -- ``"measured"`` (default: shapes the job ran by
             their measured step times, others by a model fitted to them; see ``docs/elastic.md``) or ``"profile"``
             (the per-layer formula only, as before; step times are still recorded into ``profile.json``).
-        max_exploration_share: elastic only: the largest share of training wall time that trying unmeasured
-            shapes may cost (a try's migrations whole, its trial there by what the shape falls short of the one
-            it left), in ``[0, 1]``; default 0.1. A try is refused while
+        max_exploration_share: elastic only: the largest share of training wall time spent trying unmeasured
+            shapes (a try's migrations and its trial there), in ``[0, 1]``; default 0.1. A try is refused while
             the share so far, the try included at its expected cost, would exceed it (``explore_refused`` event;
             the first try is always allowed); 0 never explores, 1 is no cap. See ``docs/elastic.md``.
         preemption_notice: elastic only: departures come with a notice (spot instances: AWS two minutes, GCP
