@@ -539,14 +539,22 @@ class _Job:
         return [name for _, name, _ in self.events]
 
 
-def test_without_a_cap_tries_that_each_pay_back_take_a_quarter_of_the_run() -> None:
+def test_tries_must_be_ranked_faster_by_the_profile_which_ends_the_runaway_of_tries_that_each_pay_back() -> None:
     """The problem (issue 21, "bound the share of time spent exploring"): at N=12 with dozens of candidates and a
-    fit that stays unsure, every next unmeasured shape has a positive expected value on its own, and nothing bounded
-    their sum -- this job spends over 20 % of ten minutes moving to shapes, measuring them and moving back."""
+    fit that stays unsure, every next unmeasured shape had a positive expected value on its own -- this job (every
+    shape but its launch shape 5 % slower, which the fit's family cannot bend to) made 18 tries and spent 27 % of
+    ten minutes moving to shapes, measuring them and moving back. Most of those shapes the profile itself ranks
+    below the running one; a try must now be ranked faster by it (``MeasuredThroughput.profiled_ms``), so even
+    uncapped the same job makes two tries, about 3 % of its time."""
     job = _Job(max_share=1.0)
     job.run(600.0)
-    assert job.names().count("explore") >= 8 and "explore_refused" not in job.names()
-    assert job.explored_s / job.elapsed_s > 0.2, (job.explored_s, job.elapsed_s)
+    assert 1 <= job.names().count("explore") <= 3 and "explore_refused" not in job.names()
+    assert job.explored_s / job.elapsed_s < 0.05, (job.explored_s, job.elapsed_s)
+    model = job.chooser.model()
+    assert model is not None
+    for _, name, kw in job.events:
+        if name == "explore":
+            assert model.profiled_ms(*kw["chosen"]) < model.profiled_ms(*kw["current"]), kw
 
 
 def test_the_exploration_cap_bounds_the_share_of_wall_time_in_tries_and_resumes_as_training_makes_room() -> None:
@@ -557,7 +565,7 @@ def test_the_exploration_cap_bounds_the_share_of_wall_time_in_tries_and_resumes_
     job.run(600.0)
     names = job.names()
     assert job.explored_s / job.elapsed_s <= 0.1, (job.explored_s, job.elapsed_s)
-    assert job.explored_s > 0.05 * job.elapsed_s  # bounded, not switched off
+    assert job.explored_s > 0 and names.count("explore") >= 2  # bounded, not switched off
     assert "explore_refused" in names, "no try was refused"
     assert "explore" in names[names.index("explore_refused"):], "no try after the first refusal: never resumed"
     budget = job.chooser.exploration
@@ -570,6 +578,37 @@ def test_the_exploration_cap_bounds_the_share_of_wall_time_in_tries_and_resumes_
             assert (kw["explored_s"] + kw["expected_cost_s"]) / (kw["elapsed_s"] + kw["expected_cost_s"]) > 0.1
     last = job.chooser.stats["exploration"]  # the last planning's account, as the decision event carries it
     assert (last["tries"], last["refused"], last["max_share"]) == (budget.tries, budget.refused, 0.1)
+
+
+def test_a_try_that_lost_within_the_vetos_margin_goes_back_to_the_shape_it_left() -> None:
+    """Regression (issue 21, N = 32 replay, lh_80_90): a 2x13 try from 4x6 measured 36.5 samples/s against 37.3 --
+    lost, but within the 10 % the veto asks of a move to a measured shape -- and the job stayed in the tried shape
+    for 180 s. Here the launch shape is the fastest: the first three other shapes the job enters (its first moves
+    on the fit) run 12 % slower, so it comes back to the launch shape, and every later one 5 % slower -- every try
+    from the launch shape loses by less than the margin; after each, the next planning decision moves back."""
+    job = _Job(max_share=1.0)
+    entered: dict[tuple[int, int], int] = {}
+
+    def step_s(shape: tuple[int, int]) -> float:
+        k = entered.setdefault(shape, len(entered))
+        return 720 / (job.launch_rate * (1.0 if k == 0 else 0.88 if k <= 3 else 0.95))
+
+    moves: list[tuple[float, tuple[int, int]]] = []
+    move = job.move
+
+    def tracked(shape: tuple[int, int]) -> None:
+        moves.append((job.now, tuple(shape)))
+        move(shape)
+
+    job.step_s = step_s  # type: ignore[method-assign]
+    job.move = tracked  # type: ignore[method-assign]
+    job.run(300.0)
+    lost = [(t, kw) for t, name, kw in job.events if name == "explore_done" and not kw["kept"]
+            and kw["measured"] < kw["measured_origin"] < kw["measured"] * 1.1]
+    assert lost, "no try lost within the margin: the test would not see the rule"
+    for t, kw in lost:
+        after = [shape for when, shape in moves if when > t]
+        assert after and after[0] == tuple(kw["origin"]), (kw, after[:2])
 
 
 def test_a_try_is_priced_until_the_planning_decision_that_can_end_it() -> None:

@@ -301,7 +301,7 @@ class ShapeChooser:
             if not cands:
                 return None
             shape = max(cands, key=lambda sh: (thr.throughput(*sh), -abs(sh[1] - cur[1])))
-        if by_measurement and measured.vetoes(cur, shape, n_next):
+        if by_measurement and measured.vetoes(cur, shape, n_next) and not self._returning(shape, measured):
             # never move to a shape measured slower than the current one unless availability forces it
             self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
                        measured_chosen=measured.measured(*shape))
@@ -347,6 +347,18 @@ class ShapeChooser:
         self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
                                     "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
         return shape
+
+    def _returning(self, shape: Shape, measured: MeasuredThroughput) -> bool:
+        """Whether ``shape`` is the way back from a lost try: the shape the try left, measured faster than the
+        tried one. The veto's margin does not hold it back (the try was priced with that move back in it).
+
+        Regression (issue 21, N = 32 replay, lh_80_90): a try of 2x13 from 4x6 measured 36.5 samples/s against
+        37.3 -- lost, yet within the 10 % margin the veto asks of a move to a measured shape -- and the job stayed in
+        the tried shape it had decided to leave; with the cap then full it stayed there for 180 s.
+        """
+        t = self._try
+        return t is not None and t.phase == "returning" and shape == t.origin and \
+            measured.measured_faster(t.origin, t.shape)
 
     def _young(self, n_next: int) -> bool:
         """Whether the current generation was entered less than two planning intervals ago and the next interval
