@@ -426,19 +426,21 @@ class MeasuredThroughput(ThroughputModel):
             self.fit()
         return self.coef
 
-    def fitted_ms(self, d: int, p: int) -> float:
-        """The fitted model's step time of (d, p) in ms (``inf`` if not allowed)."""
+    def _priced_ms(self, d: int, p: int, coef: np.ndarray) -> float:
+        """The step time of (d, p) in ms by the model's terms with coefficients ``coef`` (``inf`` if not allowed)."""
         if not self.prior.allowed(d, p):
             return math.inf
-        return max(float(self.features(d, p) @ self._coef()), 1e-6)
+        return max(float(self.features(d, p) @ coef), 1e-6)
+
+    def fitted_ms(self, d: int, p: int) -> float:
+        """The fitted model's step time of (d, p) in ms (``inf`` if not allowed)."""
+        return self._priced_ms(d, p, self._coef())
 
     def profiled_ms(self, d: int, p: int) -> float:
         """The step time of (d, p) as the profile prices it before any measurement (the fitted model's terms with
         the prior coefficients; ``inf`` if not allowed): the ranking :meth:`exploration` requires a try to agree
         with."""
-        if not self.prior.allowed(d, p):
-            return math.inf
-        return max(float(self.features(d, p) @ _PRIOR), 1e-6)
+        return self._priced_ms(d, p, _PRIOR)
 
     def uncertainty(self, d: int, p: int) -> float:
         """Relative uncertainty (1 sigma) of the throughput of (d, p).
