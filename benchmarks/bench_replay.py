@@ -187,7 +187,9 @@ def relaunch_parts(ev: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 def join_delays(ev: list[dict[str, Any]]) -> list[float]:
     """Seconds from each trace arrival (launcher ``add``) to the leader's first decision that counts the joiner
-    (as a standby it may admit): process start, imports, the heartbeat watch and the next planning boundary."""
+    (as a standby it may admit): process start, imports, the heartbeat watch and the next step boundary (a
+    standby that becomes ready is planned in at once:
+    :attr:`~lightning_parcae.runtime.shape_choice.ShapeChooser.arrival`)."""
     out = []
     for a in (e for e in ev if e.get("source") == "launcher" and e.get("event") == "add"):
         for j in a.get("joiners") or []:

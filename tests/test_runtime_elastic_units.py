@@ -309,3 +309,25 @@ def test_the_planning_interval_is_due_by_steps_or_seconds_and_restarts_for_a_joi
     clock.restart(10)
     assert not clock.due(12) and clock.due(13)
     assert PlanningClock(interval_s=1e-9, interval_steps=0).due(0)
+
+
+def test_the_leader_plans_when_a_standby_becomes_ready_without_waiting_for_the_interval() -> None:
+    """Regression (issue 21, N = 32 replay of hh_55_65): two instances ready 13 s after launch waited for the next
+    planning interval, 21 s later in one run and none in the other -- the ratio between two policies decided by the
+    phase of a clock. A standby that became ready since the last decision is planned at the next step boundary
+    that admits; not on a member that does not lead, not where the step admits no one."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    er = _runtime(store, "a", ("a", "b"))
+    er._clock.interval_s, er._clock.interval_steps = 1e9, 0  # the interval is never due here
+    er._clock.last_t = __import__("time").monotonic()
+    assert er._plan_reason(7, admit=True) is None
+    er.chooser._arrived = ["c", "d"]  # what note_standbys found at a step boundary
+    assert er._plan_reason(7, admit=True) == "standbys ready: c, d"
+    assert er._plan_reason(7, admit=False) is None  # a validation follows: no one is admitted here
+    follower = _runtime(store, "b", ("a", "b"))
+    follower.chooser._arrived = ["c"]
+    assert follower._plan_reason(7, admit=True) is None
+    er._clock.interval_s = 1e-9  # an interval due at the same boundary plans once, as an interval
+    assert er._plan_reason(8, admit=True) == "interval"

@@ -275,6 +275,32 @@ def test_standbys_noted_at_step_boundaries_are_counted_together_at_the_next_inte
     assert chooser._fresh_standbys() == ["b", "c"]
 
 
+def test_a_standby_that_becomes_ready_is_an_arrival_once_until_the_next_decision() -> None:
+    """A standby is an *arrival* (the leader plans at the next step boundary, not at the next interval) when it was
+    seen before, its heartbeat moved since and says ``standby``, and the last decision did not count it. A first
+    sighting, a still heartbeat, a standby under notice and one the last decision counted (admitted or kept
+    waiting) are not; a decision clears the arrivals."""
+    store, chooser = _chooser_with_standbys(heartbeat_s=0.0)
+    chooser.note_standbys()
+    assert chooser.arrival == []  # first sightings: noted only
+    chooser.note_standbys()
+    assert chooser.arrival == []  # still heartbeats: no process behind them yet
+    store.set("parcae/hb/b", '{"phase": "standby", "c": 1}')
+    store.set("parcae/hb/c", '{"phase": "joining", "c": 1}')  # moved, but not waiting as a standby
+    chooser.note_standbys()
+    chooser.note_standbys()
+    assert chooser.arrival == ["b"]  # once, however many boundaries see it
+    chooser.decide(SimpleNamespace(global_step=3), reason="standbys ready: b", leaving=())  # counts b, admitted or not
+    assert chooser.arrival == []
+    store.set("parcae/hb/b", '{"phase": "standby", "c": 2}')
+    chooser.note_standbys()
+    assert chooser.arrival == []  # counted by the last decision: the next interval sees it again, not an arrival
+    store.set("parcae/hb/c", '{"phase": "standby", "c": 2}')
+    write_notice(store, "c", notice_record("c", source="replay"), None)
+    chooser.note_standbys()
+    assert chooser.arrival == []  # under notice: never admitted, so never an arrival
+
+
 def test_a_standby_with_a_preemption_notice_is_never_admitted() -> None:
     """Regression (the README's main job, slow suite): the trace removed a waiting standby 0.4 s before a planning
     interval; its last heartbeat had moved since it was last seen, so the leader admitted it, the transition world

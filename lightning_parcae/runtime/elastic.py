@@ -376,6 +376,18 @@ class ElasticRuntime:
             with steptime.span("boundary.chooser"):
                 self.chooser.mark_step(self.generation, int(trainer.global_step))
 
+    def _plan_reason(self, step: int, admit: bool) -> Optional[str]:
+        """Why the leader plans at this step boundary, if it does: ``"interval"`` when its planning interval is
+        due, ``"standbys ready: <names>"`` when standbys became ready since its last decision
+        (:attr:`~.shape_choice.ShapeChooser.arrival`: a ready instance is not left idle until the next interval);
+        None otherwise, on a member that does not lead, and where the step admits no one (``admit`` False)."""
+        if not (self.is_leader and admit):
+            return None
+        if self._clock.due(step):
+            return "interval"
+        arrived = self.chooser.arrival
+        return f"standbys ready: {', '.join(arrived)}" if arrived else None
+
     def _boundary(self, trainer: "pl.Trainer", step: int) -> None:
         assert self.live is not None and self.coord is not None and self.layout is not None
         assert self.store is not None
@@ -390,10 +402,11 @@ class ElasticRuntime:
         with steptime.span("boundary.validation_follows"):
             admit = (not self.host.validation_follows(trainer) and not self.host.training_ends(trainer)
                      and not self.host.epoch_ends(trainer))
-        if self.is_leader and admit and self._clock.due(step):
-            self.life.to(Phase.PLANNING, reason="interval")
+        reason = self._plan_reason(step, admit)
+        if reason:
+            self.life.to(Phase.PLANNING, reason=reason)
             with steptime.span("boundary.plan"):
-                rec = self.chooser.decide(trainer, reason="interval", leaving=())
+                rec = self.chooser.decide(trainer, reason=reason, leaving=())
             proposal = int(rec["generation"]) if rec else 0
             if not rec:
                 self.life.to(Phase.TRAINING)

@@ -141,6 +141,9 @@ class ShapeChooser:
         self.stats: dict[str, Any] = {"predicted_N": None, "liveput": None}
         self._standby_seen: dict[str, bytes] = {}
         self._last_standbys: list[str] = []
+        # standbys counted ready at the last decision (admitted or not): an arrival is a ready standby outside it
+        self._considered: set[str] = set()
+        self._arrived: list[str] = []  # ready standbys seen at a step boundary since the last decision
         self.measured: Optional[MeasuredThroughput] = None
         self._optimizer: Optional[LiveputOptimizer] = None
         self._decider: Optional[ShapeDecider] = None
@@ -495,7 +498,8 @@ class ShapeChooser:
     def note_standbys(self) -> None:
         """Leader, at every step boundary (at most once a heartbeat period): note standbys seen for the first time,
         so that the next planning interval counts every standby whose heartbeat moved since -- not only those
-        already seen at the interval before.
+        already seen at the interval before -- and note *arrivals* (:attr:`arrival`): standbys seen before whose
+        heartbeat has moved since and says ``standby``, and which the last decision did not count.
 
         Regression (the README's main job in the slow suite): with first sightings noted only at planning
         intervals, two instances that came back together were admitted one interval apart -- two repartitions
@@ -506,8 +510,27 @@ class ShapeChooser:
                 now - self._noted_at < self.config.heartbeat_s:
             return
         self._noted_at = now
-        new = [m for m in self._standby_candidates() if m not in self._standby_seen]
-        self._standby_seen.update({m: b for m, b in read_beats(self.store, new).items() if b is not None})
+        cands = self._standby_candidates()
+        new = [m for m in cands if m not in self._standby_seen]
+        waiting = [m for m in cands if m in self._standby_seen and m not in self._considered and m not in self._arrived]
+        beats = read_beats(self.store, new + waiting) if new or waiting else {}
+        self._standby_seen.update({m: beats[m] for m in new if beats.get(m) is not None})
+        for m in waiting:
+            b = beats.get(m)
+            if b is not None and b != self._standby_seen[m] and json.loads(b.decode()).get("phase") == "standby":
+                self._arrived.append(m)
+
+    @property
+    def arrival(self) -> list[str]:
+        """Standbys that became ready since the last decision (:meth:`note_standbys`): the leader plans at the next
+        step boundary that may admit, not at the next planning interval (:meth:`decide` clears this).
+
+        Regression (issue 21, the N = 32 replay of hh_55_65, second pass): two instances launched at 420 s were
+        ready 13 s later; reactive's planning interval fell at 433.4 s and admitted them, parcae's had fallen at
+        432 s, so they waited for the next one, at 454 s -- 21 s more in 2x9 instead of 4x6, a third of the
+        pass's gap between the two policies, decided by the phase of a clock. A ready instance is paid for: it
+        is planned in within a heartbeat and a step of being ready, whatever the interval."""
+        return list(self._arrived)
 
     def _standby_candidates(self) -> list[str]:
         """Registered standbys that are not members of the current generation and have no valid preemption notice
@@ -624,6 +647,8 @@ class ShapeChooser:
         leaving = list(leaving)
         old = self.state.layout
         standbys = self._fresh_standbys() if admit else []
+        if admit:
+            self._considered, self._arrived = set(standbys), []
         if not leaving:
             # a plain interval admission waits for booting batch-mates (never a notice's: it replaces a leaver)
             standbys = self._hold_for_batches(standbys)

@@ -300,8 +300,8 @@ def usable_counts(counts: Sequence[int], join_delay_intervals: int) -> list[int]
     """The instances a job can *use* in each interval when a new instance needs time before it is useful.
 
     A departure is immediate; an arrival becomes usable ``join_delay_intervals`` intervals later (process start,
-    imports, admission at the next planning boundary -- about 4.4 s for ``parcae run``'s joiners, three 1.5 s
-    intervals of a 40x replay). An instance that arrives and leaves within the delay is never used. Computed as
+    imports, the heartbeat the leader sees at a step boundary, admission -- about 4.4 s for ``parcae run``'s joiners,
+    three 1.5 s intervals of a 40x replay). An instance that arrives and leaves within the delay is never used. Computed as
     the minimum count over the last ``join_delay_intervals + 1`` intervals; the first interval's instances start
     together, so the job's own start-up is not delayed here.
 
