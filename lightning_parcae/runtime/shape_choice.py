@@ -474,7 +474,8 @@ class ShapeChooser:
         """Registered standbys whose heartbeat moved since the previous planning interval and says ``standby``.
 
         A standby seen for the first time (here or at a step boundary, :meth:`note_standbys`) is only noted (its
-        heartbeat then); it is counted at the next planning interval if its heartbeat moved by then. The leader
+        heartbeat then); it is counted at the next decision -- a planning interval, or its own arrival
+        (:attr:`arrival`) -- if its heartbeat moved by then. The leader
         never waits here.
 
         Regression (issue 21): a first sighting used to be watched for 2.5 heartbeats *inside* the decision --
