@@ -471,12 +471,11 @@ class ShapeChooser:
         return shape
 
     def _fresh_standbys(self) -> list[str]:
-        """Registered standbys whose heartbeat moved since the previous planning interval and says ``standby``.
+        """Registered standbys whose heartbeat moved since the previous decision and says ``standby``.
 
         A standby seen for the first time (here or at a step boundary, :meth:`note_standbys`) is only noted (its
         heartbeat then); it is counted at the next decision -- a planning interval, or its own arrival
-        (:attr:`arrival`) -- if its heartbeat moved by then. The leader
-        never waits here.
+        (:attr:`arrival`) -- if its heartbeat moved by then. The leader never waits here.
 
         Regression (issue 21): a first sighting used to be watched for 2.5 heartbeats *inside* the decision --
         0.5 s during which every member waited in the step agreement -- and at N=16, where shape changes keep
@@ -527,8 +526,8 @@ class ShapeChooser:
         step boundary that may admit, not at the next planning interval (:meth:`decide` clears this).
 
         Regression (issue 21, the N = 32 replay of hh_55_65, second pass): two instances launched at 420 s were
-        ready 13 s later; reactive's planning interval fell at 433.4 s and admitted them, parcae's had fallen at
-        432 s, so they waited for the next one, at 454 s -- 21 s more in 2x9 instead of 4x6, a third of the
+        ready 13 s later; reactive's planning interval fell at 433.4 s and admitted them, parcae's had fallen about
+        432 s (its 22-s cadence; only changes are logged), so they waited for the next one, at 454 s -- 21 s more in 2x9 instead of 4x6, a third of the
         pass's gap between the two policies, decided by the phase of a clock. A ready instance is paid for: it
         is planned in within a heartbeat and a step of being ready, whatever the interval."""
         return list(self._arrived)
