@@ -485,15 +485,17 @@ class ShapeChooser:
         assert self.coord is not None and self.state.layout is not None and self.store is not None
         cands = self._standby_candidates()
         now = read_beats(self.store, cands)
-        alive = []
-        for m in cands:
-            b = now[m]
-            if b is None or m not in self._standby_seen or b == self._standby_seen[m]:
-                continue  # no heartbeat yet, first sighting, or a heartbeat that stood still
-            if json.loads(b.decode()).get("phase") == "standby":
-                alive.append(m)
+        alive = [m for m in cands if self._ready(m, now[m])]
         self._standby_seen = {m: b for m, b in now.items() if b is not None}
         return alive
+
+    def _ready(self, member: str, beat: Optional[bytes]) -> bool:
+        """Whether standby ``member``'s heartbeat ``beat`` shows it ready: seen before, moved since, and saying
+        ``standby`` (not: no heartbeat yet, a first sighting, a heartbeat that stood still, a standby already
+        joining)."""
+        seen = self._standby_seen.get(member)
+        return beat is not None and seen is not None and beat != seen and \
+            json.loads(beat.decode()).get("phase") == "standby"
 
     def note_standbys(self) -> None:
         """Leader, at every step boundary (at most once a heartbeat period): note standbys seen for the first time,
@@ -515,10 +517,7 @@ class ShapeChooser:
         waiting = [m for m in cands if m in self._standby_seen and m not in self._considered and m not in self._arrived]
         beats = read_beats(self.store, new + waiting) if new or waiting else {}
         self._standby_seen.update({m: beats[m] for m in new if beats.get(m) is not None})
-        for m in waiting:
-            b = beats.get(m)
-            if b is not None and b != self._standby_seen[m] and json.loads(b.decode()).get("phase") == "standby":
-                self._arrived.append(m)
+        self._arrived += [m for m in waiting if self._ready(m, beats.get(m))]
 
     @property
     def arrival(self) -> list[str]:
@@ -527,9 +526,10 @@ class ShapeChooser:
 
         Regression (issue 21, the N = 32 replay of hh_55_65, second pass): two instances launched at 420 s were
         ready 13 s later; reactive's planning interval fell at 433.4 s and admitted them, parcae's had fallen about
-        432 s (its 22-s cadence; only changes are logged), so they waited for the next one, at 454 s -- 21 s more in 2x9 instead of 4x6, a third of the
-        pass's gap between the two policies, decided by the phase of a clock. A ready instance is paid for: it
-        is planned in within a heartbeat and a step of being ready, whatever the interval."""
+        432 s (its 22-s cadence; only changes are logged), so they waited for the next one, at 454 s -- 21 s more
+        in 2x9 instead of 4x6, a third of the pass's gap between the two policies, decided by the phase of a clock.
+        A ready instance is paid for: it is planned in within a heartbeat and a step of being ready, whatever the
+        interval."""
         return list(self._arrived)
 
     def _standby_candidates(self) -> list[str]:
