@@ -82,6 +82,8 @@ class Trial:
     max_steps: int
     faults: list[dict[str, Any]] = field(default_factory=list)
     accumulate: int = 1
+    scaled: bool = False
+    """``instances`` was set by ``--instances`` (a scale family), not drawn: the replay command must say it."""
 
     @property
     def step_samples(self) -> int:
@@ -100,11 +102,15 @@ class Trial:
         return args
 
     def replay(self) -> str:
-        return f"{sys.executable} {Path(__file__).relative_to(ROOT)} --seed {self.seed}"
+        scale = f" --instances {self.instances}" if self.scaled else ""
+        return f"{sys.executable} {Path(__file__).relative_to(ROOT)} --seed {self.seed}{scale}"
 
 
-def draw(seed: int) -> Trial:
-    """The trial of ``seed``: a configuration and 1-2 faults at drawn steps."""
+def draw(seed: int, instances_override: Optional[int] = None) -> Trial:
+    """The trial of ``seed``: a configuration and 1-2 faults at drawn steps.
+
+    ``instances_override`` replaces the drawn count (2-6) and leaves every other draw as it was: the same seeds at 8, 16 or
+    32 instances (more standbys, wider shapes, faults picked among more members)."""
     rng = random.Random(seed)
     p = rng.choice([1, 1, 2, 3])
     m = rng.choice([1, 2])
@@ -134,10 +140,13 @@ def draw(seed: int) -> Trial:
     # never straddles an epoch end (an epoch's batches are a multiple of it), so every step holds k global batches
     batches = samples // batch
     accumulate = random.Random(seed + 55_555_555).choice([k for k in (1, 1, 2, 3) if batches % k == 0])
+    scaled = instances_override is not None
+    if instances_override is not None:
+        instances = instances_override
     return Trial(seed=seed, instances=instances, batch=batch, samples=samples, pipeline_stages=p, micro_batches=m,
                  schedule=rng.choice(["1f1b", "gpipe"]), optimizer=rng.choice(["adam", "sgd"]),
                  val_every=rng.choice([0, 0, 7]), after_fit=rng.random() < 0.3, max_steps=max_steps, faults=faults,
-                 accumulate=accumulate)
+                 accumulate=accumulate, scaled=scaled)
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -514,7 +523,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated seeds to run (e.g. the failures of a batch)")
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one, kept on failure)")
     ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--instances", type=int, default=None,
+                    help="run every trial at this many instances instead of the drawn 2-6 (a scale family: 8, 16)")
     args = ap.parse_args(argv)
+    if args.instances is not None and args.instances < 2:
+        ap.error(f"--instances {args.instances}: a trial needs at least 2 instances (one may be lost); give 2 or more")
     work = Path(args.work or tempfile.mkdtemp(prefix="parcae-chaos-"))
     if args.seed is not None:
         seeds = [args.seed]
@@ -524,7 +537,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         seeds = list(range(args.first_seed, args.first_seed + args.trials))
     results = []
     for seed in seeds:
-        trial = draw(seed)
+        trial = draw(seed, args.instances)
+        if trial.instances < trial.pipeline_stages:
+            print(f"[chaos] seed {seed}: skipped: P={trial.pipeline_stages} needs more than --instances "
+                  f"{trial.instances}", flush=True)
+            continue
         r = run_trial(trial, work)
         results.append(r)
         status = "ok" if not r["failures"] else "FAILED"
