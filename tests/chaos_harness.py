@@ -547,6 +547,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         status = "ok" if not r["failures"] else "FAILED"
         faults = ", ".join(f"{f['kind']}@{f['step']}" + (f"->{f.get('victims')}" if "victims" in f else " (skipped)")
                            for f in r["faults"])
+        # a fault whose occasion never came (a kill during a join with no join, a kill during a recovery after a
+        # fault that did not fire) is not in the injector's list: say so, or the trial reads as faulted
+        missed = [f"{f['kind']}@{f['step']}" for f in trial.faults
+                  if not any((d["kind"], d["step"]) == (f["kind"], f["step"]) for d in r["faults"])]
+        if missed:
+            faults += ("; " if faults else "") + "not injected (no occasion): " + ", ".join(missed)
         print(f"[chaos] seed {seed}: {status} in {r['wall_s']:.0f} s; N={trial.instances} B={trial.batch}x{trial.accumulate} "
               f"P={trial.pipeline_stages} M={trial.micro_batches} {trial.schedule} {trial.optimizer} "
               f"val={trial.val_every} after_fit={trial.after_fit}; faults {faults}; max stall "

@@ -59,6 +59,25 @@ def test_parcae_run_code_after_fit_works_if_a_hung_worker_came_back_as_a_standby
 
 
 @pytest.mark.timeout(480)
+def test_parcae_run_on_8_instances_trains_a_batch_that_8_pipelines_cannot_split(tmp_path: Path) -> None:
+    """Regression (chaos seed 700 run at 8 instances, the first trial beyond the drawn 2-6): the launcher seats a
+    first generation of D a power of two before any worker knows the batch -- D = 8 here -- and a global batch of
+    60 stopped every worker in Lightning's ``setup_data`` ("global batch size 60 cannot be split evenly over D=8
+    pipelines"), so ``parcae run`` exited 1 on a batch that 6 pipelines split. Now the members move in place to
+    D = 6 before the first step (two released as standbys) and the job ends with the undisturbed parameters."""
+    import json  # noqa: PLC0415
+
+    trial = Trial(seed=-8, instances=8, batch=60, samples=180, pipeline_stages=1, micro_batches=1, schedule="1f1b",
+                  optimizer="adam", val_every=0, after_fit=False, max_steps=22, faults=[], scaled=True)
+    result = run_trial(trial, tmp_path)
+    _check(result)
+    events = [json.loads(line) for line in Path(result["run_dir"], "events.jsonl").read_text().splitlines()]
+    first = [e for e in events if e["event"] == "migration" and e["generation"] == 1]
+    assert first and {(e["D"], e["P"], e["step"]) for e in first} == {(6, 1, 0)}, first
+    assert "does not split over D=8" in first[0]["reason"]
+
+
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("seed", [4, 43, 1005, 1102, 2008])  # 43: store outage; 1005, 1102: validation with joiners; 2008: kills in a migration and a join
 def test_chaos_trial_sample_loses_nothing_and_stalls_within_bound(tmp_path: Path, seed: int) -> None:
     # these seeds are regressions found before trials drew gradient accumulation: run them as they were drawn then
@@ -96,3 +115,13 @@ def test_a_shard_missing_from_a_step_is_accepted_only_for_a_member_killed_or_fen
         report = {"events": [{"event": "exit", "member": "i3", "rc": rc}]}
         assert (_killed_before_recording(steps, trial, report) == {4: 12}) is accepted, rc
     assert _killed_before_recording(steps, trial, {"events": []}) == {}
+
+
+def test_a_scale_family_keeps_every_draw_of_the_seed_but_the_instance_count() -> None:
+    """``--instances 8`` runs the same seeds at another scale: the configuration and the faults stay the seed's,
+    and the command that replays a failure says the scale (without it the replay would run the drawn 2-6)."""
+    for seed in (0, 700, 1005):
+        drawn, scaled = draw(seed), draw(seed, 8)
+        assert dataclasses.replace(scaled, instances=drawn.instances, scaled=False) == drawn
+        assert scaled.instances == 8 and scaled.replay().endswith(f"--seed {seed} --instances 8")
+        assert drawn.replay().endswith(f"--seed {seed}")

@@ -685,3 +685,29 @@ def test_a_noticed_departure_from_a_one_pipeline_shape_goes_straight_to_the_best
         assert cost < 2000.0  # a copy from the leaver and a group rebuild, inside the 2 s interval
     else:
         assert cost > 20_000.0  # restart + checkpoint: the stage has no other replica
+
+
+@pytest.mark.parametrize("members, partition, batch, micro, new_d", [
+    (tuple("abcdefgh"), (4,), 60, 1, 6),     # chaos seed 700 at 8 instances: D = 8 cannot split 60
+    (tuple("abcdefgh"), (2, 2), 30, 1, 3),   # P = 2: D = 4 -> 3, the pipelines keep their stages
+    (tuple("abcdefgh"), (4,), 36, 2, 6),     # 36 over D x M: 8 x 2 no, 6 x 2 yes
+    (tuple("abcd"), (4,), 7, 1, 1),          # a prime batch: one pipeline
+])
+def test_a_first_generation_whose_d_cannot_split_the_batch_moves_to_the_largest_d_that_can(
+        members: tuple[str, ...], partition: tuple[int, ...], batch: int, micro: int, new_d: int) -> None:
+    """The launcher seats D a power of two before anyone knows B; once the loader reveals B the leader proposes
+    the same P with the largest D that splits it: no layer moves, the members left over are released."""
+    p = len(partition)
+    host = _host([0.01] * 4, batch=batch, micro=micro)
+    coord = Coordinator(dist.HashStore())
+    events: list = []
+    chooser = _chooser(host, _state(members, partition, 4), _config(max_instances=len(members)), events, coord=coord)
+    rec = chooser.split_global_batch(SimpleNamespace(global_step=0))
+    assert (rec["D"], rec["P"]) == (new_d, p) and rec["step"] == 0 and rec["generation"] == 1
+    assert batch % (new_d * micro) == 0
+    assert rec["kind"] in ("intra-stage", "repartition") and rec["kind"] != "fallback"
+    layout = Layout.from_json(rec["layout"])
+    assert layout.members == members[: new_d * p] and tuple(layout.partition) == partition
+    assert coord.generation(1) == rec
+    decision = [kw for name, kw in events if name == "decision"]
+    assert decision and decision[0]["chosen"] == [new_d, p] and f"global batch {batch}" in decision[0]["reason"]

@@ -445,6 +445,28 @@ class ElasticRuntime:
         assert rec is not None
         self.switch(trainer, rec)
 
+    def split_global_batch(self, trainer: "pl.Trainer") -> None:
+        """Before the first step: move to a shape whose D splits the global batch the loader just revealed.
+
+        Called by every member of a generation whose D does not split B (the data path's check: the launcher
+        seated it before B was known). The leader proposes the same P with the largest D that splits B
+        (:meth:`~.shape_choice.ShapeChooser.split_global_batch`); every member enters it in place, and those it
+        leaves out are released (they exit and start again as standbys). A member lost meanwhile is recovered
+        from as at any boundary."""
+        assert self.live is not None and self.coord is not None and self.store is not None
+        self.life.to(Phase.PLANNING, reason="global batch does not split")
+        gen = self.generation + 1
+        if self.is_leader:
+            self.chooser.split_global_batch(trainer)
+        try:
+            self.live.wait_key(self.store, f"parcae/genrec/{gen}", "waiting for a shape that splits the global batch")
+        except PeerLostError:
+            self.recover(trainer)
+            return
+        rec = self.coord.generation(gen)
+        assert rec is not None
+        self.switch(trainer, rec)
+
     # ============================================================================================ switching
     def switch(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
         """Enter generation ``rec``: its parts move the state (:class:`~.switching.Switch`), then this runtime

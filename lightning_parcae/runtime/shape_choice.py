@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Se
 
 import torch.distributed as dist
 
-from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape
+from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape, batch_splits
 from lightning_parcae.planning.measured import (
     ExplorationBudget,
     MeasuredThroughput,
@@ -36,6 +36,7 @@ from lightning_parcae.planning.measured import (
 from lightning_parcae.planning.policy import DecisionOptions, ShapeDecider
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
+from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator, booting_key
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
@@ -680,6 +681,37 @@ class ShapeChooser:
             return None
         rec = self.records.record(self.state.generation + 1, plan.new, plan, plan.kind.value, int(trainer.global_step),
                            reason=reason)
+        return self.coord.propose(rec)
+
+    def split_global_batch(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        """Leader: propose a generation whose D splits the global batch, when the running one's does not.
+
+        The launcher seats a first generation before any worker knows the script's global batch B (``D`` a power
+        of two: :func:`~lightning_parcae.launch.processes.initial_members`); B = 60 on 8 instances at P = 1 is
+        D = 8, which cannot split it. Once the training loader is known (before the first step) the members move
+        to the same P with the largest D that splits B (here D = 6): no layer moves, the members left over are
+        released and start again as standbys, and the first planning interval chooses among every shape as
+        usual. Every member reaches the same conclusion from the same B (no agreement is needed); the others wait
+        for this record.
+
+        Raises:
+            ConfigurationError: (internal) if B is not a multiple of M: the data path refuses that with the fix.
+        """
+        assert self.state.layout is not None and self.coord is not None
+        b, m = self.host.global_batch, self.host.micro_batches
+        old = self.state.layout
+        d, p = old.data_parallel, old.pipeline_stages
+        if b is None or b % m:
+            raise ConfigurationError(f"internal: no D splits the global batch {b} into micro_batches={m}")
+        new_d = max(x for x in range(1, d + 1) if batch_splits(b, x, m))
+        reason = (f"the global batch {b} does not split over D={d} pipelines of M={m} micro-batches: D={new_d}, "
+                  f"{(d - new_d) * p} instance(s) released as standbys")
+        self.event("decision", reason=reason, N=len(old.members), current=[d, p], chosen=[new_d, p], standbys=[],
+                   leaving=[])
+        step = int(trainer.global_step)
+        plan = plan_migration(old, list(old.members), (new_d, p), self.partition_for(p), self.records.layer_bytes(),
+                              senders=list(old.members))
+        rec = self.records.record(self.state.generation + 1, plan.new, plan, plan.kind.value, step, reason=reason)
         return self.coord.propose(rec)
 
     def _propose_fallback(self, step: int, reason: str, checkpoint: bool = False,

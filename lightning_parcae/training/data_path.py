@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from lightning_parcae.runtime.data import GlobalBatchSampler, GlobalStream, reshard_dataloader, rows_of
+from lightning_parcae.runtime.data import GlobalBatchSampler, GlobalStream, global_batch_size, reshard_dataloader, rows_of
 from lightning_parcae.training.lightning_internals import (
     prepare_dataloader,
     replace_prepare_dataloader,
@@ -73,6 +73,9 @@ class DataPath:
         self.window_batches: dict[int, Any] = {}  # a stream's whole global batches of this window, by position
         self.window_start: tuple[int, int] = (-1, 0)
         self.replay: Optional[tuple[BatchRecord, bool]] = None  # the next batch's record; whether it is the batch given
+        # called with (trainer, B) before a training loader is sliced: the strategy changes a shape whose D cannot
+        # split B (a first generation seated before B was known) instead of failing
+        self.before_split: Optional[Callable[[Any, int], None]] = None
 
     def sampler_kwargs(self) -> dict[str, Any]:
         """All stages of a pipeline read the same shard: replicas = D, rank = pipeline index (used for predict)."""
@@ -96,6 +99,8 @@ class DataPath:
             assert s.groups is not None
             train = mode == _TRAINING
             whole_stream_for_every_process(dataloader.dataset)  # a LitData stream: not pre-sharded per rank
+            if train and self.before_split is not None:
+                self.before_split(trainer, global_batch_size(dataloader))
             loader, sampler = reshard_dataloader(
                 dataloader, s.groups.data_parallel, s.groups.coords.replica, self.micro_batches, train,
                 fixed_epoch=self.elastic,  # every member, joiner or not, must agree on where an epoch ends

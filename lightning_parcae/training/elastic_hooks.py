@@ -37,6 +37,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from lightning_parcae.errors import PeerLostError
+from lightning_parcae.planning.costmodel import batch_splits
 from lightning_parcae.training.lightning_internals import inner_optimizer, silence_sigterm_broadcast, wrap_after_closure
 from lightning_parcae.training.process_setup import resume_once
 
@@ -92,6 +93,20 @@ class ElasticHooks:
         self.batch_steps = 0  # manual optimization: optimizer steps applied in the running training_step
         self.reshaped = False  # manual optimization: the shape changed after a step of this batch was applied
 
+    def split_global_batch(self, trainer: "pl.Trainer", global_batch: int) -> None:
+        """Before a training loader is sliced: a generation whose D cannot split the global batch (the launcher
+        seated it before the batch was known: D a power of two) moves in place to the same P with the largest D
+        that can (:meth:`~lightning_parcae.runtime.elastic.ElasticRuntime.split_global_batch`). Regression (chaos
+        seed 700 at 8 instances): B = 60 on a first generation of D = 8 stopped every worker with "global batch
+        size 60 cannot be split evenly over D=8 pipelines" and ``parcae run`` exited 1. A batch that no D splits
+        into the micro-batches (B not a multiple of M) is left to the data path's error, which names the fix."""
+        groups = self.data.stage.groups
+        m = self.data.micro_batches
+        if groups is None or global_batch % m or batch_splits(global_batch, groups.data_parallel, m):
+            return
+        self.data.global_batch = global_batch  # the throughput model the leader builds needs B
+        self.host.elastic_runtime.split_global_batch(trainer)
+
     def install_live_restore(self, trainer: "pl.Trainer") -> None:
         """A joiner 'resumes' from the state received from live peers, through Lightning's own restore path."""
         from lightning_parcae.runtime.elastic import LIVE_CHECKPOINT  # noqa: PLC0415
@@ -113,6 +128,7 @@ class ElasticHooks:
         # hung rank 0 would block the others there for the group timeout. SIGTERM is a notice here (agreed at
         # the step boundary), so the broadcast has nothing to carry.
         silence_sigterm_broadcast(trainer)
+        self.data.before_split = self.split_global_batch
         if joining:
             return  # er.joined() runs once the loop state is restored (on_train_start)
         er.boot_publish(trainer)
