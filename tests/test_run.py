@@ -221,6 +221,33 @@ def test_main_trains_to_the_end_if_static_two_instances(tmp_path: Path, capsys: 
             profile["shapes"]["2,1"]["samples_per_s"])
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["--elastic", "--restart-fallback"])
+def test_main_trains_a_batch_that_the_first_power_of_two_d_cannot_split(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str],
+                                                                         mode: str) -> None:
+    """Regression (stop 45, chaos seeds 700/707/708 at 8 instances and a plain script on 8 instances in both
+    modes): the first launch seats D a power of two before any worker knows the batch, and a batch that D cannot
+    split (36 over D x M = 4 x 2 here, 60 over 8 there) stopped every worker with BatchSplitError: the run failed.
+    Now ``--elastic`` moves in place to D = 3 before the first step; ``--restart-fallback`` reports the batch and
+    relaunches once as 3x1."""
+    rc = main(["--instances", "4", mode, "--run-dir", str(tmp_path), "--progress-every", "5", "--no-plot", "--",
+               sys.executable, EXAMPLE, "--max-steps", "12", "--batch-size", "36", "--micro-batches", "2",
+               "--ckpt-every", "10"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["final_step"] == 12 and report["samples"] == 12 * 36
+    if mode == "--elastic":
+        first = [e for e in report["events"] if e.get("event") == "migration" and e.get("generation") == 1]
+        assert first and {(e["D"], e["step"]) for e in first} == {(3, 0)} and report["num_restarts"] == 0
+    else:
+        relaunch = _launcher_events(report, "batch_relaunch")
+        assert len(relaunch) == 1 and (relaunch[0]["old_D"], relaunch[0]["D"]) == (4, 3)
+        assert report["num_restarts"] == 1
+        starts = [e for e in report["events"] if e.get("event") == "start"]
+        assert (starts[-1]["D"], starts[-1]["generation"]) == (3, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_main_restarts_and_resumes_if_trace_removes_and_adds(tmp_path: Path,

@@ -469,6 +469,8 @@ class Launcher:
                     st.pending_restart = self.relaunch.stop_generation(st.n)
                     self.relaunch.start_generation(st.n)
                     continue
+                if bad and all(w.proc.returncode == FALLBACK_EXIT for w in bad) and self._relaunch_for_batch():
+                    continue
                 if bad:
                     if any(w.proc.returncode == WRONG_TOKEN_EXIT for w in bad):
                         why = "a worker rejected the job token (wrong or missing PARCAE_JOB_TOKEN)"
@@ -505,6 +507,31 @@ class Launcher:
                     print(f"[parcae run] paused: {why}; the job resumes from last.ckpt when the trace has "
                           f"{fewest}", file=self.out, flush=True)
             self.console.progress()
+
+    def _relaunch_for_batch(self) -> bool:
+        """``--restart-fallback``: the generation stopped before its first step because its D cannot split the
+        global batch its workers reported (``batch_misfit``: the first launch seats D a power of two before the batch
+        is known); relaunch it on the same instances with the largest D that splits it. False -- the run fails as
+        before -- when no report came or the relaunch would take the same D (``--pipeline-stages auto``: the
+        workers choose their shape)."""
+        deadline = time.time() + 10.0  # the other workers of the generation stop alike; rank 0 wrote the report
+        while time.time() < deadline and any(w.alive() for w in self.pool.workers):
+            time.sleep(0.05)
+        self._read_events()
+        st = self.state
+        if not any(e.get("batch_misfit") and e.get("generation") == st.generation for e in self.reports.events):
+            return False
+        _, d, p = self.relaunch.shape_for(st.n)
+        if not d or d == st.shape[0]:
+            return False
+        b, m = self.reports.batch or (0, 1)
+        self.event("batch_relaunch", generation=st.generation, global_batch=b, micro_batches=m,
+                   old_D=st.shape[0], D=d, P=p)
+        print(f"[parcae run] the global batch {b} does not split over D={st.shape[0]} pipelines: relaunching "
+              f"generation {st.generation + 1} as {d}x{p}", file=self.out, flush=True)
+        st.pending_restart = self.relaunch.stop_generation(st.n)
+        self.relaunch.start_generation(st.n)
+        return True
 
     def _spare_change(self, target: int) -> None:
         """``--restart-fallback``: the trace changed only instances beyond the running D x P (none of its workers

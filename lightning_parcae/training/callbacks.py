@@ -50,6 +50,7 @@ from lightning_parcae.contract import (
     JOB_TOKEN_ENV,
     GENERATION_ENV,
     WRONG_TOKEN_EXIT,
+    FALLBACK_EXIT,
 )
 from lightning_parcae.events import append_event
 from lightning_parcae.runtime import steptime
@@ -198,6 +199,29 @@ class ParcaeRunCallbackMixin:
                 self._stop_before_training(trainer)
                 return
         self._emit(trainer, "start", resumed_from=self._resumed_step, resume_ckpt=resume_path())
+
+    def stop_if_batch_misfits(self, trainer: pl.Trainer, global_batch: int) -> None:
+        """Restart fallback, before a training loader is sliced: a generation whose D cannot split the global
+        batch reports the batch and stops (every rank exits with ``FALLBACK_EXIT``), so that ``parcae run``
+        relaunches it with the largest D that splits it (:meth:`~lightning_parcae.launch.relaunch.Relaunch.shape_for`).
+
+        Regression (8 instances, ``--restart-fallback``, a global batch of 60): the first launch seats D a power of
+        two before any worker knows the batch; D = 8 stopped every worker with ``BatchSplitError`` and the run
+        failed. A batch that no D splits into the micro-batches is left to the data path's error (it names the
+        fix). Live reconfiguration changes the shape in place instead
+        (:meth:`~lightning_parcae.training.elastic_hooks.ElasticHooks.split_global_batch`)."""
+        from lightning_parcae.planning.costmodel import batch_splits  # noqa: PLC0415
+
+        s = trainer.strategy
+        d, m = int(getattr(s, "data_parallel", 1)), int(getattr(s, "micro_batches", 1) or 1)
+        if not self.active or global_batch % m or batch_splits(global_batch, d, m):
+            return
+        self._emit(trainer, "stop", reason=f"the global batch {global_batch} does not split over D={d} pipelines "
+                   f"of M={m} micro-batches (restart fallback: relaunch with a D that does)",
+                   global_batch=global_batch, micro_batches=m, batch_misfit=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(FALLBACK_EXIT)
 
     def _stop_before_training(self, trainer: pl.Trainer) -> None:
         """A notice came while this generation started (it was superseded by the next change): stop before the

@@ -326,6 +326,12 @@ class ParcaeStrategyMixin:
             self.process.add_launcher_callbacks(trainer)
         if self.elastic_runtime is not None and trainer.state.fn == _FIT:
             self.elastic_hooks.setup(trainer, joining)
+        elif trainer.state.fn == _FIT:
+            # the restart fallback: a first launch whose D cannot split the batch stops to be relaunched with one
+            from lightning_parcae.training.callbacks import ParcaeRunCallbackMixin  # noqa: PLC0415
+
+            run = next((cb for cb in trainer.callbacks if isinstance(cb, ParcaeRunCallbackMixin) and cb.active), None)
+            self.data.before_split = run.stop_if_batch_misfits if run is not None else None
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """One optimizer step; under live reconfiguration a step interrupted by a lost peer is applied everywhere
