@@ -436,8 +436,13 @@ class ElasticRuntime:
             return
         if self.life.phase == Phase.TRAINING:
             self.life.to(Phase.PLANNING, reason="agreed")
+        self._enter_when_recorded(trainer, gen, "waiting for the next generation")
+
+    def _enter_when_recorded(self, trainer: "pl.Trainer", gen: int, waiting: str) -> None:
+        """Wait for generation ``gen``'s record and switch to it; a member lost meanwhile is recovered from."""
+        assert self.live is not None and self.coord is not None and self.store is not None
         try:
-            self.live.wait_key(self.store, f"parcae/genrec/{gen}", "waiting for the next generation")
+            self.live.wait_key(self.store, f"parcae/genrec/{gen}", waiting)
         except PeerLostError:
             self.recover(trainer)
             return
@@ -453,19 +458,11 @@ class ElasticRuntime:
         (:meth:`~.shape_choice.ShapeChooser.split_global_batch`); every member enters it in place, and those it
         leaves out are released (they exit and start again as standbys). A member lost meanwhile is recovered
         from as at any boundary."""
-        assert self.live is not None and self.coord is not None and self.store is not None
         self.life.to(Phase.PLANNING, reason="global batch does not split")
         gen = self.generation + 1
         if self.is_leader:
             self.chooser.split_global_batch(trainer)
-        try:
-            self.live.wait_key(self.store, f"parcae/genrec/{gen}", "waiting for a shape that splits the global batch")
-        except PeerLostError:
-            self.recover(trainer)
-            return
-        rec = self.coord.generation(gen)
-        assert rec is not None
-        self.switch(trainer, rec)
+        self._enter_when_recorded(trainer, gen, "waiting for a shape that splits the global batch")
 
     # ============================================================================================ switching
     def switch(self, trainer: "pl.Trainer", rec: dict[str, Any]) -> None:
