@@ -261,7 +261,18 @@ def test_elastic_moves_a_survivor_to_another_stage_if_every_replica_of_that_stag
     if outside:  # each process kept only its stage's outside parts; the holders of the head changed
         finals = job.finals()
         held = {m: sorted(k for k in sd if not k.startswith("net.")) for m, sd in finals.items()}
-        assert sorted(held.values()) == [["head.bias", "head.weight"], ["inp.bias", "inp.weight"]], held
+        migrations = [e for e in job.events() if e.get("event") == "migration"]
+        last = max(migrations, key=lambda e: e["generation"])
+        received = {e["member"]: e.get("bytes_received", 0) for e in migrations if e["kind"] == "inter-stage"}
+        assert received.get("m2", 0) > 0, received  # the stage-0 survivor m2 received stage 1 (and the head)
+        if last["P"] == 2:
+            assert sorted(held.values()) == [["head.bias", "head.weight"], ["inp.bias", "inp.weight"]], held
+        else:
+            # Since stop 44 the leader plans when a standby becomes ready: the joiner's arrival after the
+            # inter-stage change may move the three instances to (2, 1) (the request was one-off), where each
+            # pipeline holds every part -- the parameters were checked against the uninterrupted run above
+            assert (last["D"], last["P"]) == (2, 1) and all(
+                v == ["head.bias", "head.weight", "inp.bias", "inp.weight"] for v in held.values()), (last, held)
 
 
 def _wait_standby(job: ElasticJob, member: str, timeout: float = 120.0) -> None:
