@@ -135,3 +135,22 @@ def test_preemption_notice_reaches_the_runtime_config(clean_env: pytest.MonkeyPa
     assert ParcaeStrategy().elastic_options["preemption_notice"] is True
     s = ParcaeStrategy(preemption_notice=given)
     assert runtime_config(s.elastic_options).preemption_notice is given
+
+
+@pytest.mark.parametrize("run_dir, elastic, restarts", [
+    (True, "0", True),     # parcae run --restart-fallback
+    (True, "1", False),    # parcae run --elastic (a script that turns live reconfiguration off keeps the error)
+    (True, None, False),   # not the launcher's contract
+    (False, "0", False),   # no parcae run at all
+])
+def test_only_the_launchers_restart_fallback_relaunches_for_a_batch_the_first_d_cannot_split(
+        clean_env: pytest.MonkeyPatch, tmp_path: Any, run_dir: bool, elastic: Any, restarts: bool) -> None:
+    """Under ``--elastic`` a worker's FALLBACK_EXIT relaunches with the same power-of-two D: reporting the batch
+    and exiting there would repeat until ``--max-restarts``. Only the restart fallback chooses D from the report."""
+    from lightning_parcae.training.environment import launcher_restarts  # noqa: PLC0415
+
+    if run_dir:
+        clean_env.setenv("PARCAE_RUN_DIR", str(tmp_path))
+    if elastic is not None:
+        clean_env.setenv("PARCAE_ELASTIC", elastic)
+    assert launcher_restarts() is restarts

@@ -472,8 +472,15 @@ class Launcher:
                 if bad and all(w.proc.returncode == FALLBACK_EXIT for w in bad) and self._relaunch_for_batch():
                     continue
                 if bad:
+                    misfit = self._batch_misfit()
                     if any(w.proc.returncode == WRONG_TOKEN_EXIT for w in bad):
                         why = "a worker rejected the job token (wrong or missing PARCAE_JOB_TOKEN)"
+                    elif misfit is not None:
+                        b, m, d = misfit
+                        why = (f"the global batch {b} does not split over the D={d} pipelines of M={m} micro-batches "
+                               "the workers chose, and with --pipeline-stages auto the restart fallback cannot choose "
+                               "D for them; give --pipeline-stages P (then it relaunches with a D that splits the "
+                               f"batch) or a batch_size divisible by {d * m}")
                     else:
                         why = f"worker(s) {[w.rank for w in bad]} of generation {st.generation} exited with " \
                               f"{[w.proc.returncode for w in bad]}"
@@ -519,7 +526,7 @@ class Launcher:
             time.sleep(0.05)
         self._read_events()
         st = self.state
-        if not any(e.get("batch_misfit") and e.get("generation") == st.generation for e in self.reports.events):
+        if self._batch_misfit() is None:
             return False
         _, d, p = self.relaunch.shape_for(st.n)
         if not d or d == st.shape[0]:
@@ -532,6 +539,14 @@ class Launcher:
         st.pending_restart = self.relaunch.stop_generation(st.n)
         self.relaunch.start_generation(st.n)
         return True
+
+    def _batch_misfit(self) -> Optional[tuple[int, int, int]]:
+        """(B, M, D) when the running generation's workers reported that D cannot split their global batch."""
+        st = self.state
+        for e in self.reports.events:
+            if e.get("batch_misfit") and e.get("generation") == st.generation:
+                return int(e["global_batch"]), int(e.get("micro_batches") or 1), int(e.get("D") or 0)
+        return None
 
     def _spare_change(self, target: int) -> None:
         """``--restart-fallback``: the trace changed only instances beyond the running D x P (none of its workers

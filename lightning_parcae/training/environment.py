@@ -32,6 +32,7 @@ import torch
 
 from lightning_parcae.contract import (
     CHECKPOINT_DIR_ENV,
+    ELASTIC_ENV,
     MAX_INSTANCES_ENV,
     INTERVAL_ENV,
     JOB_TOKEN_ENV,
@@ -58,6 +59,7 @@ __all__ = [
     "launcher_resume_path",
     "launcher_checkpoint_dir",
     "launcher_member",
+    "launcher_restarts",
     "launcher_local_world_size",
     "launcher_step_timing",
     "runtime_config",
@@ -113,6 +115,12 @@ def launcher_checkpoint_dir() -> Optional[str]:
 def launcher_member() -> str:
     """This process's member id (``PARCAE_MEMBER``; else hostname-pid)."""
     return os.environ.get(MEMBER_ENV) or f"{os.uname().nodename}-{os.getpid()}"
+
+
+def launcher_restarts() -> bool:
+    """Whether ``parcae run`` runs this worker under its restart fallback (``PARCAE_ELASTIC=0`` from the
+    launcher: every change stops and relaunches the group), not live reconfiguration."""
+    return bool(os.environ.get(RUN_DIR_ENV)) and os.environ.get(ELASTIC_ENV) == "0"
 
 
 def launcher_local_world_size() -> Optional[int]:

@@ -326,8 +326,9 @@ class ParcaeStrategyMixin:
             self.process.add_launcher_callbacks(trainer)
         if self.elastic_runtime is not None and trainer.state.fn == _FIT:
             self.elastic_hooks.setup(trainer, joining)
-        elif trainer.state.fn == _FIT:
-            # the restart fallback: a first launch whose D cannot split the batch stops to be relaunched with one
+        elif trainer.state.fn == _FIT and launcher_env.launcher_restarts():
+            # the launcher's restart fallback: a first launch whose D cannot split the batch stops to be relaunched
+            # with one (under an elastic launcher a script that turned live reconfiguration off keeps the error)
             from lightning_parcae.training.callbacks import ParcaeRunCallbackMixin  # noqa: PLC0415
 
             run = next((cb for cb in trainer.callbacks if isinstance(cb, ParcaeRunCallbackMixin) and cb.active), None)
