@@ -219,9 +219,9 @@ class ParcaeRunCallbackMixin:
         self._emit(trainer, "stop", reason=f"the global batch {global_batch} does not split over D={d} pipelines "
                    f"of M={m} micro-batches (restart fallback: relaunch with a D that does)",
                    global_batch=global_batch, micro_batches=m, batch_misfit=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(FALLBACK_EXIT)
+        from lightning_parcae.runtime.lifecycle import exit_now  # noqa: PLC0415
+
+        exit_now(FALLBACK_EXIT)
 
     def _stop_before_training(self, trainer: pl.Trainer) -> None:
         """A notice came while this generation started (it was superseded by the next change): stop before the
