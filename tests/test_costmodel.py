@@ -738,3 +738,15 @@ def test_reference_layer_params_are_each_bundled_models_layers_and_name_the_tabl
     assert len(reference_layer_params("gpt-1.5b")) == 50  # embedding, 48 blocks, head
     with pytest.raises(ConfigurationError, match="bundled tables are"):
         reference_layer_params("gpt-99b")
+
+
+def test_the_largest_split_is_the_largest_d_up_to_the_bound_that_splits_the_batch_else_one() -> None:
+    from lightning_parcae.planning.costmodel import batch_splits, largest_split
+
+    assert largest_split(60, 8) == 6 and largest_split(120, 8, 2) == 6 and largest_split(48, 32, 2) == 24
+    assert largest_split(7, 4) == 1 and largest_split(7, 4, 2) == 1  # nothing splits 7 into 2: D = 1, as before
+    for b in (24, 36, 60, 72, 120):
+        for bound in (1, 3, 8, 16):
+            d = largest_split(b, bound, 2)
+            assert d <= bound and (batch_splits(b, d, 2) or d == 1)
+            assert not any(batch_splits(b, k, 2) for k in range(d + 1, bound + 1))

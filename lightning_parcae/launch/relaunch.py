@@ -69,10 +69,10 @@ class Relaunch:
             members, _ = initial_members(n, str(p))
             d = members // p
         else:
-            from lightning_parcae.planning.costmodel import batch_splits  # noqa: PLC0415
+            from lightning_parcae.planning.costmodel import largest_split  # noqa: PLC0415
 
             b, m = self.reports.batch
-            d = next((k for k in range(n // p, 0, -1) if batch_splits(b, k, m)), 1)
+            d = largest_split(b, n // p, m)
         return d * p, d, p
 
     def spares_only(self, target: int) -> bool:

@@ -526,15 +526,15 @@ class Launcher:
             time.sleep(0.05)
         self._read_events()
         st = self.state
-        if self._batch_misfit() is None:
+        misfit = self._batch_misfit()
+        if misfit is None:
             return False
+        b, m, old_d = misfit
         _, d, p = self.relaunch.shape_for(st.n)
-        if not d or d == st.shape[0]:
+        if not d or d == old_d:
             return False
-        b, m = self.reports.batch or (0, 1)
-        self.event("batch_relaunch", generation=st.generation, global_batch=b, micro_batches=m,
-                   old_D=st.shape[0], D=d, P=p)
-        print(f"[parcae run] the global batch {b} does not split over D={st.shape[0]} pipelines: relaunching "
+        self.event("batch_relaunch", generation=st.generation, global_batch=b, micro_batches=m, old_D=old_d, D=d, P=p)
+        print(f"[parcae run] the global batch {b} does not split over D={old_d} pipelines: relaunching "
               f"generation {st.generation + 1} as {d}x{p}", file=self.out, flush=True)
         st.pending_restart = self.relaunch.stop_generation(st.n)
         self.relaunch.start_generation(st.n)

@@ -41,6 +41,7 @@ from lightning_parcae.errors import ConfigurationError
 __all__ = [
     "Shape",
     "batch_splits",
+    "largest_split",
     "min_max_partition",
     "MigrationKind",
     "ThroughputModel",
@@ -67,6 +68,15 @@ def batch_splits(global_batch: int, data_parallel: int, micro_batches: int = 1) 
     ``parcae run --restart-fallback``.
     """
     return data_parallel >= 1 and micro_batches >= 1 and global_batch % (data_parallel * micro_batches) == 0
+
+
+def largest_split(global_batch: int, at_most: int, micro_batches: int = 1) -> int:
+    """The largest D <= ``at_most`` over which the global batch splits (:func:`batch_splits`); 1 if none does.
+
+    The rule of every D chosen without the optimizer: the restart fallback's relaunch and a first generation whose
+    power-of-two D cannot take the batch (:meth:`~lightning_parcae.runtime.shape_choice.ShapeChooser.split_global_batch`).
+    """
+    return next((d for d in range(at_most, 0, -1) if batch_splits(global_batch, d, micro_batches)), 1)
 
 _NO_TERM = 0.0
 

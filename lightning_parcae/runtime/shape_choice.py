@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Se
 
 import torch.distributed as dist
 
-from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape, batch_splits
+from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, Shape, largest_split
 from lightning_parcae.planning.measured import (
     ExplorationBudget,
     MeasuredThroughput,
@@ -703,7 +703,7 @@ class ShapeChooser:
         d, p = old.data_parallel, old.pipeline_stages
         if b is None or b % m:
             raise ConfigurationError(f"internal: no D splits the global batch {b} into micro_batches={m}")
-        new_d = max(x for x in range(1, d + 1) if batch_splits(b, x, m))
+        new_d = largest_split(b, d, m)
         reason = (f"the global batch {b} does not split over D={d} pipelines of M={m} micro-batches: D={new_d}, "
                   f"{(d - new_d) * p} instance(s) released as standbys")
         self.event("decision", reason=reason, N=len(old.members), current=[d, p], chosen=[new_d, p], standbys=[],
