@@ -16,6 +16,7 @@ an S3 API server (moto) with a bucket on a machine of its own. Workers find thei
 from __future__ import annotations
 
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -180,3 +181,31 @@ class Cluster:
         proc.wait()
         raise RuntimeError(f"`parcae store start` did not come up in the store's namespace (exit {proc.returncode}):\n"
                            + log.read_text(errors="replace"))
+
+
+def kill_agents(agents: dict[str, subprocess.Popen[bytes]]) -> None:
+    """SIGKILL every agent and its workers (found by parent ids: a silenced machine's stay alive), then reap."""
+    for p in agents.values():
+        for pid in [*descendants(p.pid), p.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (an agent's worker), children first found by their parent ids."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        out.extend(kids)
+        frontier = kids
+    return out
