@@ -15,6 +15,7 @@ an S3 API server (moto) with a bucket on a machine of its own. Workers find thei
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import shutil
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from lightning_parcae.testing.s3_server import S3Server
@@ -209,3 +210,24 @@ def descendants(pid: int) -> list[int]:
         out.extend(kids)
         frontier = kids
     return out
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file a running job appends to (none if it is not there yet; a line being
+    written right now is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def agent_command(store_url: str, token_file: Path, member: str, run_dir: Path, nodes: str,
+                  job: list[str]) -> list[str]:
+    """``parcae agent`` for machine ``member`` of a job whose checkpoints go to ``s3://ckpt/job`` (preemption
+    notices as SIGTERM to the agent, a 4 s start-up settle), running ``job`` as its worker."""
+    return [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", store_url, "--token-file",
+            str(token_file), "--member", member, "--notices", "sigterm", "--run-dir", str(run_dir), "--nodes", nodes,
+            "--settle", "4", "--checkpoint-dir", "s3://ckpt/job", "--", *job]

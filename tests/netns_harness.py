@@ -111,22 +111,12 @@ class _Job:
         self.trace: list[str] = []
         self.t0 = time.time()
 
-    @staticmethod
-    def _jsonl(path: Path) -> list[dict[str, Any]]:
-        rows = []
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written right now
-                pass
-        return rows
-
     def steps(self) -> list[dict[str, Any]]:
-        return [r for f in self.out.glob("steps_*.jsonl") for r in self._jsonl(f)]
+        return [r for f in self.out.glob("steps_*.jsonl") for r in netns.read_jsonl(f)]
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """Machine ``name``'s worker events (its agent's ``--run-dir``)."""
-        return self._jsonl(self.out / name / "events.jsonl")
+        return netns.read_jsonl(self.out / name / "events.jsonl")
 
     def log(self, name: str) -> str:
         return (self.out / f"agent_{name}.txt").read_text(errors="replace")
@@ -205,10 +195,8 @@ def run_trial(trial: NetnsTrial, work: Path) -> dict[str, Any]:
 
         def start(name: str) -> None:
             (out / name).mkdir(exist_ok=True)
-            cmd = [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--token-file",
-                   str(token_file), "--member", name, "--notices", "sigterm", "--run-dir", str(out / name),
-                   "--nodes", f"2:{trial.machines}", "--settle", "4", "--checkpoint-dir", "s3://ckpt/job", "--",
-                   sys.executable, JOB, "--out", str(out), *trial.job_args()]
+            cmd = netns.agent_command(url, token_file, name, out / name, f"2:{trial.machines}",
+                                      [sys.executable, JOB, "--out", str(out), *trial.job_args()])
             job.agents[name] = cluster.popen(name, cmd, env, out / f"agent_{name}.txt")
 
         try:

@@ -357,21 +357,12 @@ def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_e
     def log(name: str) -> str:
         return (out / f"agent_{name}.txt").read_text(errors="replace")
 
-    def jsonl(path: Path) -> list[dict[str, Any]]:
-        rows = []
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written right now
-                pass
-        return rows
-
     def events(name: str) -> list[dict[str, Any]]:
         """Machine ``name``'s worker events (its agent's --run-dir)."""
-        return jsonl(out / name / "events.jsonl")
+        return netns.read_jsonl(out / name / "events.jsonl")
 
     def steps() -> list[dict[str, Any]]:
-        return [r for f in out.glob("steps_*.jsonl") for r in jsonl(f)]
+        return [r for f in out.glob("steps_*.jsonl") for r in netns.read_jsonl(f)]
 
     def machine(member: str) -> str:
         """The machine whose worker is ``member`` (each machine's worker events name its member ids)."""
@@ -418,10 +409,8 @@ def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_e
 
         def start(name: str) -> None:
             (out / name).mkdir(exist_ok=True)
-            cmd = [sys.executable, "-m", "lightning_parcae.launch.cli", "agent", "--store", url, "--token-file",
-                   str(token_file), "--member", name, "--notices", "sigterm", "--run-dir", str(out / name),
-                   "--nodes", "2:4", "--settle", "4", "--checkpoint-dir", "s3://ckpt/job", "--",
-                   sys.executable, JOB, "--out", str(out), *args]
+            cmd = netns.agent_command(url, token_file, name, out / name, "2:4",
+                                      [sys.executable, JOB, "--out", str(out), *args])
             agents[name] = cluster.popen(name, cmd, env, out / f"agent_{name}.txt")
             note(f"started {name}")
 
