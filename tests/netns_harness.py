@@ -90,11 +90,11 @@ class NetnsTrial:
                 "4", "--stall-s", "60", "--max-stage-memory-bytes", "8000"]
 
 
-def draw(seed: int, machines: int) -> NetnsTrial:
-    """The trial of ``seed`` at ``machines`` machines (the draws do not depend on ``machines``)."""
+def draw(seed: int, machines: int, max_steps: int = 700) -> NetnsTrial:
+    """The trial of ``seed`` at ``machines`` machines (the draws depend on neither ``machines`` nor ``max_steps``)."""
     rng = random.Random(seed)
     return NetnsTrial(seed=seed, machines=machines, batch=rng.choice([24, 48, 72]), noticed=rng.choice([1, 2]),
-                      silenced=rng.choice([1, 2]), stage_lost=rng.choice([0, 1]), max_steps=700)
+                      silenced=rng.choice([1, 2]), stage_lost=rng.choice([0, 1]), max_steps=max_steps)
 
 
 class TrialFailed(Exception):
@@ -294,6 +294,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="run one trial")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds")
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--max-steps", type=int, default=700,
+                    help="steps the job trains (default 700: it outlasts the schedule at 8-16 machines on 2 cores)")
     args = ap.parse_args(argv)
     if args.machines < 5:
         ap.error(f"--machines {args.machines}: the schedule loses up to 4 machines and keeps 2; give 5 or more")
@@ -304,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="parcae-netns-"))
     failed = []
     for seed in seeds:
-        trial = draw(seed, args.machines)
+        trial = draw(seed, args.machines, args.max_steps)
         r = run_trial(trial, work / f"seed{seed}")
         ok = not r["problems"]
         failed += [] if ok else [seed]
