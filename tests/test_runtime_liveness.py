@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from lightning_parcae.errors import PeerLostError
-from lightning_parcae.runtime.liveness import Liveness, SilenceClock, abort_key, dead_key, hb_key, activate, guarded_wait, notice_key
+from lightning_parcae.runtime.liveness import Liveness, SilenceClock, abort_key, dead_key, hb_key, left_key, activate, guarded_wait, notice_key
 from lightning_parcae.runtime.store import connect_store, host_store
 
 from conftest import record_client_calls
@@ -61,6 +61,30 @@ def test_liveness_declares_a_member_dead_if_its_heartbeat_stops(url: str) -> Non
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_member_that_left_as_planned_is_not_declared_dead_when_its_heartbeat_stops(url: str) -> None:
+    """Regression (``tests/netns_harness.py --machines 32 --seed 8``): a leaver by notice exits after its hand-over;
+    the members that stay watched it until the new generation's groups were built, declared it dead when that took
+    longer than the silence bound, and abandoned a switch none of whose ranks was missing. A leaver now writes its
+    ``left_key`` first: its silence aborts nothing, while a silent member without one is still declared dead."""
+    a, b, c = _live(url, "a").start(), _live(url, "b").start(), _live(url, "c").start()
+    store = connect_store(url, token=None)
+    try:
+        a.set_generation(8, ["b", "c"])
+        b.set_generation(8, ["a", "c"])
+        c.set_generation(8, ["a", "b"])
+        time.sleep(0.2)
+        store.set(left_key(8, "b"), "notice")
+        b.stop()  # b leaves as planned
+        time.sleep(1.5)  # three times the silence bound
+        assert not a.aborted.is_set() and not c.aborted.is_set(), (a.reason, c.reason)
+        assert "b" not in a._watch and "b" not in c._watch
+        c.stop()  # c, with no left key, goes silent
+        assert a.aborted.wait(5.0) and "c missed heartbeats" in a.reason
+    finally:
+        for x in (a, b, c):
+            x.stop()
 
 
 def test_guarded_wait_raises_peer_lost_if_the_generation_is_aborted_while_waiting(url: str) -> None:

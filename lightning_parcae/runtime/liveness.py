@@ -51,7 +51,7 @@ from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.store import (KEY_DIRECTORIES, TamperedRecordError, decode_record, encode_record,
                                             read_if_present)
 
-__all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "notice_key",
+__all__ = ["Liveness", "SilenceClock", "guarded_wait", "guarded_post", "guarded", "active", "activate", "hb_key", "abort_key", "left_key", "notice_key",
            "read_beats", "notice_record", "encode_notice", "decode_notice", "write_notice", "read_notice", "NoticeCheck"]
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,12 @@ def dead_key(generation: int, member: str) -> str:
     """Store key whose presence says ``member`` was declared dead while ``generation`` formed or ran (value: the
     reason). Recovery reads it for processes that are not old members -- a joiner lost while it was admitted."""
     return f"parcae/dead/{generation}/{member}"
+
+
+def left_key(generation: int, member: str) -> str:
+    """Store key whose presence says ``member`` left as planned (a notice, a release) in the switch to
+    ``generation``, after its transfers: its heartbeat stops next, and that silence is not a death."""
+    return f"parcae/left/{generation}/{member}"
 
 
 def notice_key(member: str) -> str:
@@ -326,6 +332,20 @@ class Liveness:
         if known is not None:  # aborted before this process entered it: the watch saw that write already
             self._aborted_by(generation, known)
 
+    def unwatch(self, members: Sequence[str]) -> None:
+        """Stop watching ``members`` in the current generation (their silence no longer aborts it); the abort flag,
+        if raised already, stays raised.
+
+        For members that left *as planned* (their :func:`left_key` is written): once a switch's transfers are done,
+        a leaver by notice or release exits and its heartbeat stops. Regression (``tests/netns_harness.py
+        --machines 32 --seed 8``): the members that stayed watched it until the new generation's groups were built;
+        at 32 machines on 2 cores that took over 3 s, so they declared the leaver dead and abandoned a switch none
+        of whose ranks was missing, and the job split in two (31 s and half the members lost). Now a silent member
+        is checked for that key before it is declared dead, and unwatched if it is there.
+        """
+        with self._lock:
+            self._watch = [m for m in self._watch if m not in set(members)]
+
     def abort(self, reason: str, generation: Optional[int] = None) -> None:
         """Publish the abort of ``generation`` (default: the current one) and raise the local flag."""
         g = self.generation if generation is None else generation
@@ -500,6 +520,9 @@ class Liveness:
                         if silent > self.dead_after_s:
                             dead.append((m, silent))
                 for m, silent in dead[:1]:
+                    if store.check([left_key(g, m)]):  # left as planned: stop watching it, nothing is lost
+                        self.unwatch([m])
+                        continue
                     if not self.aborted.is_set():
                         why = f"{m} missed heartbeats for {silent:.1f} s (declared dead by {self.member})"
                         store.set(dead_key(g, m), why)

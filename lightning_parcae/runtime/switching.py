@@ -30,6 +30,7 @@ from lightning_parcae.runtime.generation import GenerationState
 from lightning_parcae.runtime.groups import init_transition_world
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.lifecycle import Phase, exit_now, exit_without_destructors_at_shutdown
+from lightning_parcae.runtime.liveness import left_key
 from lightning_parcae.runtime.migration import exchange, layer_payload
 from lightning_parcae.runtime.part import PartContext
 
@@ -163,6 +164,9 @@ class Switch:
         t_transfer = time.monotonic()
         if ctx.member not in new.members:
             leaving_reason = "notice" if ctx.live.noticed.is_set() else "released"
+            # said in the store before the heartbeat stops: the members building the new generation's groups still
+            # watch this one, and must not take its planned silence for a death (liveness.left_key)
+            ctx.store.set(left_key(int(rec["generation"]), ctx.member), leaving_reason)
             ctx.event("left", kind=rec["kind"], reason=leaving_reason, transfer_s=t_transfer - t_groups)
             ctx.life.to(Phase.FENCED, reason=leaving_reason)
             exit_now(0 if leaving_reason == "notice" else RELEASED_EXIT)
