@@ -78,6 +78,7 @@ def largest_split(global_batch: int, at_most: int, micro_batches: int = 1) -> in
     """
     return next((d for d in range(at_most, 0, -1) if batch_splits(global_batch, d, micro_batches)), 1)
 
+
 _NO_TERM = 0.0
 
 

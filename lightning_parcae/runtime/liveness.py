@@ -344,7 +344,8 @@ class Liveness:
         is checked for that key before it is declared dead, and unwatched if it is there.
         """
         with self._lock:
-            self._watch = [m for m in self._watch if m not in set(members)]
+            gone = set(members)
+            self._watch = [m for m in self._watch if m not in gone]
 
     def abort(self, reason: str, generation: Optional[int] = None) -> None:
         """Publish the abort of ``generation`` (default: the current one) and raise the local flag."""
@@ -519,7 +520,7 @@ class Liveness:
                         silent = self._clock.silent_for(m, raw, now)
                         if silent > self.dead_after_s:
                             dead.append((m, silent))
-                for m, silent in dead[:1]:
+                for m, silent in dead:
                     if store.check([left_key(g, m)]):  # left as planned: stop watching it, nothing is lost
                         self.unwatch([m])
                         continue
@@ -527,6 +528,7 @@ class Liveness:
                         why = f"{m} missed heartbeats for {silent:.1f} s (declared dead by {self.member})"
                         store.set(dead_key(g, m), why)
                         self.abort(why, g)
+                    break  # one death aborts the generation; recovery finds the others
             except Exception as exc:  # noqa: BLE001 -- a store hiccup must not kill the heartbeat
                 log.warning("heartbeat of %s: %s", self.member, exc)
 
