@@ -750,3 +750,21 @@ def test_the_largest_split_is_the_largest_d_up_to_the_bound_that_splits_the_batc
             d = largest_split(b, bound, 2)
             assert d <= bound and (batch_splits(b, d, 2) or d == 1)
             assert not any(batch_splits(b, k, 2) for k in range(d + 1, bound + 1))
+
+
+def test_default_set_constants_reprices_cached_repartitions_and_leaves_other_models_correct() -> None:
+    """Regression (issue 21): the runtime now refits its migration constants from measured migrations while it
+    plans. ``repartition_transfer_ms`` is cached per (model, depths, survivors): assigning ``cm.c`` left a repartition
+    priced at the old bandwidth; ``set_constants`` drops the cached prices, and a second model's prices (the method
+    caches are per class) stay its own."""
+    thr = TableThroughput.from_reference("gpt-1.5b")
+    layers = LAYERS["gpt-1.5b"]["layers"]
+    fast, other = DefaultCostModel(thr, layers), DefaultCostModel(thr, layers)
+    before, theirs = fast.repartition_transfer_ms(4, 6, (2,) * 4), other.repartition_transfer_ms(4, 6, (2,) * 4)
+    assert before > 0 and theirs == before
+    fast.set_constants(MigrationConstants(bandwidth_bytes_per_s=1.25e9 / 40))  # 0.25 Gbps
+    after = fast.repartition_transfer_ms(4, 6, (2,) * 4)
+    latency = fast.c.transfer_latency_ms
+    assert after - latency == pytest.approx(40 * (before - latency), rel=1e-9)
+    assert other.repartition_transfer_ms(4, 6, (2,) * 4) == theirs
+    assert fast.full_state_transfer_ms(6) > 30 * other.full_state_transfer_ms(6)

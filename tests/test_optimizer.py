@@ -8,7 +8,8 @@ from typing import Sequence
 
 import pytest
 
-from lightning_parcae.planning.costmodel import ArtifactCostModel, MigrationCostModel, ShapeLimits, TableThroughput
+from lightning_parcae.planning.costmodel import (ArtifactCostModel, DefaultCostModel, MigrationConstants, MigrationCostModel,
+                                                 ShapeLimits, TableThroughput, reference_layer_params)
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
 from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape
@@ -372,3 +373,26 @@ def test_prices_changed_makes_the_optimizer_read_new_throughputs() -> None:
     opt.prices_changed()
     assert opt.reactive_shape(2) == (1, 2)
     assert opt.plan(2, (2, 1), [(2, 0, 0)]).next_shape == (1, 2)
+
+
+def test_set_constants_reprices_cached_transitions_so_a_costly_move_is_no_longer_taken() -> None:
+    """The runtime refits its migration constants while it plans (issue 21): transition costs the optimizer has
+    cached must follow. Here the best shape of 24 instances -> that of 28 pays at 10 Gbps; with state moving at 0.25 Gbps the same
+    optimizer, asked again, keeps 4x6 over a short look-ahead (a cached price would have moved it)."""
+    thr = TableThroughput.from_reference("gpt-1.5b")
+    cm = DefaultCostModel(thr, reference_layer_params("gpt-1.5b"), preemption_notice=True)
+    opt = LiveputOptimizer(cm, interval_s=60.0, look_ahead=2)
+    cur = thr.best(24)
+    assert cur is not None and cur != thr.best(28)
+    fast = opt.plan(28, cur, [(28, 0, 0)] * 2)
+    assert fast.next_shape != cur
+    before = opt.transition_costs(28, cur, 0, 0, [fast.next_shape])[0]
+    opt.set_constants(MigrationConstants(bandwidth_bytes_per_s=1.25e9 / 400))
+    assert opt.transition_costs(28, cur, 0, 0, [fast.next_shape])[0] > 10 * before
+    assert opt.plan(28, cur, [(28, 0, 0)] * 2).next_shape == cur
+
+
+def test_set_constants_refuses_a_cost_model_without_migration_constants() -> None:
+    opt = LiveputOptimizer(ArtifactCostModel("gpt-1.5b"), interval_s=60.0, look_ahead=2)
+    with pytest.raises(ConfigurationError, match="ArtifactCostModel has no migration constants"):
+        opt.set_constants(MigrationConstants())

@@ -22,7 +22,7 @@ def _config(**kw: Any) -> RuntimeConfig:
 def test_the_defaults_are_a_member_of_a_job_of_up_to_64_instances() -> None:
     c = _config()
     assert c.max_instances == 64 and not c.joining and c.run_dir is None and c.shared_cores is None
-    assert c.max_exploration_share == 0.1
+    assert c.max_exploration_share == 0.1 and c.policy == "liveput"
     assert c.stall_timeout == timedelta(seconds=60.0)
 
 
@@ -33,6 +33,7 @@ def test_the_defaults_are_a_member_of_a_job_of_up_to_64_instances() -> None:
     ({"max_exploration_share": 1.2}, "max_exploration_share=1.2: expected the largest fraction"),
     ({"max_exploration_share": -0.05}, "max_exploration_share=-0.05: expected the largest fraction"),
     ({"max_exploration_share": "10%"}, "max_exploration_share='10%': expected the largest fraction"),
+    ({"policy": "greedy"}, "policy='greedy': use 'liveput' (plan over the forecast; the default) or 'reactive'"),
 ])
 def test_a_configuration_out_of_range_is_refused_naming_the_value(kw: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigurationError) as err:
@@ -59,3 +60,18 @@ def test_the_strategys_exploration_cap_reaches_the_runtime_and_a_bad_one_is_refu
     assert environment.runtime_config(planning).max_exploration_share == 0.25
     with pytest.raises(ConfigurationError, match=r"max_exploration_share=2: expected .* in \[0, 1\]"):
         ParcaeStrategy(elastic=False, max_exploration_share=2)
+
+
+def test_the_strategys_policy_reaches_the_runtime_and_an_unknown_one_is_refused_at_the_strategy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ParcaeStrategy(policy="reactive")`` -- the baseline the replays compare Parcae with -- is carried to the
+    runtime's configuration; a misspelt one fails when the strategy is built, naming the choices."""
+    from lightning_parcae.training import environment
+    from lightning_parcae.training.strategy import ParcaeStrategy
+
+    monkeypatch.setenv("PARCAE_STORE", "tcp://127.0.0.1:5")
+    assert environment.runtime_config(ParcaeStrategy(elastic=False).elastic_options).policy == "liveput"
+    planning = ParcaeStrategy(elastic=False, policy="reactive").elastic_options
+    assert environment.runtime_config(planning).policy == "reactive"
+    with pytest.raises(ConfigurationError, match="policy='parcae': use 'liveput'"):
+        ParcaeStrategy(elastic=False, policy="parcae")

@@ -711,3 +711,48 @@ def test_a_first_generation_whose_d_cannot_split_the_batch_moves_to_the_largest_
     assert coord.generation(1) == rec
     decision = [kw for name, kw in events if name == "decision"]
     assert decision and decision[0]["chosen"] == [new_d, p] and f"global batch {batch}" in decision[0]["reason"]
+
+
+def _slow_moves(seconds: float) -> list[dict[str, Any]]:
+    """Four in-place migrations as the runtime records them, each ``seconds`` long (two of each fitted kind)."""
+    return [{"kind": "intra-stage", "N": 3, "bytes_moved": 4e5, "duration_s": seconds},
+            {"kind": "intra-stage", "N": 4, "bytes_moved": 4e5, "duration_s": seconds * 1.1},
+            {"kind": "repartition", "N": 4, "bytes_moved": 3e5, "duration_s": seconds * 1.2},
+            {"kind": "repartition", "N": 4, "bytes_moved": 6e5, "duration_s": seconds * 1.6}]
+
+
+@pytest.mark.parametrize("move_s, policy, expected", [(None, "liveput", (2, 2)), (0.05, "liveput", (2, 2)),
+                                                     (30.0, "liveput", (1, 4)), (30.0, "reactive", (2, 2))])
+def test_the_leader_prices_migrations_by_what_this_jobs_migrations_cost(move_s: Optional[float], policy: str,
+                                                                        expected: tuple[int, int]) -> None:
+    """Regression (issue 21): the leader planned with RUNTIME_CONSTANTS (a 30 ms group rebuild, state at 10 Gbps)
+    whatever its migrations took, while profile.json -- and so the simulator's forecast of the same run -- carried
+    constants fitted from them; on an emulated GPT-1.5B whose repartitions took 5-13 s the runtime moved at every
+    count change where its own forecast held the shape. Here a 1x4 job with 2x2 measured 10 % faster: with no
+    migration yet, or with fast ones, the leader moves; once its migrations have taken ~30 s each, a move cannot
+    pay back within the 24 s look-ahead and it stays. The constants are refitted once per new migration. The
+    ``reactive`` policy (the baseline) takes the throughput-best shape whatever the migrations cost."""
+    events: list = []
+    host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
+    moves: list[dict[str, Any]] = []
+    ch = ShapeChooser(host, _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10),  # type: ignore[arg-type]
+                      _config(look_ahead=12, interval_s=2.0, max_instances=4, policy=policy), GenerationRecords(host, _state(
+                          ("a", "b", "c", "d"), (3, 3, 2, 2), 10)),  # type: ignore[arg-type]
+                      coord=Coordinator(dist.HashStore()), migrations=moves,
+                      event=lambda name, **kw: events.append((name, kw)))
+    model = ch.model()
+    assert model is not None
+    for _ in range(10):
+        model.record(1, 4, model.prior.step_ms(1, 4))
+        model.record(2, 2, 0.9 * model.prior.step_ms(1, 4))
+    if move_s is not None:
+        moves.extend(_slow_moves(move_s))
+    assert ch.choose(4, 4, observe=True) == expected
+    fitted = [kw for name, kw in events if name == "migration_costs"]
+    assert len(fitted) == (0 if move_s is None else 1)
+    if move_s is not None:
+        assert fitted[0]["migrations"] == 4
+        assert fitted[0]["group_base_ms"] > 0.5 * 1000.0 * move_s  # the group part absorbs the intra-stage time
+        ch.choose(4, 4, observe=True)
+        assert len([1 for name, _ in events if name == "migration_costs"]) == 1  # nothing new: no refit
+        assert ch.fitted_constants() == ch.fitted_constants()

@@ -941,6 +941,16 @@ class DefaultCostModel(MigrationCostModel):
         self.c = constants
         self.preemption_notice = bool(preemption_notice)
 
+    def set_constants(self, constants: MigrationConstants) -> None:
+        """Price every later transition with ``constants`` (e.g. refitted from measured migrations).
+
+        The cached prices that depend on them are dropped (the method caches are per class: other instances
+        recompute theirs on their next call).
+        """
+        self.c = constants
+        for cached in (self._stage_bytes, self._missing_bytes, self.repartition_transfer_ms):
+            cached.cache_clear()  # type: ignore[attr-defined]
+
     @functools.lru_cache(maxsize=None)
     def _bounds(self, p: int) -> List[int]:
         return balanced_partition(self.layer_params, p) if p <= len(self.layer_params) else [0] * (p + 1)

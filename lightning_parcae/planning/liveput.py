@@ -34,7 +34,8 @@ from scipy.special import gammaln
 from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
 
-__all__ = ["Expectation", "expected_transition_cost", "transition_costs", "prepare_transfers", "liveput", "victim_patterns"]
+__all__ = ["Expectation", "expected_transition_cost", "transition_costs", "prepare_transfers", "liveput", "victim_patterns",
+           "forget_prices"]
 
 MAX_PATTERNS = 5000
 """Largest number of victim patterns enumerated exactly; beyond it repartition costs are sampled."""
@@ -262,6 +263,12 @@ _TRANSFER_CACHE: "weakref.WeakKeyDictionary[MigrationCostModel, Dict[_TransferKe
     weakref.WeakKeyDictionary()
 )
 _EXACT_MOMENTS: _Moments = (0.0, 0.0, 0.0, 1)
+
+
+def forget_prices(cm: MigrationCostModel) -> None:
+    """Drop what this module cached for ``cm``: its migration constants changed (see
+    :meth:`~lightning_parcae.planning.costmodel.DefaultCostModel.set_constants`)."""
+    _TRANSFER_CACHE.pop(cm, None)
 
 
 def _repartition_transfer(

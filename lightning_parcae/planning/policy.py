@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
-from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
+from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape
 from lightning_parcae.planning.forecast import Predictor, make_predictor
 from lightning_parcae.planning.shape_optimizer import Decision, LiveputOptimizer
 
@@ -190,6 +190,11 @@ class ShapeDecider:
     def prices_changed(self) -> None:
         """The throughput model's prices changed (steps were measured): the optimizer re-reads them."""
         self.optimizer.prices_changed()
+
+    def set_constants(self, constants: MigrationConstants) -> None:
+        """Price migrations with new constants (refitted from measured migrations): see
+        :meth:`LiveputOptimizer.set_constants`."""
+        self.optimizer.set_constants(constants)
 
     def decide(self, shape: Shape, now: Interval, *, remain_ms: float = 0.0) -> ForecastDecision:
         """The shape of the interval ``now = (prev_n, n_in, n_out)`` about to run (see :func:`decide_with_forecast`).

@@ -24,9 +24,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from lightning_parcae.planning.costmodel import MigrationCostModel, Shape
+from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConstants, MigrationCostModel, Shape
 from lightning_parcae.errors import ConfigurationError
-from lightning_parcae.planning.liveput import prepare_transfers, transition_costs
+from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
 __all__ = ["Plan", "Decision", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
 
@@ -145,6 +145,22 @@ class LiveputOptimizer:
 
         Transition costs stay cached: they depend on the migration constants and layer sizes, not on throughput.
         """
+        self._targets_cache.clear()
+
+    def set_constants(self, constants: MigrationConstants) -> None:
+        """Price migrations with new constants (e.g. refitted from this job's measured migrations): the cost
+        model takes them, and every cached transition cost and candidate (whose concurrent-restart costs depend
+        on them) is forgotten.
+
+        Raises:
+            ConfigurationError: The cost model has no migration constants (the artifact's accounting).
+        """
+        if not isinstance(self.cm, DefaultCostModel):
+            raise ConfigurationError(f"{type(self.cm).__name__} has no migration constants to set: only "
+                                     "DefaultCostModel prices migrations from MigrationConstants")
+        self.cm.set_constants(constants)
+        forget_prices(self.cm)
+        self._cost_cache.clear()
         self._targets_cache.clear()
 
     def prepare(self, n_max: int, max_out: int = 2) -> int:

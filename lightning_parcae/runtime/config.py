@@ -18,7 +18,23 @@ from typing import Optional
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE, check_exploration_share
 
-__all__ = ["RuntimeConfig"]
+__all__ = ["POLICIES", "RuntimeConfig", "check_policy"]
+
+POLICIES = ("liveput", "reactive")
+"""How the leader chooses a shape: ``liveput`` (plan over the forecast, migrations priced) or ``reactive`` (the
+throughput-best shape for the interval's count: the baseline, ``parcae simulate``'s ``live-reactive``)."""
+
+
+def check_policy(policy: object) -> str:
+    """``policy`` if it is one of :data:`POLICIES`.
+
+    Raises:
+        ConfigurationError: Naming the value and the choices.
+    """
+    if policy not in POLICIES:
+        raise ConfigurationError(f"policy={policy!r}: use 'liveput' (plan over the forecast; the default) or "
+                                 "'reactive' (the throughput-best shape for each interval's count, the baseline)")
+    return str(policy)
 
 
 @dataclass(frozen=True)
@@ -58,10 +74,12 @@ class RuntimeConfig:
             AWS gives two minutes, GCP 30 s; ``parcae run`` replays every drop of a trace as one): the optimizer
             prices a stage whose every replica leaves as a copy from the leavers, not a checkpoint restart. False
             where instances vanish without one: a D=1 shape then prices each departure as a restart.
+        policy: ``"liveput"`` (the optimizer's plan over the forecast look-ahead) or ``"reactive"`` (the
+            throughput-best shape for the count of the interval about to run; see :data:`POLICIES`).
 
     Raises:
-        ConfigurationError: ``stall_after_s`` is not positive, ``throughput`` is unknown, ``max_instances`` is
-            below 1 or ``max_exploration_share`` is not a number in ``[0, 1]``.
+        ConfigurationError: ``stall_after_s`` is not positive, ``throughput`` or ``policy`` is unknown,
+            ``max_instances`` is below 1 or ``max_exploration_share`` is not a number in ``[0, 1]``.
     """
 
     store_url: str
@@ -82,6 +100,7 @@ class RuntimeConfig:
     roster_key: Optional[str] = None
     max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE
     preemption_notice: bool = True
+    policy: str = "liveput"
 
     def __post_init__(self) -> None:
         if not self.stall_after_s > 0:
@@ -91,6 +110,7 @@ class RuntimeConfig:
         if self.max_instances < 1:
             raise ConfigurationError(f"max_instances must be >= 1, got {self.max_instances}")
         check_exploration_share(self.max_exploration_share)
+        check_policy(self.policy)
 
     @property
     def stall_timeout(self) -> timedelta:

@@ -35,7 +35,7 @@ from lightning_parcae.planning.measured import (
 )
 from lightning_parcae.planning.policy import DecisionOptions, ShapeDecider
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
-from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
+from lightning_parcae.planning.shape_optimizer import PAUSED, Decision, LiveputOptimizer
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator, booting_key
@@ -153,6 +153,7 @@ class ShapeChooser:
         self._step_mark: Optional[tuple[int, int, float, bool]] = None
         self._warmup = 0
         self._profile_saved: Optional[tuple[float, int]] = None  # (when, migrations then) of the last save_profile
+        self._costs_fitted_on = 0  # in-place migrations the planner's migration constants were fitted from
         self._entered: Optional[tuple[int, float]] = None  # (generation, when its first step boundary came)
         self._noted_at = float("-inf")  # when note_standbys last read the standbys' heartbeats
         self._clock = clock
@@ -270,6 +271,8 @@ class ShapeChooser:
             self._optimizer = self._decider.optimizer
         decider = self._decider
         assert decider is not None
+        if by_measurement:
+            self._refit_migration_costs(decider)
         if observe or not decider.observed:
             decider.observe(n_next)
             if observe:
@@ -282,9 +285,15 @@ class ShapeChooser:
             # the simulator's parcae policy, literally: the interval about to run is known (notices are in, losses
             # seen, standbys counted); only the intervals after it are forecast, as quantile scenarios
             now = (n_now, max(0, n_next - n_now), max(0, n_now - n_next))
-            decision, scenarios, weights = decider.decide(cur, now)
-            shape = decision.next_shape
-            median = scenarios[len(scenarios) // 2] if scenarios else []
+            if self.config.policy == "reactive":
+                # the baseline: the throughput-best shape for the count about to run, no plan, no forecast (the
+                # simulator's live-reactive policy makes this very call)
+                shape = decider.optimizer.reactive_shape(n_next)
+                decision, scenarios, median = Decision(shape, shape, 0.0, 0.0, (shape,)), [], []
+            else:
+                decision, scenarios, weights = decider.decide(cur, now)
+                shape = decision.next_shape
+                median = scenarios[len(scenarios) // 2] if scenarios else []
             # how long the forecast keeps this count: the time an exploration's gain can pay back in
             for iv in median[: max(0, self.config.look_ahead - 1)]:
                 if int(iv[0] + iv[1] - iv[2]) != n_next:
@@ -374,6 +383,35 @@ class ShapeChooser:
             return False
         return self._clock() - entered[1] < 2.0 * max(self.config.interval_s, 1e-3)
 
+    def fitted_constants(self) -> MigrationConstants:
+        """Migration constants fitted from this job's own in-place migrations (:data:`RUNTIME_CONSTANTS` for
+        what none measured yet): what ``profile.json`` saves and, with ``throughput="measured"``, what the leader
+        plans with."""
+        moves = [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
+                 for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
+        return MigrationConstants.fit(moves, base=RUNTIME_CONSTANTS) if moves else RUNTIME_CONSTANTS
+
+    def _refit_migration_costs(self, decider: ShapeDecider) -> None:
+        """Price the next decisions' migrations by what this job's migrations have cost (refit after each new one).
+
+        Regression (issue 21): the leader planned with :data:`RUNTIME_CONSTANTS` -- a group rebuild of 30 ms and
+        state at 10 Gbps, measured on loopback with a small model -- whatever its migrations really took, while
+        ``profile.json`` (and so the simulator's forecast of the same run) carried constants fitted from them. On a
+        job whose stages take seconds to move (an emulated GPT-1.5B on a 0.25 Gbps state link: 5-13 s a
+        repartition against the 0.03-0.1 s priced) the forecast saw what holding a shape through a dip saves and
+        the runtime did not: it moved at every count change, as live-reactive does.
+        """
+        done = sum(1 for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition"))
+        if done == self._costs_fitted_on:
+            return
+        self._costs_fitted_on = done
+        fitted = self.fitted_constants()
+        decider.set_constants(fitted)
+        self.event("migration_costs", migrations=done, group_base_ms=round(fitted.group_base_ms, 1),
+                   group_per_process_ms=round(fitted.group_per_process_ms, 2),
+                   bandwidth_bytes_per_s=round(fitted.bandwidth_bytes_per_s, 1),
+                   transfer_latency_ms=round(fitted.transfer_latency_ms, 1))
+
     def _move_cost_s(self) -> float:
         """Typical in-place migration time of this job so far (0.5 s before the first one)."""
         done = [float(m["duration_s"]) for m in self.migrations if m.get("kind") != "fallback"]
@@ -436,10 +474,7 @@ class ShapeChooser:
             return
         self._profile_saved = (now, len(self.migrations))
         try:
-            moves = [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
-                     for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
-            fitted = MigrationConstants.fit(moves, base=RUNTIME_CONSTANTS) if moves else RUNTIME_CONSTANTS
-            model.constants = fitted
+            model.constants = self.fitted_constants()
             raw = model.to_json()
             model.constants = RUNTIME_CONSTANTS
             if self.coord is not None:

@@ -115,6 +115,11 @@ class ParcaeStrategyMixin:
             shapes (a try's migrations and its trial there), in ``[0, 1]``; default 0.1. A try is refused while
             the share so far, the try included at its expected cost, would exceed it (``explore_refused`` event;
             the first try is always allowed); 0 never explores, 1 is no cap. See ``docs/elastic.md``.
+        policy: elastic only: how the leader chooses each interval's shape -- ``"liveput"`` (default: Parcae's plan
+            over the forecast look-ahead, pricing every migration by what this job's migrations have cost) or
+            ``"reactive"`` (the baseline Parcae is measured against: the throughput-best shape for each interval's
+            count, no plan and no forecast, reached by the same live migrations -- ``parcae simulate``'s
+            ``live-reactive``).
         preemption_notice: elastic only: departures come with a notice (spot instances: AWS two minutes, GCP
             30 s; ``parcae run`` replays every drop as one), so the leaver hands its state over and the optimizer
             prices a stage that loses every replica as a copy, not a checkpoint restart (default True). Set False
@@ -151,6 +156,7 @@ class ParcaeStrategyMixin:
         throughput: Literal["measured", "profile"] = "measured",
         max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE,
         preemption_notice: bool = True,
+        policy: Literal["liveput", "reactive"] = "liveput",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
