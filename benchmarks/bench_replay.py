@@ -13,8 +13,10 @@ shapes differ as on separate machines; :mod:`lightning_parcae.testing.emulated_d
 ``config.yaml`` on the real CPU compute, where every instance shares the machine's two cores. Per segment:
 
 * ``parcae``   -- ``parcae run --trace SEG`` (look-ahead 12, persistence predictor, measured throughput);
-* ``reactive`` -- the same with look-ahead 1 (``look_ahead: 1`` of the strategy): each interval takes the best shape for the
-  instances there now, in place, with no forecast;
+* ``reactive`` -- the same with ``policy: reactive`` of the strategy: each interval takes the throughput-best shape
+  for the instances there now, in place, with no plan and no forecast (until stop 47 it was ``look_ahead: 1``, the
+  same choice while migrations were priced at the runtime's loopback constants; once the leader prices them by
+  what they cost, a one-interval plan refuses moves that live-reactive makes);
 * ``restart``  -- ``parcae run --restart-fallback --trace SEG``;
 * ``static``   -- ``parcae run --instances N_min`` with no trace (the minimum count of the segment).
 
@@ -24,7 +26,7 @@ measured throughput for its instance count, with no start-up and no migration co
 candidate shape is measured statically (``--restart-fallback`` with no trace, so nothing moves), which gives the
 best shape per instance count for the "chosen shape within 10 % of the best" check.
 
-Forecasts: ``parcae`` and ``reactive`` -- the simulator's ``parcae`` policy with look-ahead 12 / 1; ``restart`` --
+Forecasts: ``parcae`` and ``reactive`` -- the simulator's ``parcae`` (look-ahead 12) and ``live-reactive`` policies; ``restart`` --
 its ``throughput`` policy (best shape after every event, paying a restart); ``static`` -- the profile's best
 measured throughput at N_min; all from the Parcae run's ``profile.json`` with the restart cost fitted from the
 restart run (``restart_done.lost_s``) and the start-up measured in each run.
@@ -404,6 +406,9 @@ def main() -> int:
                     help="when each segment starts (parcae run --trace-clock): at the launch (default; start-up is "
                     "inside the segment), or at the first training step (start-up outside it, as the artifact "
                     "counts a segment: use it where start-up is long against the segment, e.g. --job gpt15b)")
+    ap.add_argument("--state-gbps", type=float, default=None,
+                    help="--job gpt15b: the modelled bandwidth (Gbit/s) of migration state transfers only "
+                    "(model.state_gbps; default: the workload's 10 Gbps): stages that are costly to move")
     ap.add_argument("--reforecast", action="store_true",
                     help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
     ap.add_argument("--combine", default=None, metavar="DIR,DIR,...",
@@ -416,6 +421,10 @@ def main() -> int:
     CLOCK = a.trace_clock
     if a.job == "gpt15b":
         TRAIN = [*TRAIN, "--model.time_scale", str(a.time_scale)]
+        if a.state_gbps is not None:
+            TRAIN = [*TRAIN, "--model.state_gbps", str(a.state_gbps)]
+    elif a.state_gbps is not None:
+        raise SystemExit(f"--state-gbps {a.state_gbps} needs --job gpt15b (the only job with a modelled workload)")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if a.reforecast:
@@ -423,7 +432,8 @@ def main() -> int:
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                               "cores": os.cpu_count(), "trace_clock": CLOCK, "static": {}, "segments": {}}
+                               "cores": os.cpu_count(), "trace_clock": CLOCK, "state_gbps": a.state_gbps, "static": {},
+                               "segments": {}}
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
     if a.static_from:  # re-run some segments or policies against an earlier run's static measurements
         results["static"] = dict(json.loads(Path(a.static_from).read_text())["static"])
@@ -455,7 +465,7 @@ def main() -> int:
             if pol == "parcae":
                 ev = launch(common, run_dir, seconds)
             elif pol == "reactive":
-                ev = launch(common, run_dir, seconds, train_extra=("--trainer.strategy.init_args.look_ahead", "1"))
+                ev = launch(common, run_dir, seconds, train_extra=("--trainer.strategy.init_args.policy", "reactive"))
             elif pol == "restart":
                 ev = launch(["--restart-fallback", *common], run_dir, seconds)
             elif pol == "static":

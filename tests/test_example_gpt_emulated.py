@@ -61,6 +61,18 @@ def test_emulate_and_a_flat_device_time_are_exclusive_and_unknown_workloads_clea
     assert all(layer.device_backward_ms is None for layer in GPT(**SMALL).layers)  # default: unchanged
 
 
+def test_state_gbps_slows_the_modelled_migrations_and_needs_a_workload():
+    """``model.state_gbps`` (bench_replay.py --state-gbps): the workload's state link, in Gbit/s."""
+    slow = GPT(**SMALL, emulate="gpt-1.5b", state_gbps=0.25)
+    plain = GPT(**SMALL, emulate="gpt-1.5b")
+    assert slow.workload is not None and plain.workload is not None
+    assert slow.workload.state_bandwidth_bytes_per_s == pytest.approx(0.25e9 / 8)
+    assert slow.workload.transfer_s([1, 2]) > 35 * plain.workload.transfer_s([1, 2])
+    for bad in ({"state_gbps": 0.25}, {"emulate": "gpt-1.5b", "state_gbps": 0.0}):
+        with pytest.raises(ValueError, match="state_gbps=.* needs emulate"):
+            GPT(**SMALL, **bad)
+
+
 def test_config_memory_budget_needs_the_modelled_minimum_depth():
     """The strategy checks memory on the real layers; the YAML's budget must make them need the same P as the
     modelled 16 GB rule (P >= 6 for GPT-1.5B at 24 blocks)."""

@@ -74,6 +74,23 @@ def test_transfer_of_a_stage_is_its_state_at_10_gbps():
     assert EmulatedWorkload.gpt_1_5b(bandwidth_bytes_per_s=2.5e9).transfer_s(layers) < GPT.transfer_s(layers)
 
 
+def test_a_state_bandwidth_slows_migrations_only_and_survives_coarsening_and_json(tmp_path: Path):
+    """``state_bandwidth_bytes_per_s`` (issue 21: stages that are costly to move): a migration's state transfer
+    takes the state link's time; a step's pipeline messages and all-reduces keep the network's 10 Gbps."""
+    layers = list(range(1, 7))
+    slow = EmulatedWorkload.gpt_1_5b(state_bandwidth_bytes_per_s=1.25e9 / 40)
+    assert slow.modelled_transfer_s(layers) - 0.15e-3 == pytest.approx(40 * (GPT.modelled_transfer_s(layers) - 0.15e-3))
+    assert slow.modelled_boundary_s(3, 8) == GPT.modelled_boundary_s(3, 8)
+    assert slow.modelled_allreduce_s(layers, 4) == GPT.modelled_allreduce_s(layers, 4)
+    assert slow.step_s(4, 6) == GPT.step_s(4, 6)
+    small = slow.coarsened(8)
+    assert small.state_bandwidth_bytes_per_s == 1.25e9 / 40
+    slow.to_json(str(tmp_path / "w.json"))
+    assert EmulatedWorkload.from_json(str(tmp_path / "w.json")).state_bandwidth_bytes_per_s == 1.25e9 / 40
+    with pytest.raises(ConfigurationError, match="state_bandwidth_bytes_per_s=0.0 must be > 0 or None"):
+        EmulatedWorkload.gpt_1_5b(state_bandwidth_bytes_per_s=0.0)
+
+
 def test_checkpoint_save_and_load_of_an_8_stage_job_is_the_artifact_14_s():
     """The default checkpoint bandwidth is derived from the artifact's 14 s save + load (its restart baseline):
     the largest stage of an 8-stage pipeline writes and reads its state in about that time."""

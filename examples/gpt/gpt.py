@@ -184,11 +184,15 @@ class GPT(pl.LightningModule):
             also sleeps the modelled 10 Gbps time of the real model's bytes (installed in :meth:`setup`). Excludes
             ``device_ms_per_sample``. None (default): no profile.
         time_scale: Divides every modelled duration of ``emulate`` (30: a 3 s modelled step runs in 0.1 s).
+        state_gbps: With ``emulate``: the modelled bandwidth, in Gbit/s, of a migration's state transfers only
+            (pipeline messages and all-reduces keep the workload's 10 Gbps). None (default): the same 10 Gbps. A
+            lower value emulates stages that are costly to move (``benchmarks/bench_replay.py --state-gbps``).
     """
 
     def __init__(self, n_blocks: int = 8, d_model: int = 64, n_heads: int = 4, seq_len: int = 64,
                  lr: float = 3e-3, weight_decay: float = 0.01, device_ms_per_sample: float = 0.0,
-                 emulate: Optional[str] = None, time_scale: float = 30.0) -> None:
+                 emulate: Optional[str] = None, time_scale: float = 30.0,
+                 state_gbps: Optional[float] = None) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
@@ -198,13 +202,17 @@ class GPT(pl.LightningModule):
         if emulate is not None and device_ms_per_sample > 0:
             raise ValueError(f"emulate={emulate!r} and device_ms_per_sample={device_ms_per_sample} both set the "
                              "emulated compute time: give one of them (emulate takes per-layer times from a profile)")
+        if state_gbps is not None and (emulate is None or not state_gbps > 0):
+            raise ValueError(f"state_gbps={state_gbps} needs emulate (a profiled workload whose migrations it "
+                             "slows) and a value > 0 in Gbit/s, e.g. 0.25")
         self.save_hyperparameters()
         ms = float(device_ms_per_sample)
         fwd: list[float] = [0.25 * ms] + [ms] * n_blocks + [0.5 * ms]
         bwd: list[Optional[float]] = [None] * (n_blocks + 2)  # backward_factor (2x) of emulated_compute
         self.workload: Optional[EmulatedWorkload] = None
         if emulate is not None:
-            self.workload = EmulatedWorkload.named(emulate, time_scale=time_scale).coarsened(n_blocks)
+            link = {} if state_gbps is None else {"state_bandwidth_bytes_per_s": state_gbps * 1.25e8}
+            self.workload = EmulatedWorkload.named(emulate, time_scale=time_scale, **link).coarsened(n_blocks)
             fwd = [self.workload.forward_ms_per_sample(i) for i in range(n_blocks + 2)]
             bwd = [self.workload.backward_ms_per_sample(i) for i in range(n_blocks + 2)]
         self.layers = nn.Sequential(Embed(d_model, seq_len, fwd[0], bwd[0]),

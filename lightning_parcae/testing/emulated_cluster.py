@@ -83,6 +83,10 @@ class EmulatedWorkload:
         grad_bytes_per_param: Gradient bytes per parameter all-reduced per step (fp16: 2).
         bandwidth_bytes_per_s: Modelled network bandwidth between two instances (10 Gbps = 1.25e9).
         latency_ms: Modelled per-message latency.
+        state_bandwidth_bytes_per_s: Modelled bandwidth of a migration's state transfers only (None: the
+            ``bandwidth_bytes_per_s`` of every other message). A lower value models a job whose stages are costly
+            to move -- a bigger model, a slower or shared path, a runtime that stages state through storage --
+            while its steps (pipeline messages, all-reduces) keep the network they have.
         checkpoint_write_bytes_per_s: Modelled checkpoint write bandwidth of one instance.
         checkpoint_read_bytes_per_s: Modelled checkpoint read bandwidth of one instance.
         boot_s: Modelled seconds from an instance being granted to its process being ready to register.
@@ -111,6 +115,7 @@ class EmulatedWorkload:
     global_batch: int = 128
     micro_batch: int = 1
     limits: ShapeLimits = field(default_factory=ShapeLimits)
+    state_bandwidth_bytes_per_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         lists = {"forward_ms": self.forward_ms, "backward_ms": self.backward_ms, "params": self.params,
@@ -126,6 +131,9 @@ class EmulatedWorkload:
         for k in positive:
             if not getattr(self, k) > 0:
                 raise ConfigurationError(f"{k}={getattr(self, k)} must be > 0 (workload {self.name!r})")
+        if self.state_bandwidth_bytes_per_s is not None and not self.state_bandwidth_bytes_per_s > 0:
+            raise ConfigurationError(f"state_bandwidth_bytes_per_s={self.state_bandwidth_bytes_per_s} must be > 0 "
+                                     f"or None (the network's bandwidth_bytes_per_s) (workload {self.name!r})")
         for k in ("reserved_bytes", "latency_ms", "boot_s", "memory_bytes_per_param", "state_bytes_per_param",
                   "grad_bytes_per_param"):
             if getattr(self, k) < 0:
@@ -351,7 +359,8 @@ class EmulatedWorkload:
         layers = list(layers)
         if not layers:
             return 0.0
-        return self.latency_ms / 1000.0 + self.state_bytes(layers) / self.bandwidth_bytes_per_s
+        bandwidth = self.state_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
+        return self.latency_ms / 1000.0 + self.state_bytes(layers) / bandwidth
 
     def transfer_s(self, layers: Sequence[int]) -> float:
         """Scaled seconds to move the given layers' state (what a migration sleeps on top of the real transfer)."""
