@@ -768,3 +768,15 @@ def test_default_set_constants_reprices_cached_repartitions_and_leaves_other_mod
     assert after - latency == pytest.approx(40 * (before - latency), rel=1e-9)
     assert other.repartition_transfer_ms(4, 6, (2,) * 4) == theirs
     assert fast.full_state_transfer_ms(6) > 30 * other.full_state_transfer_ms(6)
+
+
+def test_migration_constants_fit_takes_the_bandwidth_from_a_single_move() -> None:
+    """Regression (stop 47, emulated GPT-1.5B with state at 0.25 Gbps): a repartition of 6.7 MB took 16.4 s, and
+    until a second one was measured the fit kept 10 Gbps -- the leader priced its next move at milliseconds. One
+    move now gives the bandwidth from its time beyond the group rebuild and the latency."""
+    base = MigrationConstants(group_base_ms=30.0, group_per_process_ms=5.0, transfer_latency_ms=5.0)
+    c = MigrationConstants.fit([("repartition", 6.7e6, 28, 16400.0)], base=base)
+    assert c.bandwidth_bytes_per_s == pytest.approx(6.7e6 / (16.4 - 0.03 - 0.14 - 0.005))
+    assert c.group_base_ms == 30.0 and c.transfer_latency_ms == 5.0
+    # a move faster than its rebuild says nothing about the bandwidth
+    assert MigrationConstants.fit([("repartition", 6.7e6, 28, 100.0)], base=base).bandwidth_bytes_per_s == 1.25e9

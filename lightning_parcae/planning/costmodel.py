@@ -891,6 +891,14 @@ class MigrationConstants:
             (lat, per_byte), *_ = np.linalg.lstsq(a, y, rcond=None)
             if per_byte > 0:
                 c = replace(c, transfer_latency_ms=max(0.0, float(lat)), bandwidth_bytes_per_s=1000.0 / float(per_byte))
+        elif len(moves) == 1 and moves[0][0] > 0:
+            # one move: its time beyond the group rebuild and the latency is its bytes' (as one intra-stage
+            # measurement sets the group rebuild above; stop 47 -- a job whose stages take 16 s to move planned its
+            # next moves at 10 Gbps until a second one had been measured)
+            b, n, ms = moves[0]
+            rest = ms - c.group_base_ms - c.group_per_process_ms * n - c.transfer_latency_ms
+            if rest > 0:
+                c = replace(c, bandwidth_bytes_per_s=1000.0 * b / rest)
         # DefaultCostModel.restart_ms adds the group rebuild to restart_ms: fit only what remains after it.
         restarts = [
             ms - c.group_base_ms - c.group_per_process_ms * n
