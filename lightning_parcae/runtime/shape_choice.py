@@ -383,12 +383,16 @@ class ShapeChooser:
             return False
         return self._clock() - entered[1] < 2.0 * max(self.config.interval_s, 1e-3)
 
-    def fitted_constants(self) -> MigrationConstants:
+    def _measured_moves(self) -> list[tuple[str, float, int, float]]:
+        """This job's in-place migrations as :meth:`MigrationConstants.fit` takes them (kind, bytes, N, ms)."""
+        return [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
+                for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
+
+    def fitted_constants(self, moves: Optional[list[tuple[str, float, int, float]]] = None) -> MigrationConstants:
         """Migration constants fitted from this job's own in-place migrations (:data:`RUNTIME_CONSTANTS` for
         what none measured yet): what ``profile.json`` saves and, with ``throughput="measured"``, what the leader
-        plans with."""
-        moves = [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
-                 for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
+        plans with. ``moves``: :meth:`_measured_moves`, if the caller has them already."""
+        moves = self._measured_moves() if moves is None else moves
         return MigrationConstants.fit(moves, base=RUNTIME_CONSTANTS) if moves else RUNTIME_CONSTANTS
 
     def _refit_migration_costs(self, decider: ShapeDecider) -> None:
@@ -401,11 +405,12 @@ class ShapeChooser:
         repartition against the 0.03-0.1 s priced) the forecast saw what holding a shape through a dip saves and
         the runtime did not: it moved at every count change, as live-reactive does.
         """
-        done = sum(1 for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition"))
+        moves = self._measured_moves()
+        done = len(moves)
         if done == self._costs_fitted_on:
             return
         self._costs_fitted_on = done
-        fitted = self.fitted_constants()
+        fitted = self.fitted_constants(moves)
         decider.set_constants(fitted)
         self.event("migration_costs", migrations=done, group_base_ms=round(fitted.group_base_ms, 1),
                    group_per_process_ms=round(fitted.group_per_process_ms, 2),
