@@ -156,6 +156,44 @@ def test_plan_adds_concurrent_restart_if_changing_during_unfinished_migration() 
     assert plan.expected_samples == pytest.approx(90.0 * 54.5)
 
 
+def test_plan_waits_for_the_unfinished_migration_if_the_cost_model_says_the_runtime_does() -> None:
+    """This runtime finishes a migration before it decides again (DefaultCostModel.waits_for_unfinished): a
+    change during an unfinished one costs the rest of it plus the change, with no concurrent restart."""
+    cm = ToyCost({(2, 4): 100.0, (1, 7): 90.0}, repartition_ms=5_000.0, concurrent_ms=500.0)
+    cm.waits_for_unfinished = True
+    plan = LiveputOptimizer(cm, look_ahead=1).plan(8, (2, 4), [(8, 0, 0)], remain_ms=20_000.0, first=(1, 7))
+    assert plan.first_cost_ms == pytest.approx(25_000.0)
+    assert plan.expected_samples == pytest.approx(90.0 * 35.0)
+    # staying just finishes the unfinished one, as before
+    assert LiveputOptimizer(cm, look_ahead=1).plan(8, (2, 4), [(8, 0, 0)], remain_ms=20_000.0).next_shape == (2, 4)
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_move_that_outlasts_its_interval_cannot_be_left_for_a_cheap_hop_if_the_runtime_waits(waits: bool) -> None:
+    """Regression (issue 21, 0.25 Gbps replays: repartitions of 16-27 s against 20 s intervals). Under the
+    artifact's rule a change during an unfinished migration drops its rest: the plan that starts an 18 s move to
+    2x5 "switched" one interval later to 1x10 -- one cheap step from 2x5 -- for its rest plus a group rebuild, so
+    a move longer than an interval was valued as if most of it could be skipped. The runtime finishes every
+    migration before deciding again; with ``waits_for_unfinished`` the plan for 2x5 is what finishing it yields."""
+
+    class Hops(ToyCost):
+        def repartition_rest_ms(self, n, d, p, n_in, n_out, d2, p2, fallback):
+            if p == 0:
+                return 0.0
+            return 500.0 if (d, p, d2, p2) == (2, 5, 1, 10) else 18_000.0
+
+    cm = Hops({(2, 4): 1000.0, (2, 5): 1400.0, (1, 10): 1350.0}, concurrent_ms=200.0)
+    cm.waits_for_unfinished = waits
+    opt = LiveputOptimizer(cm, interval_s=6.0, look_ahead=12)
+    plan = opt.plan(10, (2, 4), [(10, 0, 0)] * 12, first=(2, 5))
+    if waits:
+        assert plan.sequence == ((2, 5),) * 12
+        assert plan.expected_samples == pytest.approx(1400.0 * (72.0 - 18.0))
+    else:  # the artifact's accounting: the 18 s move is left after 6 s for 0.7 s more
+        assert plan.sequence[1] == (1, 10)
+        assert plan.expected_samples == pytest.approx(1350.0 * (72.0 - 6.0 - 0.7))
+
+
 def test_plan_carries_unfinished_cost_into_next_interval_if_remain_exceeds_interval() -> None:
     cm = ToyCost({(2, 4): 100.0})
     plan = LiveputOptimizer(cm, look_ahead=2).plan(8, (2, 4), [(8, 0, 0), (8, 0, 0)], remain_ms=70_000.0)

@@ -222,6 +222,22 @@ def test_accounting_charges_concurrent_restart_if_change_during_unfinished_migra
     assert res.samples == pytest.approx(_ref_throughput(iv), rel=1e-12)
 
 
+@pytest.mark.parametrize("model", ["artifact", "runtime"])
+def test_a_change_during_an_unfinished_migration_is_accounted_as_the_cost_model_says(gpt, model: str) -> None:
+    """The simulator accounts a change that lands while a migration is unfinished the way the optimizer plans
+    it: the artifact drops the rest and charges a concurrent restart; this runtime (DefaultCostModel) finishes the
+    migration first, so the rest is paid and nothing else."""
+    from lightning_parcae.planning.sim.policies import _Accountant
+
+    cm = gpt if model == "artifact" else DefaultCostModel(TableThroughput.from_reference("gpt-1.5b"),
+                                                           LAYERS["gpt-1.5b"]["layers"])
+    acct = _Accountant(cm, 60_000.0)
+    assert acct.step(90_000.0, (2, 8)) == (0.0, 60_000.0)  # 30 s still to go
+    work, lost = acct.step(5_000.0, (1, 16))
+    expected = 30_000.0 + 5_000.0 if model == "runtime" else 5_000.0 + cm.concurrent_restart_ms(1, 16)
+    assert lost == pytest.approx(expected) and work == pytest.approx(60_000.0 - expected)
+
+
 # ---------------------------------------------------------------------------------------------------- errors
 
 

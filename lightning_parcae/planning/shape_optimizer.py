@@ -9,7 +9,9 @@ The dynamic program: a state is ``(shape, unfinished)``, where ``unfinished`` ma
 the interval's end together with the milliseconds it still needs. For each future interval ``(n_in, n_out)``
 and each target shape that fits the instances left, the expected transition cost ``c`` comes from
 :func:`lightning_parcae.planning.liveput.expected_transition_cost`; if the previous migration is unfinished a new change
-costs ``c + concurrent_restart`` (keeping the same shape just continues the old one); the interval then trains
+costs what the cost model's ``overlapping_ms`` says -- ``c + concurrent_restart`` in the artifact's accounting,
+``remain + c`` for this runtime, which finishes a migration before it decides again -- (keeping the same shape
+just continues the old one); the interval then trains
 ``throughput(target) * (interval - cost)`` samples, or, if the cost exceeds the interval, none and carries the
 rest over. The plan maximizes expected samples at the horizon (ties: less carried-over cost). This is the
 artifact's recursion, with exact expectations instead of Monte-Carlo tables.
@@ -273,7 +275,7 @@ class LiveputOptimizer:
                 cost = np.stack([self.transition_costs(prev_n, k[0], n_in, n_out, shapes) for k in keys])  # S x T
             total = np.where(
                 s_status[:, None] == 1,
-                np.where(cost > 0, cost + conc[None, :], s_remain[:, None]),
+                np.where(cost > 0, self.cm.overlapping_ms(s_remain[:, None], cost, conc[None, :]), s_remain[:, None]),
                 cost,
             )
             work = self.interval_ms - total

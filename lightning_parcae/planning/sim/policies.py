@@ -3,7 +3,9 @@
 Problem: before paying for spot instances a user wants to know, on a trace like theirs, how much each policy
 would train and why. Every policy here walks the same intervals with the same accounting (the artifact's, see
 ``ARTIFACT_MODEL.md``): a transition's cost is paid out of the interval's time; what does not fit carries over
-into the next interval; a new change during an unfinished one also pays a concurrent restart.
+into the next interval; a new change during an unfinished one also pays a concurrent restart -- or, with this
+runtime's cost model (``DefaultCostModel.waits_for_unfinished``), waits for the unfinished one to finish, as the
+runtime does.
 
 Policies:
 
@@ -124,7 +126,8 @@ class PolicyResult:
 
 
 class _Accountant:
-    """The artifact's per-interval accounting of migration time (shared by every costed policy)."""
+    """The artifact's per-interval accounting of migration time (shared by every costed policy); a change during an
+    unfinished migration costs what the cost model's ``overlapping_ms`` says."""
 
     def __init__(self, cm: MigrationCostModel, interval_ms: float) -> None:
         self.cm = cm
@@ -134,7 +137,8 @@ class _Accountant:
     def step(self, cost: float, shape: Shape) -> Tuple[float, float]:
         """Apply one interval with a transition of ``cost`` ms to ``shape``; returns (work_ms, lost_ms)."""
         if cost > 0:
-            self.remain = cost + self.cm.concurrent_restart_ms(*shape) if self.remain > 0 else cost
+            self.remain = self.cm.overlapping_ms(self.remain, cost, self.cm.concurrent_restart_ms(*shape)) \
+                if self.remain > 0 else cost
         work = self.interval_ms - self.remain
         lost = min(self.interval_ms, self.remain)
         self.remain = max(0.0, -work)
