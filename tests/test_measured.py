@@ -410,3 +410,28 @@ def test_a_shape_is_priced_from_one_partition_however_often_the_leader_asks(monk
         assert [model.throughput(d, p) for d in (1, 2, 3) for p in (1, 2, 3)] == first
     assert len(calls) == after_first, f"stage splits recomputed when asked again: {calls[after_first:][:10]}"
     assert after_first <= 2 * 3, f"more than the prior's and the fit's split per depth: {calls}"
+
+
+@pytest.mark.parametrize("speedup", [1.1, 1.3, 3.0])
+def test_leaving_a_hold_is_refused_only_by_a_measurement_of_the_target_as_slower(speedup):
+    """A hold (a shape the forecast kept over the throughput-best one) is left when the decision takes it back:
+    an unsure fit, or a hold not measured yet, does not keep it; a target measured slower still does, and one
+    measured faster needs no margin."""
+    model = make()
+    for _ in range(10):
+        model.record(1, 1, 100.0)
+    model.coef = np.zeros(len(model.coef))
+    model.coef[0] = 100.0 / speedup
+    model._dirty = False
+    assert not model.vetoes((1, 1), (2, 1), 2, held=True)  # whatever the fit's uncertainty
+    fresh = make()
+    fresh.record(1, 1, 100.0)  # not measured yet (fewer than min_samples)
+    assert fresh.measured(1, 1) is None
+    assert fresh.vetoes((1, 1), (2, 1), 2) and not fresh.vetoes((1, 1), (2, 1), 2, held=True)
+    for step_ms, refused in ((120.0, True), (97.0, False)):  # 2x1 measured slower / 3 % faster (inside the margin)
+        m = make()
+        for _ in range(10):
+            m.record(1, 1, 100.0)
+            m.record(2, 1, step_ms)
+        assert m.vetoes((1, 1), (2, 1), 2, held=True) is refused
+        assert m.vetoes((1, 1), (2, 1), 2)  # without the hold, the margin refuses both

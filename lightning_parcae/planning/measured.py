@@ -498,7 +498,7 @@ class MeasuredThroughput(ThroughputModel):
         return max(cands, key=lambda s: self.throughput(*s)) if cands else None
 
     # ------------------------------------------------------------------------------------------ decisions
-    def vetoes(self, current: Shape, chosen: Shape, n_next: int) -> bool:
+    def vetoes(self, current: Shape, chosen: Shape, n_next: int, *, held: bool = False) -> bool:
         """True if moving ``current -> chosen`` must not happen while ``current`` still fits the ``n_next``
         instances (availability does not force the move) and
 
@@ -512,10 +512,23 @@ class MeasuredThroughput(ThroughputModel):
           clearly better to leave a measured one (trying a merely promising one is :meth:`exploration`'s job,
           only when the interval is long). With one or two shapes measured the fit cannot tell a fixed per-step
           cost from communication, and a guess once released half a job's processes.
+
+        Args:
+            current: The running shape.
+            chosen: The shape the decision chose.
+            n_next: Instances of the interval about to run.
+            held: ``current`` is a *hold* the forecast chose over the throughput-best shape (to spare a migration
+                while the count was expected back) and ``chosen`` is the decision's return to the throughput-best
+                shape: then only ``chosen`` measured slower than ``current`` refuses the move (no margin: leaving a
+                hold is no ping-pong between equal shapes, it ends a departure the decision itself took back). The
+                hold was never chosen for its throughput, so an unsure fit (or an unmeasured hold) is no reason to
+                stay in it once the forecast no longer supports it -- live-reactive would be in ``chosen`` already.
         """
         if chosen == current or current[0] * current[1] > n_next or not self.prior.allowed(*current):
             return False
         a, b = self.measured(*current), self.measured(*chosen)
+        if held:
+            return a is not None and b is not None and b < a
         if a is None:
             return True
         if b is None:

@@ -160,6 +160,8 @@ class ShapeChooser:
         self.exploration = ExplorationBudget(config.max_exploration_share)
         self._started: Optional[float] = None  # the first step boundary: training wall time counts from here
         self._try: Optional[_Try] = None  # the exploration try being accounted for
+        # the shape the last departing decision chose over the throughput-best one (a hold; see choose)
+        self._held: Optional[Shape] = None
         # launch batch -> when its first member was seen ready (None: its grace is over, it is never held again)
         self._batch_ready_since: dict[str, Optional[float]] = {}
         self._notice_check = NoticeCheck(config.token, lambda name, /, **f: self.event(name, **f), "standby")
@@ -280,6 +282,7 @@ class ShapeChooser:
         cur = (self.state.layout.data_parallel, self.state.layout.pipeline_stages)
         thr = measured if by_measurement else measured.prior
         stay = 1  # planning intervals the forecast keeps n_next (1 if planning fails)
+        decision: Optional[Decision] = None
         decider.prices_changed()  # prices change as steps are measured
         try:
             # the simulator's parcae policy, literally: the interval about to run is known (notices are in, losses
@@ -308,17 +311,25 @@ class ShapeChooser:
                 self.stats["liveput"] = float(plan.expected_samples)
         except Exception as exc:  # noqa: BLE001 -- planning must never stop training: keep a fitting shape
             log.warning("liveput planning failed (%s); taking the fastest shape that fits", exc)
-            shape = PAUSED
+            shape, decision = PAUSED, None
         if shape == PAUSED or shape[0] * shape[1] > n_next or thr.throughput(*shape) <= 0:
             cands = thr.candidates(n_next)
             if not cands:
                 return None
             shape = max(cands, key=lambda sh: (thr.throughput(*sh), -abs(sh[1] - cur[1])))
-        if by_measurement and measured.vetoes(cur, shape, n_next) and not self._returning(shape, measured):
+        # a hold ends when the decision takes its departure back (regression, issue 21, 0.25 Gbps replay of
+        # lh_80_90 at N = 32: at 16 instances parcae held 1x9 rather than repartition to 2x7; one interval later the
+        # forecast no longer expected the count back and chose 2x7, and the veto refused it -- 2x7 unmeasured, its
+        # fit unsure -- so the job ran one more interval at 0.72 of 2x7's rate, where live-reactive already was)
+        held = decision is not None and not decision.departs and cur == self._held and shape == decision.next_shape
+        if by_measurement and measured.vetoes(cur, shape, n_next, held=held) and not self._returning(shape, measured):
             # never move to a shape measured slower than the current one unless availability forces it
             self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
                        measured_chosen=measured.measured(*shape))
             shape = cur
+        elif held and shape != cur:
+            self.event("hold_over", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
+                       measured_chosen=measured.measured(*shape))
         young = self._young(n_next)
         if by_measurement and observe and young and shape != cur and not measured.measured_faster(shape, cur):
             # never leave a shape within two planning intervals of entering it, with the same instance count,
@@ -356,6 +367,10 @@ class ShapeChooser:
                     self._try = _Try(explore, cur, self.state.generation, "moving", now)
                 else:
                     self.event("explore_refused", **fields)
+        if decision is not None and decision.departs and shape == decision.next_shape:
+            self._held = shape  # entered or kept on the forecast, not for its throughput
+        elif shape != cur:
+            self._held = None
         self.stats["exploration"] = self.exploration.report(self._elapsed(now))
         self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
                                     "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
