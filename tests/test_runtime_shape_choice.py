@@ -820,3 +820,37 @@ def test_a_shape_entered_for_its_throughput_keeps_the_veto_on_an_unsure_fit() ->
     events.clear()
     assert ch.choose(10, 10, observe=True) == (2, 4)
     assert "veto" in [name for name, _ in events] and "hold_over" not in [name for name, _ in events]
+
+
+def test_a_new_leader_prices_migrations_by_what_the_previous_leader_published() -> None:
+    """A new leader -- a standby admitted late, say, that took part in few migrations -- planned its first moves
+    at the loopback constants again (a 30 ms rebuild, 10 Gbps) although the previous leader had published the
+    constants fitted from the job's ~30 s migrations; it moved 1x4 -> 2x2 where the old leader stayed. It now reads
+    them with the published measurements and fits its own migrations on top of them."""
+    def leader(moves: list[dict[str, Any]], coord: Coordinator) -> ShapeChooser:
+        host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
+        state = _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10)
+        return ShapeChooser(host, state, _config(look_ahead=12, interval_s=2.0, max_instances=4),  # type: ignore[arg-type]
+                            GenerationRecords(host, state), coord=coord, migrations=moves)  # type: ignore[arg-type]
+
+    coord = Coordinator(dist.HashStore())
+    old = leader(_slow_moves(30.0), coord)
+    model = old.model()
+    assert model is not None
+    for _ in range(10):
+        model.record(1, 4, model.prior.step_ms(1, 4))
+        model.record(2, 2, 0.9 * model.prior.step_ms(1, 4))
+    assert old.choose(4, 4, observe=True) == (1, 4)
+    old.save_profile()
+    new = leader([], coord)
+    assert new.model() is not None and new.model().measured(2, 2) is not None  # type: ignore[union-attr]
+    assert new.fitted_constants() == old.fitted_constants() != leader([], Coordinator(dist.HashStore())).fitted_constants()
+    assert new.choose(4, 4, observe=True) == (1, 4)
+    # with nothing published a leader starts from the loopback constants and moves
+    fresh = leader([], Coordinator(dist.HashStore()))
+    fm = fresh.model()
+    assert fm is not None
+    for _ in range(10):
+        fm.record(1, 4, fm.prior.step_ms(1, 4))
+        fm.record(2, 2, 0.9 * fm.prior.step_ms(1, 4))
+    assert fresh.choose(4, 4, observe=True) == (2, 2)

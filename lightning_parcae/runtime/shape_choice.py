@@ -160,6 +160,8 @@ class ShapeChooser:
         self.exploration = ExplorationBudget(config.max_exploration_share)
         self._started: Optional[float] = None  # the first step boundary: training wall time counts from here
         self._try: Optional[_Try] = None  # the exploration try being accounted for
+        # migration constants the previous leader published with its measurements (model() reads them)
+        self._published_constants: Optional[MigrationConstants] = None
         # the shape the last departing decision chose over the throughput-best one (a hold; see choose)
         self._held: Optional[Shape] = None
         # launch batch -> when its first member was seen ready (None: its grace is over, it is never held again)
@@ -255,7 +257,7 @@ class ShapeChooser:
         assert measured is not None
         by_measurement = self.config.throughput == "measured"
         if self._optimizer is None:
-            cm = measured.cost_model(RUNTIME_CONSTANTS)
+            cm = measured.cost_model(self.fitted_constants() if by_measurement else RUNTIME_CONSTANTS)
             if not by_measurement:
                 cm = DefaultCostModel(measured.prior, cm.layer_params, RUNTIME_CONSTANTS)
             # a noticed leaver hands its state over (the simulator's forecast prices the replay the same way:
@@ -404,11 +406,13 @@ class ShapeChooser:
                 for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
 
     def fitted_constants(self, moves: Optional[list[tuple[str, float, int, float]]] = None) -> MigrationConstants:
-        """Migration constants fitted from this job's own in-place migrations (:data:`RUNTIME_CONSTANTS` for
-        what none measured yet): what ``profile.json`` saves and, with ``throughput="measured"``, what the leader
-        plans with. ``moves``: :meth:`_measured_moves`, if the caller has them already."""
+        """Migration constants fitted from this process's in-place migrations, on top of the constants the
+        previous leader published (:data:`RUNTIME_CONSTANTS` where nobody measured anything yet): what
+        ``profile.json`` saves and, with ``throughput="measured"``, what the leader plans with. ``moves``:
+        :meth:`_measured_moves`, if the caller has them already."""
         moves = self._measured_moves() if moves is None else moves
-        return MigrationConstants.fit(moves, base=RUNTIME_CONSTANTS) if moves else RUNTIME_CONSTANTS
+        base = self._published_constants or RUNTIME_CONSTANTS
+        return MigrationConstants.fit(moves, base=base) if moves else base
 
     def _refit_migration_costs(self, decider: ShapeDecider) -> None:
         """Price the next decisions' migrations by what this job's migrations have cost (refit after each new one).
@@ -472,6 +476,10 @@ class ShapeChooser:
                     d, p = (int(x) for x in key.split(","))
                     for ms in entry["step_ms"]:
                         model.record(d, p, float(ms))
+                if raw.get("migration_constants"):
+                    # what the job's migrations have cost so far: a new leader does not price its first moves at
+                    # loopback constants again (a standby admitted late has measured few migrations itself)
+                    self._published_constants = MigrationConstants(**raw["migration_constants"])
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("ignoring the published measurements: %s", exc)
         self.measured = model
