@@ -331,6 +331,27 @@ def test_arrival_wait_checks_all_ranks_in_one_request_per_poll() -> None:
         await_arrivals(alone, 0, 3, timedelta(seconds=0.05), poll_s=0.01)  # type: ignore[arg-type]
 
 
+def test_an_aborted_arrival_wait_that_raced_the_last_arrival_says_every_rank_had_arrived() -> None:
+    """Regression (stop 46's open item): a rank whose watch slice ended just before the last arrival, in a
+    generation its leader had aborted meanwhile, raised "abandoned while ranks [] had not arrived". Giving up is
+    right (the abort is the generation's shared decision; proceeding alone would split the job); the message now
+    says what happened."""
+    from lightning_parcae.errors import PeerLostError
+    from lightning_parcae.runtime.groups import await_arrivals
+
+    class Raced(_CheckLog):
+        def wait_for_all(self, keys: list, timeout_s: float) -> bool:
+            for k in keys:  # the last rank arrives just after this slice ended
+                self.set(k, "1")
+            return False
+
+    with pytest.raises(PeerLostError, match=r"abandoned after every rank had arrived: the generation was aborted "
+                                            r"\(generation 3 aborted\)"):
+        await_arrivals(Raced(), 0, 4, timedelta(seconds=5), lambda: "generation 3 aborted")  # type: ignore[arg-type]
+    with pytest.raises(PeerLostError, match=r"while ranks \[1, 2, 3\] had not arrived"):
+        await_arrivals(_CheckLog(), 0, 4, timedelta(seconds=5), lambda: "lost")  # type: ignore[arg-type]
+
+
 def test_arrival_wait_on_etcd_sleeps_in_a_watch_until_the_last_rank_arrives(etcd_server) -> None:
     """On etcd the arrival barrier no longer polls every 20 ms: a rank waiting 1 s for the last of 8 ranks makes two
     requests per arrival (a read, a watch), where polling made ~50; it returns as the last rank arrives, and an

@@ -163,7 +163,12 @@ def await_arrivals(store: dist.Store, rank: int, world: int, bound: timedelta, a
             return
         reason = aborted() if aborted is not None else None
         if reason:
-            raise PeerLostError(f"{what} abandoned while ranks {missing()} had not arrived: {reason}")
+            # the abort is the generation's shared decision: a rank that finds every peer arrived a moment after
+            # a peer gave up must give up too, or the job splits -- only the message differs
+            late = missing()
+            raise PeerLostError(f"{what} abandoned while ranks {late} had not arrived: {reason}" if late else
+                                f"{what} abandoned after every rank had arrived: the generation was aborted "
+                                f"({reason})")
         if time.monotonic() >= deadline:
             raise RendezvousError(f"{what}: ranks {missing()} of {world} did not arrive within "
                                   f"{bound.total_seconds():g} s")
