@@ -780,3 +780,18 @@ def test_migration_constants_fit_takes_the_bandwidth_from_a_single_move() -> Non
     assert c.group_base_ms == 30.0 and c.transfer_latency_ms == 5.0
     # a move faster than its rebuild says nothing about the bandwidth
     assert MigrationConstants.fit([("repartition", 6.7e6, 28, 100.0)], base=base).bandwidth_bytes_per_s == 1.25e9
+
+
+def test_an_intra_stage_migration_that_moved_bytes_is_fitted_as_a_transfer_not_a_group_rebuild() -> None:
+    """Regression (stop 48, emulated GPT-1.5B with state at 0.25 Gbps, lh_80_90): a standby replacing a noticed
+    leaver of 2x9 received its stage (457 kB real, 16.2 s) in a migration the plan calls intra-stage -- no member
+    changes stage. The fit took it for a group rebuild (group_base_ms 16,248), and every later move, a replica
+    dropped included, was priced 16 s dearer. It is fitted with the transfers now."""
+    base = MigrationConstants(group_base_ms=30.0, group_per_process_ms=5.0, transfer_latency_ms=5.0)
+    moves = [("repartition", 304896.0, 28, 16621.8), ("intra-stage", 457344.0, 18, 24248.5)]
+    c = MigrationConstants.fit(moves, base=base)
+    assert c.group_base_ms == 30.0 and c.group_per_process_ms == 5.0
+    assert 1e4 < c.bandwidth_bytes_per_s < 1e5  # the two moves' slope: ~150 kB more in ~7.6 s more
+    # an intra-stage move without bytes still fits the group rebuild
+    alone = MigrationConstants.fit([("intra-stage", 0.0, 18, 240.0)], base=base)
+    assert alone.group_base_ms == 240.0

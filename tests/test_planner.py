@@ -214,6 +214,19 @@ def test_plan_migration_fills_a_slot_with_a_joiner_balanced_across_holders_if_a_
     assert sum(t.nbytes for t in plan.sends("a0")) == sum(t.nbytes for t in plan.sends("b0")) == 20
     assert plan.leaving == ("c0",) and plan.standby == ()
     _check_plan(plan, available, ["a0", "a1", "b0", "b1", "c1"], BYTES6)
+    # the joiner receives all 40 bytes, each holder sends 20: what the move's time grows with is the 40
+    assert plan.peak_bytes == 40 == plan.bytes_moved
+
+
+def test_a_plans_peak_bytes_is_the_most_one_process_sends_or_receives_not_the_total():
+    """Transfers run in parallel between processes: two receivers of 30 bytes each from two senders take as long
+    as one (peak 30, total 60); one sender serving both takes twice as long (peak 60)."""
+    old, new = Layout(("a", "b"), (2,)), Layout(("c", "d"), (2,))
+    parallel = MigrationPlan(old, new, (Transfer(0, "a", "c", 30), Transfer(0, "b", "d", 30)), MigrationKind.INTRA_STAGE)
+    serial = MigrationPlan(old, new, (Transfer(0, "a", "c", 30), Transfer(0, "a", "d", 30)), MigrationKind.INTRA_STAGE)
+    assert (parallel.peak_bytes, parallel.bytes_moved) == (30, 60)
+    assert (serial.peak_bytes, serial.bytes_moved) == (60, 60)
+    assert MigrationPlan(old, old, (), MigrationKind.NONE).peak_bytes == 0
 
 
 def test_plan_migration_moves_only_missing_layers_if_repartitioned_from_2x2_to_1x4():

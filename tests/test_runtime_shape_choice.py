@@ -714,9 +714,10 @@ def test_a_first_generation_whose_d_cannot_split_the_batch_moves_to_the_largest_
 
 
 def _slow_moves(seconds: float) -> list[dict[str, Any]]:
-    """Four in-place migrations as the runtime records them, each ``seconds`` long (two of each fitted kind)."""
-    return [{"kind": "intra-stage", "N": 3, "bytes_moved": 4e5, "duration_s": seconds},
-            {"kind": "intra-stage", "N": 4, "bytes_moved": 4e5, "duration_s": seconds * 1.1},
+    """Four in-place migrations as the runtime records them, each ``seconds`` long (two of each fitted kind; the
+    intra-stage ones drop a replica and move no bytes)."""
+    return [{"kind": "intra-stage", "N": 3, "bytes_moved": 0, "duration_s": seconds},
+            {"kind": "intra-stage", "N": 4, "bytes_moved": 0, "duration_s": seconds * 1.1},
             {"kind": "repartition", "N": 4, "bytes_moved": 3e5, "duration_s": seconds * 1.2},
             {"kind": "repartition", "N": 4, "bytes_moved": 6e5, "duration_s": seconds * 1.6}]
 
@@ -854,3 +855,21 @@ def test_a_new_leader_prices_migrations_by_what_the_previous_leader_published() 
         fm.record(1, 4, fm.prior.step_ms(1, 4))
         fm.record(2, 2, 0.9 * fm.prior.step_ms(1, 4))
     assert fresh.choose(4, 4, observe=True) == (2, 2)
+
+
+def test_the_leader_fits_migration_bandwidth_on_the_most_bytes_one_process_moved() -> None:
+    """Regression (stop 48, 0.25 Gbps replay of lh_80_90): the fit regressed each move's time on its *total*
+    bytes (4.3 MB in 16.6 s, 1.2 MB in 19.0 s); transfers run in parallel, the slope came out negative, the fit
+    fell back to 10 Gbps after the second repartition, and the leader priced 16-24 s moves at milliseconds
+    again. It fits on ``bytes_peak`` (the most one process sent or received), what the cost model prices."""
+    host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
+    state = _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10)
+    moves = [{"kind": "repartition", "N": 28, "bytes_moved": 4268544, "bytes_peak": 304896, "duration_s": 16.6},
+             {"kind": "repartition", "N": 18, "bytes_moved": 1169280, "bytes_peak": 304896, "duration_s": 19.0},
+             {"kind": "repartition", "N": 14, "bytes_moved": 3253248, "bytes_peak": 457344, "duration_s": 24.1}]
+    ch = ShapeChooser(host, state, _config(), GenerationRecords(host, state), migrations=moves)  # type: ignore[arg-type]
+    fitted = ch.fitted_constants()
+    assert 1e3 < fitted.bandwidth_bytes_per_s < 1e6  # tens of kB/s of the small model's real bytes
+    legacy = [{k: v for k, v in m.items() if k != "bytes_peak"} for m in moves]  # records written before the peak
+    old = ShapeChooser(host, state, _config(), GenerationRecords(host, state), migrations=legacy)  # type: ignore[arg-type]
+    assert old.fitted_constants().bandwidth_bytes_per_s == 1.25e9  # the total says nothing: the loopback value

@@ -258,6 +258,17 @@ class MigrationPlan:
         """Total bytes of all transfers."""
         return sum(t.nbytes for t in self.transfers)
 
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes one process sends or receives: transfers run in parallel between processes, so this --
+        not :attr:`bytes_moved` -- is what a migration's transfer time grows with."""
+        sent: dict[str, int] = {}
+        received: dict[str, int] = {}
+        for t in self.transfers:
+            sent[t.src] = sent.get(t.src, 0) + t.nbytes
+            received[t.dst] = received.get(t.dst, 0) + t.nbytes
+        return max([*sent.values(), *received.values()], default=0)
+
     def receives(self, member: str) -> tuple[Transfer, ...]:
         """The transfers ``member`` receives."""
         return tuple(t for t in self.transfers if t.dst == member)

@@ -176,6 +176,7 @@ class GenerationRecords:
             rec["transition"] = old + [m for m in layout.members if m not in old]  # everyone who takes part
             rec["movers"], rec["loop_from"] = movers_of(plan, layout, alive)  # those who meet to move state
             rec["bytes_moved"] = plan.bytes_moved
+            rec["bytes_peak"] = plan.peak_bytes
         return rec
 
     def fallback(self, generation: int, step: int, reason: str, checkpoint: bool = False,

@@ -324,11 +324,12 @@ class ShapeChooser:
         # forecast no longer expected the count back and chose 2x7, and the veto refused it -- 2x7 unmeasured, its
         # fit unsure -- so the job ran one more interval at 0.72 of 2x7's rate, where live-reactive already was)
         held = decision is not None and not decision.departs and cur == self._held and shape == decision.next_shape
+        vetoed = False
         if by_measurement and measured.vetoes(cur, shape, n_next, held=held) and not self._returning(shape, measured):
             # never move to a shape measured slower than the current one unless availability forces it
             self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
                        measured_chosen=measured.measured(*shape))
-            shape = cur
+            shape, vetoed = cur, True
         elif held and shape != cur:
             self.event("hold_over", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
                        measured_chosen=measured.measured(*shape))
@@ -369,8 +370,8 @@ class ShapeChooser:
                     self._try = _Try(explore, cur, self.state.generation, "moving", now)
                 else:
                     self.event("explore_refused", **fields)
-        if decision is not None and decision.departs and shape == decision.next_shape:
-            self._held = shape  # entered or kept on the forecast, not for its throughput
+        if decision is not None and decision.departs and shape == decision.next_shape and not vetoed:
+            self._held = shape  # entered or kept on the forecast, not for its throughput (a vetoed one is a try)
         elif shape != cur:
             self._held = None
         self.stats["exploration"] = self.exploration.report(self._elapsed(now))
@@ -401,8 +402,15 @@ class ShapeChooser:
         return self._clock() - entered[1] < 2.0 * max(self.config.interval_s, 1e-3)
 
     def _measured_moves(self) -> list[tuple[str, float, int, float]]:
-        """This job's in-place migrations as :meth:`MigrationConstants.fit` takes them (kind, bytes, N, ms)."""
-        return [(m["kind"], float(m.get("bytes_moved", 0)), int(m.get("N", 1)), 1000.0 * float(m["duration_s"]))
+        """This job's in-place migrations as :meth:`MigrationConstants.fit` takes them (kind, bytes, N, ms).
+
+        The bytes are the most one process sent or received (``bytes_peak``): transfers run in parallel, and the
+        cost model prices a move by its largest per-process volume. Regression (stop 48, 0.25 Gbps replay of
+        lh_80_90): fitted on the total (``bytes_moved``: 4.3 MB in 16.6 s, 1.2 MB in 19.0 s) the slope came out
+        negative, the fit fell back to 10 Gbps after the second repartition, and the leader priced 16-24 s moves
+        at milliseconds again."""
+        return [(m["kind"], float(m.get("bytes_peak", m.get("bytes_moved", 0))), int(m.get("N", 1)),
+                 1000.0 * float(m["duration_s"]))
                 for m in self.migrations if m.get("kind") in ("intra-stage", "inter-stage", "repartition")]
 
     def fitted_constants(self, moves: Optional[list[tuple[str, float, int, float]]] = None) -> MigrationConstants:

@@ -99,6 +99,7 @@ class Moved:
         new = self.plan.new
         return {"kind": rec["kind"], "reason": rec.get("reason", ""), "duration_s": round(duration_s, 4),
                 "transfer_s": round(self.t_transfer - self.t_groups, 4), "bytes_moved": int(rec.get("bytes_moved", 0)),
+                "bytes_peak": int(rec.get("bytes_peak", rec.get("bytes_moved", 0))),
                 "bytes_received": self.bytes_received, "D": new.data_parallel, "P": new.pipeline_stages,
                 "N": len(new.members), "step": step, "joiners": self.joiners}
 
