@@ -154,17 +154,22 @@ def test_veto_yields_to_availability(seed):
     assert model.vetoes(fast, (3, 1), 4) == (fitted <= model.measured(*fast))
 
 
+def _one_measured_shape_fitted(speedup: float):
+    """1x1 measured at 100 ms a step, the fit set to predict 2x1 at ``speedup`` times its throughput."""
+    model = make()
+    for _ in range(10):
+        model.record(1, 1, 100.0)
+    model.coef = np.zeros(len(model.coef))
+    model.coef[0] = 100.0 / speedup
+    model._dirty = False
+    return model
+
+
 @pytest.mark.parametrize("speedup,allowed", [(1.1, False), (1.3, False), (3.0, True)])
 def test_an_unmeasured_shape_must_be_clearly_better_to_leave_a_measured_one(speedup, allowed):
     """Regression: with one shape measured (a step dominated by a fixed per-step cost), the fit guessed that
     1x1 beat 2x1 and released a process; a guess must beat the measurement by more than its uncertainty."""
-    model = make()
-    for _ in range(10):
-        model.record(1, 1, 100.0)
-    # make the fit predict 2x1 at ``speedup`` times the measured 1x1
-    model.coef = np.zeros(len(model.coef))
-    model.coef[0] = 100.0 / speedup
-    model._dirty = False
+    model = _one_measured_shape_fitted(speedup)
     assert model.throughput(2, 1) == pytest.approx(speedup * model.measured(1, 1))
     assert model.vetoes((1, 1), (2, 1), 2) == (not allowed)
 
@@ -417,12 +422,7 @@ def test_leaving_a_hold_is_refused_only_by_a_measurement_of_the_target_as_slower
     """A hold (a shape the forecast kept over the throughput-best one) is left when the decision takes it back:
     an unsure fit, or a hold not measured yet, does not keep it; a target measured slower still does, and one
     measured faster needs no margin."""
-    model = make()
-    for _ in range(10):
-        model.record(1, 1, 100.0)
-    model.coef = np.zeros(len(model.coef))
-    model.coef[0] = 100.0 / speedup
-    model._dirty = False
+    model = _one_measured_shape_fitted(speedup)
     assert not model.vetoes((1, 1), (2, 1), 2, held=True)  # whatever the fit's uncertainty
     fresh = make()
     fresh.record(1, 1, 100.0)  # not measured yet (fewer than min_samples)

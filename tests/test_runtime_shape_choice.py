@@ -834,13 +834,16 @@ def test_a_new_leader_prices_migrations_by_what_the_previous_leader_published() 
         return ShapeChooser(host, state, _config(look_ahead=12, interval_s=2.0, max_instances=4),  # type: ignore[arg-type]
                             GenerationRecords(host, state), coord=coord, migrations=moves)  # type: ignore[arg-type]
 
+    def measured_2x2_faster(ch: ShapeChooser) -> None:
+        model = ch.model()
+        assert model is not None
+        for _ in range(10):
+            model.record(1, 4, model.prior.step_ms(1, 4))
+            model.record(2, 2, 0.9 * model.prior.step_ms(1, 4))
+
     coord = Coordinator(dist.HashStore())
     old = leader(_slow_moves(30.0), coord)
-    model = old.model()
-    assert model is not None
-    for _ in range(10):
-        model.record(1, 4, model.prior.step_ms(1, 4))
-        model.record(2, 2, 0.9 * model.prior.step_ms(1, 4))
+    measured_2x2_faster(old)
     assert old.choose(4, 4, observe=True) == (1, 4)
     old.save_profile()
     new = leader([], coord)
@@ -849,11 +852,7 @@ def test_a_new_leader_prices_migrations_by_what_the_previous_leader_published() 
     assert new.choose(4, 4, observe=True) == (1, 4)
     # with nothing published a leader starts from the loopback constants and moves
     fresh = leader([], Coordinator(dist.HashStore()))
-    fm = fresh.model()
-    assert fm is not None
-    for _ in range(10):
-        fm.record(1, 4, fm.prior.step_ms(1, 4))
-        fm.record(2, 2, 0.9 * fm.prior.step_ms(1, 4))
+    measured_2x2_faster(fresh)
     assert fresh.choose(4, 4, observe=True) == (2, 2)
 
 
