@@ -795,3 +795,30 @@ def test_an_intra_stage_migration_that_moved_bytes_is_fitted_as_a_transfer_not_a
     # an intra-stage move without bytes still fits the group rebuild
     alone = MigrationConstants.fit([("intra-stage", 0.0, 18, 240.0)], base=base)
     assert alone.group_base_ms == 240.0
+
+
+def test_a_repartition_that_must_fill_several_replicas_of_a_stage_is_priced_by_the_planners_peak_bytes() -> None:
+    """Regression (stop 48, 0.25 Gbps replay of lh_80_90): the repartition price filled each new stage once, from
+    its best-placed survivor, so 1x9 -> 2x7 on 16 instances cost the same as 2x9 -> 2x7 (16.3 s and 16.2 s) and
+    took 31.9 s against 18.9 s: five joiners each received a whole 2x7 stage and a holder sent to two receivers.
+    Holding 1x9 through a dip looked cheap. Now the price is at least the most one process sends or receives in
+    the runtime's own plan of the move."""
+    from lightning_parcae.planning.liveput import expected_transition_cost
+    from lightning_parcae.planning.migration_plan import Layout, plan_migration
+
+    layers = [1e5] * 48
+    c = MigrationConstants(bandwidth_bytes_per_s=1e6, transfer_latency_ms=0.0, group_base_ms=0.0,
+                           group_per_process_ms=0.0, join_ms=0.0)
+    table = {(d, p): 10.0 * d for d in (1, 2) for p in (7, 9)}
+    cm = DefaultCostModel(TableThroughput(table, 64), layers, c, preemption_notice=True)
+    from_hold = expected_transition_cost(cm, 16, (1, 9), 0, 0, (2, 7)).mean
+    from_2x9 = expected_transition_cost(cm, 18, (2, 9), 0, 2, (2, 7)).mean
+    assert from_hold > 1.5 * from_2x9
+    # the price is the planner's peak at the state bandwidth
+    b9 = [b - a for a, b in zip(cm._bounds(9), cm._bounds(9)[1:])]
+    b7 = [b - a for a, b in zip(cm._bounds(7), cm._bounds(7)[1:])]
+    assert sum(b9) == sum(b7) == 48
+    plan = plan_migration(Layout(tuple(f"o{i}" for i in range(9)), tuple(b9)),
+                          [f"o{i}" for i in range(9)] + [f"j{i}" for i in range(5)], (2, 7), b7,
+                          [int(12 * x) for x in layers])
+    assert from_hold == pytest.approx(cm.transfer_ms(plan.peak_bytes))

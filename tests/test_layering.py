@@ -137,6 +137,8 @@ COVERED_ELSEWHERE = {
     "planning/migration_plan": "tests/test_planner.py (the migration planner: slot assignment, bytes moved)",
     "planning/shape_optimizer": "tests/test_optimizer.py (the receding-horizon optimizer)",
     "planning/sim/policies": "tests/test_sim.py (every policy of the simulator, against the artifact's totals)",
+    "planning/kinds": "an enum only; tests/test_planner.py checks the kind of each migration plan and "
+                      "tests/test_costmodel.py the kind the cost model names",
     "planning/sim/report": "tests/test_sim.py (Comparison, simulate's report and plot)",
     "runtime/host": "a Protocol only; tests/test_training_strategy_host.py checks ParcaeStrategy satisfies it and "
                     "tests/test_layering.py that the runtime reaches the strategy only through it",

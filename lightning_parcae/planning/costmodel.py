@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import abc
 import bisect
-import enum
 import functools
 import json
 import math
@@ -37,6 +36,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import numpy as np
 
 from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.planning.kinds import MigrationKind
+from lightning_parcae.planning.migration_plan import Layout, StageLostError, plan_migration
 
 __all__ = [
     "Shape",
@@ -80,16 +81,6 @@ def largest_split(global_batch: int, at_most: int, micro_batches: int = 1) -> in
 
 
 _NO_TERM = 0.0
-
-
-class MigrationKind(str, enum.Enum):
-    """How the job moves from one shape to another (cheapest first)."""
-
-    NONE = "none"
-    INTRA_STAGE = "intra-stage"
-    INTER_STAGE = "inter-stage"
-    REPARTITION = "repartition"
-    RESTART = "restart"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -953,7 +944,9 @@ class DefaultCostModel(MigrationCostModel):
     * a stage with **no** surviving replica cannot be refilled from peers: restart from the latest checkpoint
       (``restart_ms + checkpoint_ms``);
     * repartition: the group rebuild plus the largest per-process missing volume (each process receives only
-      the layers it lacks, all in parallel); a layer no survivor holds forces the checkpoint restart.
+      the layers it lacks, all in parallel) -- or, where larger, the most one process sends or receives when the
+      runtime's migration planner fills every replica of the new stages (joiners receive whole stages, a holder
+      serving several receivers sends their sum); a layer no survivor holds forces the checkpoint restart.
 
     With ``preemption_notice=True`` every preempted instance hands its state over before it leaves (AWS gives two
     minutes; ``parcae run`` replays every drop as a notice and the runtime acts on it): a stage whose replicas all
@@ -995,7 +988,7 @@ class DefaultCostModel(MigrationCostModel):
         recompute theirs on their next call).
         """
         self.c = constants
-        for cached in (self._stage_bytes, self._missing_bytes, self.repartition_transfer_ms):
+        for cached in (self._stage_bytes, self._missing_bytes, self.repartition_transfer_ms, self._planned_peak_bytes):
             cached.cache_clear()  # type: ignore[attr-defined]
 
     @functools.lru_cache(maxsize=None)
@@ -1077,4 +1070,42 @@ class DefaultCostModel(MigrationCostModel):
         if fallback:
             return self._fallback_ms(d2, p2)
         joins = d2 * p2 > d * p - n_out
-        return self._groups(d2, p2) + (self.c.join_ms if joins else 0.0)
+        # what the victim-dependent part (each new stage filled once, from its best-placed survivor) leaves out:
+        # the D' replicas of every new stage -- joiners receive whole stages, a holder serving several receivers
+        # sends their sum. Priced by the runtime's own migration planner, as the larger of the two.
+        fill = self.transfer_ms(self._planned_peak_bytes(n, d, p, n_in, n_out, d2, p2))
+        extra = max(0.0, fill - self.repartition_transfer_ms(p, p2, (1,) * p))
+        return self._groups(d2, p2) + (self.c.join_ms if joins else 0.0) + extra
+
+    @functools.lru_cache(maxsize=50_000)
+    def _planned_peak_bytes(self, n: int, d: int, p: int, n_in: int, n_out: int, d2: int, p2: int) -> float:
+        """The most bytes one process sends or receives when the runtime's migration planner
+        (:func:`~lightning_parcae.planning.migration_plan.plan_migration`) repartitions ``(d, p)`` to ``(d2, p2)``.
+
+        Regression (stop 48, 0.25 Gbps replay of lh_80_90): 1x9 -> 2x7 on 16 instances was priced like 2x9 -> 2x7
+        (16.3 s and 16.2 s) and took 31.9 s against 18.9 s -- five joiners each received a whole 2x7 stage and
+        holders sent to two receivers (peak 610 kB against 305 kB) -- so holding 1x9 through a dip looked cheap.
+
+        The victims are the expected number of members among the ``n_out`` departures, taken from the last
+        replicas; with a preemption notice they still send, without one a layer nobody holds any more prices
+        nothing here (the victim-dependent part falls back to the checkpoint). 0 where the planner cannot run.
+        """
+        layers = len(self.layer_params)
+        if not (0 < p <= layers and 0 < p2 <= layers) or d < 1:
+            return 0.0
+        members = d * p
+        victims = min(members, int(round(n_out * members / max(n, 1))))
+        b, b2 = self._bounds(p), self._bounds(p2)
+        if any(b[k + 1] <= b[k] for k in range(p)) or any(b2[k + 1] <= b2[k] for k in range(p2)):
+            return 0.0
+        old = Layout(tuple(f"o{i}" for i in range(members)), tuple(b[k + 1] - b[k] for k in range(p)))
+        stay = list(old.members[: members - victims])
+        joiners = [f"j{i}" for i in range(max(0, d2 * p2 - len(stay)))]
+        senders = list(old.members) if self.preemption_notice else stay
+        nbytes = [int(self.c.bytes_per_param * x) for x in self.layer_params]
+        try:
+            plan = plan_migration(old, stay + joiners, (d2, p2), [b2[k + 1] - b2[k] for k in range(p2)], nbytes,
+                                  senders=senders)
+        except (StageLostError, ConfigurationError):
+            return 0.0
+        return float(plan.peak_bytes)

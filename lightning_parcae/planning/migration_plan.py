@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from lightning_parcae.planning.costmodel import MigrationKind
+from lightning_parcae.planning.kinds import MigrationKind
 from lightning_parcae.errors import ConfigurationError, ParcaeError
 
 __all__ = ["Layout", "Transfer", "MigrationPlan", "StageLostError", "plan_migration"]
