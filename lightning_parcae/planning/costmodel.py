@@ -1073,12 +1073,13 @@ class DefaultCostModel(MigrationCostModel):
         # what the victim-dependent part (each new stage filled once, from its best-placed survivor) leaves out:
         # the D' replicas of every new stage -- joiners receive whole stages, a holder serving several receivers
         # sends their sum. Priced by the runtime's own migration planner, as the larger of the two.
-        fill = self.transfer_ms(self._planned_peak_bytes(n, d, p, n_in, n_out, d2, p2))
+        victims = min(d * p, int(round(n_out * d * p / max(n, 1))))
+        fill = self.transfer_ms(self._planned_peak_bytes(d, p, victims, d2, p2))
         extra = max(0.0, fill - self.repartition_transfer_ms(p, p2, (1,) * p))
         return self._groups(d2, p2) + (self.c.join_ms if joins else 0.0) + extra
 
     @functools.lru_cache(maxsize=50_000)
-    def _planned_peak_bytes(self, n: int, d: int, p: int, n_in: int, n_out: int, d2: int, p2: int) -> float:
+    def _planned_peak_bytes(self, d: int, p: int, victims: int, d2: int, p2: int) -> float:
         """The most bytes one process sends or receives when the runtime's migration planner
         (:func:`~lightning_parcae.planning.migration_plan.plan_migration`) repartitions ``(d, p)`` to ``(d2, p2)``.
 
@@ -1086,15 +1087,14 @@ class DefaultCostModel(MigrationCostModel):
         (16.3 s and 16.2 s) and took 31.9 s against 18.9 s -- five joiners each received a whole 2x7 stage and
         holders sent to two receivers (peak 610 kB against 305 kB) -- so holding 1x9 through a dip looked cheap.
 
-        The victims are the expected number of members among the ``n_out`` departures, taken from the last
-        replicas; with a preemption notice they still send, without one a layer nobody holds any more prices
+        ``victims``: the expected number of members among the departures (the caller rounds it), taken from the
+        last replicas; with a preemption notice they still send, without one a layer nobody holds any more prices
         nothing here (the victim-dependent part falls back to the checkpoint). 0 where the planner cannot run.
         """
         layers = len(self.layer_params)
         if not (0 < p <= layers and 0 < p2 <= layers) or d < 1:
             return 0.0
         members = d * p
-        victims = min(members, int(round(n_out * members / max(n, 1))))
         b, b2 = self._bounds(p), self._bounds(p2)
         if any(b[k + 1] <= b[k] for k in range(p)) or any(b2[k + 1] <= b2[k] for k in range(p2)):
             return 0.0
