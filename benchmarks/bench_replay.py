@@ -409,6 +409,10 @@ def main() -> int:
     ap.add_argument("--state-gbps", type=float, default=None,
                     help="--job gpt15b: the modelled bandwidth (Gbit/s) of migration state transfers only "
                     "(model.state_gbps; default: the workload's 10 Gbps): stages that are costly to move")
+    ap.add_argument("--prior-profile", default=None, metavar="PROFILE_JSON",
+                    help="the in-place policies (parcae, reactive) start from this earlier run's profile.json "
+                    "(strategy option prior_profile: its migration costs price the first moves; its step times are "
+                    "taken when they are this job's). Use one of another segment: the replayed one stays unseen")
     ap.add_argument("--reforecast", action="store_true",
                     help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
     ap.add_argument("--combine", default=None, metavar="DIR,DIR,...",
@@ -429,10 +433,14 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if a.reforecast:
         return reforecast(out)
+    prior: tuple[str, ...] = ()
+    if a.prior_profile:
+        prior = ("--trainer.strategy.init_args.prior_profile", str(Path(a.prior_profile).resolve()))
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "cores": os.cpu_count(), "trace_clock": CLOCK, "state_gbps": a.state_gbps, "static": {},
+                               "prior_profile": a.prior_profile,
                                "segments": {}}
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
     if a.static_from:  # re-run some segments or policies against an earlier run's static measurements
@@ -463,9 +471,10 @@ def main() -> int:
         for pol in [p for p in a.policies.split(",") if p]:
             run_dir = out / seg / pol
             if pol == "parcae":
-                ev = launch(common, run_dir, seconds)
+                ev = launch(common, run_dir, seconds, train_extra=prior)
             elif pol == "reactive":
-                ev = launch(common, run_dir, seconds, train_extra=("--trainer.strategy.init_args.policy", "reactive"))
+                ev = launch(common, run_dir, seconds,
+                            train_extra=("--trainer.strategy.init_args.policy", "reactive", *prior))
             elif pol == "restart":
                 ev = launch(["--restart-fallback", *common], run_dir, seconds)
             elif pol == "static":

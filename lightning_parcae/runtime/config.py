@@ -76,6 +76,10 @@ class RuntimeConfig:
             where instances vanish without one: a D=1 shape then prices each departure as a restart.
         policy: ``"liveput"`` (the optimizer's plan over the forecast look-ahead) or ``"reactive"`` (the
             throughput-best shape for the count of the interval about to run; see :data:`POLICIES`).
+        prior_profile: Path or fsspec URL of an earlier run's ``profile.json``: with ``throughput="measured"``
+            the leader prices its first migrations by that run's fitted constants (and starts from its step times
+            when they are this job's) instead of the loopback constants; see :mod:`~lightning_parcae.runtime.prior`.
+            None: start from the loopback constants.
 
     Raises:
         ConfigurationError: ``stall_after_s`` is not positive, ``throughput`` or ``policy`` is unknown,
@@ -101,6 +105,7 @@ class RuntimeConfig:
     max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE
     preemption_notice: bool = True
     policy: str = "liveput"
+    prior_profile: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.stall_after_s > 0:

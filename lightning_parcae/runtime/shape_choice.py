@@ -43,6 +43,7 @@ from lightning_parcae.runtime.generation import GenerationRecords, GenerationSta
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.liveness import NoticeCheck, read_beats
 from lightning_parcae.runtime.part import EventSink
+from lightning_parcae.runtime.prior import read_prior_profile
 from lightning_parcae.runtime.store import TamperedRecordError
 from lightning_parcae.runtime.torch_internals import child
 
@@ -478,6 +479,8 @@ class ShapeChooser:
         model = MeasuredThroughput(prior, layer_bytes=[b / factor for b in self.records.layer_bytes()], cores=cores)
         model.constants = RUNTIME_CONSTANTS
         raw = self.coord.get(MEASURED_KEY) if self.coord is not None else None
+        if not raw and self.config.prior_profile:
+            raw = self._from_prior(model)  # this run's own published measurements win over an earlier run's
         if raw:
             try:
                 for key, entry in raw.get("shapes", {}).items():
@@ -492,6 +495,28 @@ class ShapeChooser:
                 log.warning("ignoring the published measurements: %s", exc)
         self.measured = model
         return model
+
+    def _from_prior(self, model: MeasuredThroughput) -> Optional[dict[str, Any]]:
+        """The measurements to start from when nothing of this run is published: ``config.prior_profile``'s
+        migration constants, and its step times if they are this job's (:mod:`.prior`); event ``prior_profile``.
+
+        The strategy read and checked the file when it was built; one that cannot be read now (a store outage) is
+        logged and the leader starts at the loopback constants -- it still refits them from its own migrations."""
+        src = self.config.prior_profile
+        assert src is not None and self.host.global_batch is not None
+        try:
+            prior = read_prior_profile(src)
+        except ConfigurationError as exc:
+            log.warning("%s; starting from the runtime's loopback migration constants", exc)
+            self.event("prior_profile", source=src, error=str(exc))
+            return None
+        shapes, mismatch = prior.step_times_for(self.host.global_batch, self.host.micro_batches,
+                                                  model.layer_bytes or [])
+        c = prior.constants
+        self.event("prior_profile", source=src, shapes=sorted(shapes), step_times_not_used=mismatch,
+                   bandwidth_bytes_per_s=round(c.bandwidth_bytes_per_s, 1),
+                   transfer_latency_ms=round(c.transfer_latency_ms, 1), group_base_ms=round(c.group_base_ms, 1))
+        return {"shapes": shapes, "migration_constants": dict(vars(c))}
 
     def save_profile(self, every_s: float = 0.0) -> None:
         """Leader: publish the measured profile in the store and write ``run_dir/profile.json`` (with migration

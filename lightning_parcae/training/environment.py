@@ -148,7 +148,7 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
     Args:
         planning: The strategy's planning options (``StrategyOptions.elastic_options``: ``interval_s``,
             ``interval_steps``, ``look_ahead``, ``predictor``, ``heartbeat_s``, ``dead_after_s``, ``stall_after_s``,
-            ``throughput``, ``max_exploration_share``, ``preemption_notice``, ``policy``).
+            ``throughput``, ``max_exploration_share``, ``preemption_notice``, ``policy``, ``prior_profile``).
 
     Raises:
         ConfigurationError: ``PARCAE_STORE`` is not set, or an option is out of range.
@@ -181,6 +181,7 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
         max_exploration_share=planning.get("max_exploration_share", DEFAULT_MAX_EXPLORATION_SHARE),
         preemption_notice=bool(planning.get("preemption_notice", True)),
         policy=planning.get("policy", "liveput"),
+        prior_profile=planning.get("prior_profile"),
     )
 
 

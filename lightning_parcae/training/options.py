@@ -23,6 +23,7 @@ from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE, check_exploration_share
 from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.config import check_policy
+from lightning_parcae.runtime.prior import read_prior_profile
 from lightning_parcae.training import environment as launcher_env
 
 __all__ = ["StrategyOptions"]
@@ -66,6 +67,7 @@ class StrategyOptions:
     max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE
     preemption_notice: bool = True
     policy: str = "liveput"
+    prior_profile: Optional[str] = None
 
     @classmethod
     def resolve(cls, **given: Any) -> "StrategyOptions":
@@ -87,6 +89,9 @@ class StrategyOptions:
             given["interval_s"] = (launcher_env.launcher_interval_s() if under else None) or _DEFAULT_INTERVAL_S
         _check(stages, given["micro_batches"], given["throughput"], given["schedule"], balance)
         check_policy(given.get("policy", "liveput"))
+        if given.get("prior_profile") is not None:
+            read_prior_profile(str(given["prior_profile"]))  # a bad file fails here, naming the fix, not mid-run
+            given["prior_profile"] = str(given["prior_profile"])
         if "max_exploration_share" in given:
             given["max_exploration_share"] = check_exploration_share(given["max_exploration_share"])
         if given["elastic"] is None:
@@ -111,7 +116,7 @@ class StrategyOptions:
             predictor=self.predictor, heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,
             stall_after_s=self.stall_after_s, throughput=self.throughput,
             max_exploration_share=self.max_exploration_share, preemption_notice=self.preemption_notice,
-            policy=self.policy,
+            policy=self.policy, prior_profile=self.prior_profile,
         )
 
 

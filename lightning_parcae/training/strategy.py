@@ -124,6 +124,12 @@ class ParcaeStrategyMixin:
             30 s; ``parcae run`` replays every drop as one), so the leaver hands its state over and the optimizer
             prices a stage that loses every replica as a copy, not a checkpoint restart (default True). Set False
             where instances vanish without one: a D=1 shape then prices every departure as a restart.
+        prior_profile: elastic only: path or fsspec URL (``s3://...``) of the ``profile.json`` an earlier run of
+            this job -- or one on the same instance type and network -- wrote in its run directory. The leader
+            prices its first migrations by the migration costs that run measured (and starts from its step times
+            when the global batch, micro-batches and per-layer state match) instead of loopback constants, which
+            price a first move of gigabyte stages at milliseconds; it refits them from this job's own migrations.
+            Read and checked when the strategy is built. See ``docs/elastic.md``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
     """
@@ -157,6 +163,7 @@ class ParcaeStrategyMixin:
         max_exploration_share: float = DEFAULT_MAX_EXPLORATION_SHARE,
         preemption_notice: bool = True,
         policy: Literal["liveput", "reactive"] = "liveput",
+        prior_profile: Optional[str] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
