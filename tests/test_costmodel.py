@@ -539,6 +539,31 @@ def test_default_same_depth_prices_rebuild_transfer_and_join_if_refill() -> None
     assert cm.combine(16, 2, 8, 0, 0, 2, 0.0, 0.0) == 0.0
 
 
+@pytest.mark.parametrize("d, d2", [(1, 2), (1, 3), (1, 4), (2, 3), (2, 5), (3, 4)])
+def test_default_refill_is_priced_by_the_most_one_holder_sends(d: int, d2: int) -> None:
+    """Regression (issue 21): one survivor refilling two new replicas of its stage was priced as one stage's
+    transfer; it sends two, and the emulated link (like a NIC) charges it for both. The price of the largest stage's
+    refill now agrees with the peak bytes of the runtime's own migration plan of the move, to within one layer."""
+    cm = _default()
+    p = 8
+    largest = int(np.argmax(cm._stage_bytes(p)))
+    m, _ = cm.stage_term(d, p, d2, largest, 0)
+    priced_bytes = (m - cm.c.transfer_latency_ms) * cm.c.bandwidth_bytes_per_s / 1000.0
+    assert priced_bytes == pytest.approx(cm._planned_peak_bytes(d, p, 0, d2, p), abs=12.0 * max(cm.layer_params))
+    assert priced_bytes == pytest.approx(cm._stage_bytes(p)[largest] * max(1.0, (d2 - d) / d))
+
+
+def test_default_refill_after_a_loss_is_shared_by_the_leavers_only_with_a_notice() -> None:
+    """A stage of 2x8 losing one replica and growing to 4: its survivor sends three copies; with a notice the
+    leaver hands its state over and sends its share."""
+    cm = _default()
+    stage = cm._stage_bytes(8)[2]
+    for notice, copies in ((False, 3.0), (True, 1.5)):
+        cm.preemption_notice = notice
+        m, _ = cm.stage_term(2, 8, 4, 2, 1)
+        assert m == pytest.approx(cm.transfer_ms(copies * stage))
+
+
 def test_default_repartition_falls_back_if_old_stage_has_no_survivor() -> None:
     cm = _default()
     assert math.isinf(cm.repartition_transfer_ms(8, 6, (2, 2, 0, 2, 2, 2, 2, 2)))

@@ -1029,7 +1029,12 @@ class DefaultCostModel(MigrationCostModel):
             return _NO_TERM, 0.0
         if survivors == 0 and not self.preemption_notice:
             return math.inf, 0.0  # no live holder: checkpoint fallback (with a notice the leavers send it)
-        return self.transfer_ms(self._stage_bytes(p)[stage]), 0.0
+        # each of the ``need`` new replicas receives the whole stage, and the runtime's migration planner spreads
+        # the sends over the holders that can send (with a notice the leavers too): a holder serving several
+        # receivers sends their sum, and the link charges a process the larger of what it sends and receives.
+        # Regression (issue 21): one survivor refilling two replicas was priced as one stage's transfer.
+        senders = d if self.preemption_notice else survivors
+        return self.transfer_ms(self._stage_bytes(p)[stage] * max(1.0, need / max(senders, 1))), 0.0
 
     def combine(self, n: int, d: int, p: int, n_in: int, n_out: int, d2: int, m: float, a: float) -> float:
         if m == _NO_TERM:
