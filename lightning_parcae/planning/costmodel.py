@@ -939,8 +939,9 @@ class DefaultCostModel(MigrationCostModel):
     """Our runtime's migration costs: in-place group rebuilds and parallel state transfers between live peers.
 
     * intra-stage: ``group_base + group_per_process * D'P'`` (no state moves);
-    * inter-stage: the group rebuild plus the slowest stage transfer (stages are refilled in parallel from a
-      surviving replica) plus ``join_ms`` if new processes join;
+    * inter-stage: the group rebuild plus the slowest stage refill (stages are refilled in parallel from their
+      surviving replicas -- with a notice the leavers too -- and a holder filling several new replicas sends their
+      sum) plus ``join_ms`` if new processes join;
     * a stage with **no** surviving replica cannot be refilled from peers: restart from the latest checkpoint
       (``restart_ms + checkpoint_ms``);
     * repartition: the group rebuild plus the largest per-process missing volume (each process receives only
