@@ -7,6 +7,8 @@ import math
 import os
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 
 from lightning_parcae.planning.costmodel import ArtifactCostModel, DefaultCostModel, TableThroughput
@@ -481,3 +483,30 @@ def test_relaunch_raises_if_pipeline_stages_is_not_positive() -> None:
     cm = _pipeline_cm()
     with pytest.raises(ConfigurationError, match="pipeline_stages must be >= 1"):
         run_policy("relaunch", cm, [(0, 4, 0)], 10.0, pipeline_stages=0)
+
+
+def _measured_cm(faster_by: float) -> Any:
+    """A measured profile: 2x3 ``faster_by`` faster than 2x2, every other shape on up to 6 instances half as fast."""
+    from lightning_parcae.planning.measured import MeasuredThroughput, PipelineThroughput  # noqa: PLC0415
+
+    model = MeasuredThroughput(PipelineThroughput([1.0] + [4.0] * 8 + [2.0], 64, 2), layer_bytes=[4e5] * 10)
+    others = [(d, p) for d in range(1, 7) for p in range(1, 7) if d * p <= 6 and (d, p) not in ((2, 2), (2, 3))]
+    for _ in range(12):
+        model.record(2, 2, 100.0)
+        model.record(2, 3, 100.0 / (1.0 + faster_by))
+        for d, p in others:
+            model.record(d, p, 200.0)
+    return model.cost_model(preemption_notice=True)
+
+
+@pytest.mark.parametrize("policy", ["live-reactive", "parcae"])
+def test_live_policies_keep_the_runtimes_veto_over_a_measured_profile(policy: str) -> None:
+    """Regression (issue 21, stop 49, 0.25 Gbps replay of lh_80_90): the runtime's reactive stayed in 4x6 on 28-31
+    instances -- 4x7 measured 6.8 % faster, under the veto's 10 % margin -- while the simulator's moved to 4x7 and
+    back, and forecast reactive 17 % below the run. Over a measured profile the simulated live policies now keep
+    the leader's veto; a shape measured faster by more than the margin is still taken."""
+    intervals = [(0, 4, 0), (4, 0, 0), (4, 2, 0), (6, 0, 0), (6, 0, 0), (6, 0, 0)]
+    near = run_policy(policy, _measured_cm(0.05), intervals, 60.0)
+    assert near.shapes == [(2, 2)] * 6  # 5 % faster: under the margin, no move
+    clear = run_policy(policy, _measured_cm(0.3), intervals, 60.0)
+    assert clear.shapes[:2] == [(2, 2)] * 2 and clear.shapes[-1] == (2, 3)

@@ -34,6 +34,13 @@ Policies:
   with (as ``throughput``), but reached by parcae's live migrations instead of restarts. ``parcae`` against it
   isolates what planning over a forecast adds; it against ``throughput`` isolates what cheaper migrations add.
 
+Over a *measured* profile (a run's ``profile.json``: a throughput model with ``vetoes``) ``parcae`` and
+``live-reactive`` also keep the runtime leader's veto (:meth:`~lightning_parcae.planning.measured.MeasuredThroughput.vetoes`):
+no move, while the current shape still fits, to a shape not measured faster by the margin (10 %), and a hold the
+decision takes back is left unless the target measured slower. Regression (issue 21, stop 49, 0.25 Gbps replay of
+lh_80_90): the runtime's reactive stayed in 4x6 on 28-31 instances (4x7 measured 6.8 % faster: under the margin)
+while the simulator's moved to 4x7 and back for 33 s and 30 s of repartitions, and forecast reactive 17 % low.
+
 The ``parcae`` decision is :class:`~lightning_parcae.planning.policy.ShapeDecider`, the very object (optimizer,
 predictor factory, options) the runtime's ``ShapeChooser`` decides with; the cost model is the runtime's kind.
 """
@@ -291,9 +298,14 @@ def _liveput(
     opt = decider.optimizer
     acct = _Accountant(cm, 1000.0 * interval_s)
     shape: Shape = (0, 0)
+    # with a measured profile (a run's profile.json) the live policies keep the leader's veto, as the runtime does
+    # for both: no move to a shape not measured faster by the margin while the current one still fits
+    vetoes = None if oracle else getattr(cm.throughput, "vetoes", None)
+    held: Optional[Shape] = None  # the shape the last departing decision chose over the throughput-best one
     for i, (prev, n_in, n_out) in enumerate(intervals):
         after = prev + n_in - n_out
         t0 = time.perf_counter()
+        decision = None
         # What is known at the interval's start: its arrivals have arrived and its preemption notices are in, so
         # the count it runs with is `after` -- the same knowledge the reactive `throughput` baseline uses. Only
         # the intervals after it are forecast (the oracle sees them).
@@ -305,11 +317,23 @@ def _liveput(
         else:
             # the runtime's ShapeChooser makes this very call (planning/policy.py)
             decider.observe(after)
-            target = decider.decide(shape, (prev, n_in, n_out), remain_ms=acct.remain).decision.next_shape
+            decision = decider.decide(shape, (prev, n_in, n_out), remain_ms=acct.remain).decision
+            target = decision.next_shape
         res.decide_s += time.perf_counter() - t0
         target = fit_shape(target, after) if target != PAUSED else PAUSED
         if target[0] * target[1] == 0 or cm.throughput.throughput(*target) <= 0:
             target = PAUSED  # nothing allowed fits: the job waits (its state is kept in the checkpoint)
+        vetoed = False
+        if vetoes is not None and target != PAUSED and shape[0] * shape[1] > 0:
+            # the runtime's ShapeChooser.choose: a hold the decision takes back is left unless measured slower
+            ends_hold = decision is not None and not decision.departs and shape == held \
+                and target == decision.next_shape
+            if vetoes(shape, target, after, held=ends_hold):
+                target, vetoed = shape, True
+        if decision is not None and decision.departs and target == decision.next_shape and not vetoed:
+            held = target
+        elif target != shape:
+            held = None
         if target == PAUSED:
             acct.remain = 0.0
             _record(res, after, target, 0.0, 0.0, 0.0)
