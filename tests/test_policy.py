@@ -110,3 +110,17 @@ def test_a_decider_without_a_predictor_plans_the_known_interval_only(gpt: Artifa
     got = decider.decide(PAUSED, (12, 0, 0))
     assert got.scenarios == [[]] and got.median == []
     assert got.decision == decider.optimizer.decide(12, PAUSED, (12, 0, 0), [[]], [1.0])
+
+
+def test_a_decision_between_planning_intervals_forecasts_from_the_count_it_knows(gpt: ArtifactCostModel) -> None:
+    """Regression (issue 21, stop 49, 0.25 Gbps replay of lh_80_90): the runtime observes counts at planning
+    intervals only; at a notice between them (32 -> 27) the persistence forecast after the known interval was 32,
+    so every drop was expected to reverse and the job parked in cheap, slow shapes. The forecast now starts from
+    the known count, and the predictor's own history is left one count per planning interval."""
+    decider = ShapeDecider(gpt, interval_s=60.0, options=DecisionOptions(look_ahead=5), history=[32] * 6)
+    got = decider.decide((4, 8), (32, 0, 5))
+    assert got.median and all(prev + n_in - n_out == 27 for prev, n_in, n_out in got.median)
+    assert decider.observed == 6 and int(decider.predictor.history[-1]) == 32  # type: ignore[union-attr]
+    walked = ShapeDecider(gpt, interval_s=60.0, options=DecisionOptions(look_ahead=5), history=[32] * 6 + [27])
+    want = walked.decide((4, 8), (32, 0, 5))
+    assert (got.decision, got.scenarios, list(got.weights)) == (want.decision, want.scenarios, list(want.weights))
