@@ -18,7 +18,7 @@ from lightning_parcae.runtime.generation import GenerationRecords
 from lightning_parcae.runtime.prior import read_prior_profile
 from lightning_parcae.runtime.shape_choice import RUNTIME_CONSTANTS, ShapeChooser
 from lightning_parcae.training.strategy import ParcaeStrategy
-from test_runtime_shape_choice import _config, _host, _slow_moves, _state
+from test_runtime_shape_choice import _config, _host, _measure_2x2_faster, _slow_moves, _state
 
 
 def _leader(tmp: Path, moves: list[dict[str, Any]], coord: Coordinator, events: list, batch: int = 48,
@@ -28,14 +28,6 @@ def _leader(tmp: Path, moves: list[dict[str, Any]], coord: Coordinator, events: 
     cfg = _config(look_ahead=12, interval_s=2.0, max_instances=4, run_dir=str(tmp), **config)
     return ShapeChooser(host, state, cfg, GenerationRecords(host, state), coord=coord,  # type: ignore[arg-type]
                         migrations=moves, event=lambda name, **kw: events.append((name, kw)))
-
-
-def _measure_2x2_faster(ch: ShapeChooser) -> None:
-    model = ch.model()
-    assert model is not None
-    for _ in range(10):
-        model.record(1, 4, model.prior.step_ms(1, 4))
-        model.record(2, 2, 0.9 * model.prior.step_ms(1, 4))
 
 
 def _earlier_run(tmp: Path) -> Path:
