@@ -34,6 +34,8 @@ __all__ = [
     "ForecastDecision",
     "ShapeDecider",
     "decide_with_forecast",
+    "ends_hold",
+    "hold_after",
     "make_decision_predictor",
     "paths_to_intervals",
 ]
@@ -102,6 +104,24 @@ def make_decision_predictor(options: DecisionOptions) -> Optional[Predictor]:
         return None
     return make_predictor(options.predictor, window=max(options.look_ahead, 8), min_instances=0,
                           max_instances=options.max_instances)
+
+
+def ends_hold(decision: Optional[Decision], current: Shape, held: Optional[Shape], chosen: Shape) -> bool:
+    """Whether moving ``current -> chosen`` ends a *hold*: ``current`` is the shape a departing decision chose over
+    the throughput-best one (``held``) and this decision, no longer departing, chose ``chosen``. The veto then
+    refuses the move only if ``chosen`` is measured slower
+    (:meth:`~lightning_parcae.planning.measured.MeasuredThroughput.vetoes` with ``held=True``). The runtime's
+    ``ShapeChooser`` and the simulator's live policies both ask this."""
+    return decision is not None and not decision.departs and current == held and chosen == decision.next_shape
+
+
+def hold_after(decision: Optional[Decision], current: Shape, held: Optional[Shape], final: Shape,
+               vetoed: bool) -> Optional[Shape]:
+    """The hold after a decision whose shape, after the runtime's rules, is ``final``: ``final`` when the decision
+    departed to it (and no veto kept ``current``), none once the job moves elsewhere, else ``held`` unchanged."""
+    if decision is not None and decision.departs and final == decision.next_shape and not vetoed:
+        return final
+    return None if final != current else held
 
 
 def paths_to_intervals(start: int, path: Sequence[int]) -> List[Interval]:

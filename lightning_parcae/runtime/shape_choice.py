@@ -33,7 +33,7 @@ from lightning_parcae.planning.measured import (
     PipelineThroughput,
     min_stages_for_memory,
 )
-from lightning_parcae.planning.policy import DecisionOptions, ShapeDecider
+from lightning_parcae.planning.policy import DecisionOptions, ShapeDecider, ends_hold, hold_after
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
 from lightning_parcae.planning.shape_optimizer import PAUSED, Decision, LiveputOptimizer
 from lightning_parcae.errors import ConfigurationError
@@ -324,7 +324,7 @@ class ShapeChooser:
         # lh_80_90 at N = 32: at 16 instances parcae held 1x9 rather than repartition to 2x7; one interval later the
         # forecast no longer expected the count back and chose 2x7, and the veto refused it -- 2x7 unmeasured, its
         # fit unsure -- so the job ran one more interval at 0.72 of 2x7's rate, where live-reactive already was)
-        held = decision is not None and not decision.departs and cur == self._held and shape == decision.next_shape
+        held = ends_hold(decision, cur, self._held, shape)
         vetoed = False
         if by_measurement and measured.vetoes(cur, shape, n_next, held=held) and not self._returning(shape, measured):
             # never move to a shape measured slower than the current one unless availability forces it
@@ -371,10 +371,8 @@ class ShapeChooser:
                     self._try = _Try(explore, cur, self.state.generation, "moving", now)
                 else:
                     self.event("explore_refused", **fields)
-        if decision is not None and decision.departs and shape == decision.next_shape and not vetoed:
-            self._held = shape  # entered or kept on the forecast, not for its throughput (a vetoed one is a try)
-        elif shape != cur:
-            self._held = None
+        # entered or kept on the forecast, not for its throughput (a vetoed one is a try)
+        self._held = hold_after(decision, cur, self._held, shape, vetoed)
         self.stats["exploration"] = self.exploration.report(self._elapsed(now))
         self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
                                     "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}

@@ -55,7 +55,7 @@ from lightning_parcae.planning.costmodel import MigrationCostModel, Shape, Throu
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
 from lightning_parcae.planning.shape_optimizer import PAUSED, fit_shape, settle
-from lightning_parcae.planning.policy import LEVELS, DecisionOptions, ShapeDecider
+from lightning_parcae.planning.policy import LEVELS, DecisionOptions, ShapeDecider, ends_hold, hold_after
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
 
@@ -326,14 +326,9 @@ def _liveput(
         vetoed = False
         if vetoes is not None and target != PAUSED and shape[0] * shape[1] > 0:
             # the runtime's ShapeChooser.choose: a hold the decision takes back is left unless measured slower
-            ends_hold = decision is not None and not decision.departs and shape == held \
-                and target == decision.next_shape
-            if vetoes(shape, target, after, held=ends_hold):
+            if vetoes(shape, target, after, held=ends_hold(decision, shape, held, target)):
                 target, vetoed = shape, True
-        if decision is not None and decision.departs and target == decision.next_shape and not vetoed:
-            held = target
-        elif target != shape:
-            held = None
+        held = hold_after(decision, shape, held, target, vetoed)
         if target == PAUSED:
             acct.remain = 0.0
             _record(res, after, target, 0.0, 0.0, 0.0)
