@@ -847,3 +847,27 @@ def test_a_repartition_that_must_fill_several_replicas_of_a_stage_is_priced_by_t
                           [f"o{i}" for i in range(9)] + [f"j{i}" for i in range(5)], (2, 7), b7,
                           [int(12 * x) for x in layers])
     assert from_hold == pytest.approx(cm.transfer_ms(plan.peak_bytes))
+
+
+def test_a_concrete_plan_is_priced_by_its_rebuild_its_peak_bytes_and_a_join() -> None:
+    """``plan_ms`` -- what the runtime's leader charges for the move it would make with the members it knows --
+    is the group rebuild of the new shape, plus for a state move the most one process sends or receives at the
+    state bandwidth and ``join_ms`` if a process joins; nothing for a plan of kind ``none``."""
+    from lightning_parcae.planning.migration_plan import Layout, plan_migration
+
+    c = MigrationConstants(bandwidth_bytes_per_s=1e6, transfer_latency_ms=5.0, group_base_ms=100.0,
+                           group_per_process_ms=10.0, join_ms=700.0)
+    layers = [1e4] * 8
+    cm = DefaultCostModel(TableThroughput({(2, 2): 1.0}, 8), layers, c, preemption_notice=True)
+    nbytes = [int(12 * x) for x in layers]
+    old = Layout(("a", "b", "c", "d"), (4, 4))
+    same = plan_migration(old, ["a", "b", "c", "d"], (2, 2), [4, 4], nbytes)
+    assert cm.plan_ms(same) == 0.0
+    drop = plan_migration(old, ["a", "b"], (1, 2), [4, 4], nbytes)  # a whole pipeline leaves
+    assert drop.kind.value == "intra-stage" and cm.plan_ms(drop) == pytest.approx(100.0 + 10.0 * 2)
+    refill = plan_migration(old, ["a", "b", "c", "e"], (2, 2), [4, 4], nbytes, senders=list(old.members))
+    assert refill.peak_bytes == 4 * 12e4  # e receives d's stage
+    assert cm.plan_ms(refill) == pytest.approx(100.0 + 40.0 + 5.0 + 1000.0 * 4.8e5 / 1e6 + 700.0)
+    cut = plan_migration(old, ["a", "b", "c", "d"], (1, 4), [2, 2, 2, 2], nbytes)
+    assert cut.kind.value == "repartition"
+    assert cm.plan_ms(cut) == pytest.approx(100.0 + 40.0 + cm.transfer_ms(cut.peak_bytes))

@@ -434,3 +434,25 @@ def test_set_constants_refuses_a_cost_model_without_migration_constants() -> Non
     opt = LiveputOptimizer(ArtifactCostModel("gpt-1.5b"), interval_s=60.0, look_ahead=2)
     with pytest.raises(ConfigurationError, match="ArtifactCostModel has no migration constants"):
         opt.set_constants(MigrationConstants())
+
+
+def test_a_known_first_move_replaces_the_expectation_over_victims_and_only_there() -> None:
+    """The runtime's leader knows who leaves when it decides, so it passes the price of each first move
+    (``first_costs``); the optimizer uses it for the interval about to run only -- later intervals, whose victims
+    nobody knows, keep the expectation -- and a target the caller does not know (``None``) keeps it too.
+    Here 1x4 on 4 instances with one leaving: 1x3 is the only shape left."""
+    table = {(1, 3): 30.0, (1, 4): 40.0, (2, 2): 45.0, (1, 2): 20.0, (2, 1): 18.0, (1, 1): 10.0, (3, 1): 25.0}
+    cm = ToyCost(table, inter_ms=0.0, repartition_ms=20_000.0)
+    opt = LiveputOptimizer(cm, interval_s=60.0, look_ahead=3)
+    future = [(4, 0, 1), (3, 0, 0), (3, 0, 0)]
+    base = opt.plan(4, (1, 4), future)
+    assert base.first_cost_ms == pytest.approx(20_000.0)
+    unknown = opt.plan(4, (1, 4), future, first_costs=lambda target: None)
+    assert unknown == base
+    known = opt.plan(4, (1, 4), future, first_costs=lambda target: 5_000.0 if target == base.next_shape else None)
+    assert known.next_shape == base.next_shape and known.first_cost_ms == pytest.approx(5_000.0)
+    gained = table[base.next_shape] * 15.0  # 15 s more training in the first interval, nothing else
+    assert known.expected_samples == pytest.approx(base.expected_samples + gained)
+    # decide() scores every candidate with the same known first move
+    d = opt.decide(4, (1, 4), (4, 0, 1), [[(3, 0, 0), (3, 0, 0)]], first_costs=lambda t: 5_000.0)
+    assert d.next_shape in table

@@ -81,7 +81,10 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     calls: list[tuple[Any, ...]] = []
     real = ShapeDecider.decide
 
-    def decide(self: ShapeDecider, shape: Any, now: Any, *, remain_ms: float = 0.0) -> policy.ForecastDecision:
+    def decide(self: ShapeDecider, shape: Any, now: Any, *, remain_ms: float = 0.0,
+               first_costs: Any = None) -> policy.ForecastDecision:
+        # the walk below names no next members, so the runtime prices its first move as the simulator does
+        assert first_costs is None
         out = real(self, shape, now, remain_ms=remain_ms)
         calls.append((self.options, tuple(shape), tuple(now), remain_ms, out.decision, out.scenarios,
                       [float(w) for w in out.weights]))

@@ -24,7 +24,9 @@ class _Shapes:
     def __init__(self) -> None:
         self.shape: Any = (1, 3)
 
-    def choose(self, n_now: int, n_next: int, observe: bool) -> Any:
+    def choose(self, n_now: int, n_next: int, observe: bool, *, available: Any = None, senders: Any = None) -> Any:
+        # the survivors' move is priced by the plan recovery makes: drawn from, and sent by, the survivors only
+        assert available is not None and list(available) == list(senders) and len(available) == n_next
         return self.shape
 
     def partition_for(self, p: int) -> list[int]:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import pytest
 import torch.distributed as dist
 
-from lightning_parcae.planning.migration_plan import Layout
+from lightning_parcae.planning.migration_plan import Layout, plan_migration
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator, booting_key
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
@@ -874,3 +874,44 @@ def test_the_leader_fits_migration_bandwidth_on_the_most_bytes_one_process_moved
     legacy = [{k: v for k, v in m.items() if k != "bytes_peak"} for m in moves]  # records written before the peak
     old = ShapeChooser(host, state, _config(), GenerationRecords(host, state), migrations=legacy)  # type: ignore[arg-type]
     assert old.fitted_constants().bandwidth_bytes_per_s == 1.25e9  # the total says nothing: the loopback value
+
+
+@pytest.mark.parametrize("leaving, move_ms, chosen", [
+    (("m10", "m11"), 200.0, (2, 4)),    # one whole pipeline leaves: 2x4 keeps the other two, a group rebuild
+    (("m0", "m4"), 30_200.0, (2, 5)),   # stage 0 of two pipelines: 2x4 must refill a stage, dearer than 2x5
+])
+def test_a_notices_move_is_priced_by_the_plan_with_the_members_that_leave(
+        leaving: tuple[str, ...], move_ms: float, chosen: tuple[int, int]) -> None:
+    """Regression (issue 21, stop 49, 0.25 Gbps replay of lh_80_90 at N = 32): at a notice for five of 4x8's
+    members the leader priced each move by an expectation that took the victims from the last replicas -- 4x8 ->
+    4x6 at 26.0 s (a peak of 559 kB), where the plan with the members that really left moved 457 kB in 16.4 s --
+    and chose 1x26 (24 samples/s where 4x6 ran 38). The leader knows who leaves: each candidate's move is now the
+    plan it would propose. Here a notice for two of 3x4's members: the expectation prices holding 2x4 at 5.7 s
+    whoever leaves; the plan prices it at a group rebuild when a whole pipeline leaves (the leader holds 2x4) and
+    at a 30 s stage refill when two pipelines each lose stage 0 (it goes to 2x5, the reactive shape)."""
+    events: list = []
+    ch, model, names = _held_job(events)
+    ch.choose(12, 12, observe=True)
+    avail = [m for m in names if m not in leaving]
+    assert ch.choose(12, 10, observe=True, available=avail) == chosen
+    decider = ch._decider
+    assert decider is not None
+    expected = float(decider.optimizer.transition_costs(12, (3, 4), 0, 2, [(2, 4)])[0])
+    assert 1_000.0 < expected < 10_000.0  # the expectation: the same whoever leaves
+    price = ch._known_moves(decider, avail, None)
+    assert price is not None and price((2, 4)) == pytest.approx(move_ms)
+    # the price is the plan the leader proposes for that shape
+    plan = plan_migration(ch.state.layout, avail, (2, 4), ch.partition_for(4), ch.records.layer_bytes(),
+                          senders=list(names))
+    assert price((2, 4)) == decider.optimizer.cm.plan_ms(plan)
+    assert price((3, 4)) is None  # does not fit the 10 instances left: left to the expectation
+
+
+def test_without_the_members_that_leave_the_move_is_priced_by_the_expectation() -> None:
+    """Recovery after a loss and callers that do not name the next members keep the expectation (and the
+    decision it gives): ``available=None`` changes nothing."""
+    events: list = []
+    ch, _, _ = _held_job(events)
+    ch.choose(12, 12, observe=True)
+    assert ch._known_moves(ch._decider, None, None) is None  # type: ignore[arg-type]
+    assert ch.choose(12, 10, observe=True) == (2, 4)

@@ -37,7 +37,7 @@ import numpy as np
 
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.kinds import MigrationKind
-from lightning_parcae.planning.migration_plan import Layout, StageLostError, plan_migration
+from lightning_parcae.planning.migration_plan import Layout, MigrationPlan, StageLostError, plan_migration
 
 __all__ = [
     "Shape",
@@ -1083,6 +1083,33 @@ class DefaultCostModel(MigrationCostModel):
         fill = self.transfer_ms(self._planned_peak_bytes(d, p, victims, d2, p2))
         extra = max(0.0, fill - self.repartition_transfer_ms(p, p2, (1,) * p))
         return self._groups(d2, p2) + (self.c.join_ms if joins else 0.0) + extra
+
+    def plan_ms(self, plan: MigrationPlan) -> float:
+        """What this model charges for one concrete migration of the runtime's planner.
+
+        At a decision the runtime knows who leaves (the noticed members) and who joins (the ready standbys), so the
+        first move of every candidate is a plan it can make, not an expectation over victim patterns: the group
+        rebuild of the new shape, the most one process sends or receives (:attr:`MigrationPlan.peak_bytes`, the
+        quantity :meth:`MigrationConstants.fit` fits the bandwidth on) where state moves -- a new replica of a
+        stage is filled whatever the plan's kind -- and ``join_ms`` if a process joins. A plan of kind ``none``
+        costs nothing; one that moves no state (a replica dropped) only the rebuild.
+
+        Args:
+            plan: A plan from :func:`~lightning_parcae.planning.migration_plan.plan_migration` with the job's
+                layer bytes (the unit this model's bandwidth was fitted in).
+
+        Returns:
+            Milliseconds.
+        """
+        if plan.kind == MigrationKind.NONE:
+            return 0.0
+        d2, p2 = plan.new.data_parallel, plan.new.pipeline_stages
+        cost = self._groups(d2, p2)
+        if not plan.transfers:
+            return cost
+        old = set(plan.old.members)
+        joins = any(m not in old for m in plan.new.members)
+        return cost + self.transfer_ms(float(plan.peak_bytes)) + (self.c.join_ms if joins else 0.0)
 
     @functools.lru_cache(maxsize=50_000)
     def _planned_peak_bytes(self, d: int, p: int, victims: int, d2: int, p2: int) -> float:

@@ -26,7 +26,7 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape
 from lightning_parcae.planning.forecast import Predictor, make_predictor
-from lightning_parcae.planning.shape_optimizer import Decision, LiveputOptimizer
+from lightning_parcae.planning.shape_optimizer import Decision, FirstCosts, LiveputOptimizer
 
 __all__ = [
     "LEVELS",
@@ -143,6 +143,7 @@ def decide_with_forecast(
     remain_ms: float = 0.0,
     risk: float = 0.5,
     levels: Sequence[float] = LEVELS,
+    first_costs: Optional[FirstCosts] = None,
 ) -> ForecastDecision:
     """Decide the shape of the interval ``now = (prev_n, n_in, n_out)`` about to run.
 
@@ -157,6 +158,8 @@ def decide_with_forecast(
         remain_ms: Milliseconds still needed by an unfinished migration.
         risk: Standard deviations of gain a departure from the reactive shape must clear.
         levels: Quantile levels of the scenarios.
+        first_costs: The known cost of the move about to be made, per target (the runtime's leader knows who
+            leaves and who joins); ``None``: the expectation over victim patterns prices it.
 
     Returns:
         ``(decision, scenarios, weights)``: the decision and the futures it was scored against.
@@ -168,7 +171,7 @@ def decide_with_forecast(
     if pred is not None and opt.look_ahead > 1:
         paths, weights = pred.scenarios(opt.look_ahead - 1, levels)
         scenarios = [paths_to_intervals(after, p) for p in paths]
-    decision = opt.decide(prev, shape, now, scenarios, weights, remain_ms=remain_ms, risk=risk)
+    decision = opt.decide(prev, shape, now, scenarios, weights, remain_ms=remain_ms, risk=risk, first_costs=first_costs)
     return ForecastDecision(decision, scenarios, weights)
 
 
@@ -217,7 +220,8 @@ class ShapeDecider:
         :meth:`LiveputOptimizer.set_constants`."""
         self.optimizer.set_constants(constants)
 
-    def decide(self, shape: Shape, now: Interval, *, remain_ms: float = 0.0) -> ForecastDecision:
+    def decide(self, shape: Shape, now: Interval, *, remain_ms: float = 0.0,
+               first_costs: Optional[FirstCosts] = None) -> ForecastDecision:
         """The shape of the interval ``now = (prev_n, n_in, n_out)`` about to run (see :func:`decide_with_forecast`).
 
         A decision between two planning intervals (a notice, a loss, an arrival: the runtime observes counts only
@@ -232,6 +236,7 @@ class ShapeDecider:
             shape: The current shape (``(0, 0)`` before the job runs).
             now: The interval about to run, as known at its start.
             remain_ms: Milliseconds still needed by an unfinished migration.
+            first_costs: The known cost of the move about to be made, per target (see :func:`decide_with_forecast`).
 
         Returns:
             The decision with the scenarios it was scored against.
@@ -242,4 +247,4 @@ class ShapeDecider:
             pred = copy.deepcopy(pred)
             pred.observe(after)
         return decide_with_forecast(self.optimizer, pred, shape, now, remain_ms=remain_ms,
-                                    risk=self.options.risk, levels=self.options.levels)
+                                    risk=self.options.risk, levels=self.options.levels, first_costs=first_costs)

@@ -22,7 +22,7 @@ The same :class:`LiveputOptimizer` object serves the simulator and the runtime's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,13 +30,17 @@ from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConst
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
-__all__ = ["Plan", "Decision", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
+__all__ = ["Plan", "Decision", "FirstCosts", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
 """The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
 
 FutureInterval = Tuple[int, int, int]
 """``(prev_n, n_in, n_out)`` of one future interval."""
+
+FirstCosts = Callable[[Shape], Optional[float]]
+"""The known cost (ms) of moving from the current shape to a target in the interval about to run, or ``None``
+where it is not known (the expectation over victim patterns prices that target)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,7 @@ class LiveputOptimizer:
         *,
         remain_ms: float = 0.0,
         first: Optional[Shape] = None,
+        first_costs: Optional[FirstCosts] = None,
     ) -> Plan:
         """Plan the next shape.
 
@@ -236,6 +241,9 @@ class LiveputOptimizer:
             remain_ms: Milliseconds still needed by an unfinished migration (0 if none).
             first: Force the next interval's shape (the rest of the plan is still optimized); used to score one
                 candidate decision under one scenario. It must fit the next interval's instances.
+            first_costs: The next interval's move from ``shape`` to a target, where it is known (the runtime knows
+                who leaves and who joins: :meth:`~lightning_parcae.planning.costmodel.DefaultCostModel.plan_ms`);
+                the expected cost over victim patterns prices the targets it returns ``None`` for.
 
         Returns:
             The plan.
@@ -273,6 +281,8 @@ class LiveputOptimizer:
                 shapes, thr, conc, cost = self._forced(prev_n, keys, n_in, n_out, after, first, hints)
             else:
                 cost = np.stack([self.transition_costs(prev_n, k[0], n_in, n_out, shapes) for k in keys])  # S x T
+            if step == 0 and first_costs is not None:
+                cost = _known_first(cost, shapes, first_costs)
             total = np.where(
                 s_status[:, None] == 1,
                 np.where(cost > 0, self.cm.overlapping_ms(s_remain[:, None], cost, conc[None, :]), s_remain[:, None]),
@@ -354,6 +364,7 @@ class LiveputOptimizer:
         *,
         remain_ms: float = 0.0,
         risk: float = 0.5,
+        first_costs: Optional[FirstCosts] = None,
     ) -> Decision:
         """Choose the next interval's shape from what is known now and a distribution of futures.
 
@@ -376,6 +387,7 @@ class LiveputOptimizer:
             weights: Probability of each scenario (default: equal); normalized.
             remain_ms: Milliseconds an unfinished migration still needs.
             risk: Standard deviations of the gain that a departure from reacting must clear.
+            first_costs: The known cost of the move about to be made, per target (see :meth:`plan`).
 
         Returns:
             The decision.
@@ -394,7 +406,7 @@ class LiveputOptimizer:
         after = n + now[1] - now[2]
         reactive = self.reactive_shape(after)
         futures = [[tuple(now)] + list(sc)[: self.look_ahead - 1] for sc in scenarios]  # type: ignore[list-item]
-        plans = [self.plan(n, shape, f, remain_ms=remain_ms) for f in futures]
+        plans = [self.plan(n, shape, f, remain_ms=remain_ms, first_costs=first_costs) for f in futures]
         cands: List[Shape] = [reactive]
         for pl in plans:
             if pl.next_shape not in cands:
@@ -405,7 +417,7 @@ class LiveputOptimizer:
         for j, (f, pl) in enumerate(zip(futures, plans)):
             for i, c in enumerate(cands):
                 values[i, j] = pl.expected_samples if c == pl.next_shape else self.plan(
-                    n, shape, f, remain_ms=remain_ms, first=c
+                    n, shape, f, remain_ms=remain_ms, first=c, first_costs=first_costs
                 ).expected_samples
         gain = values - values[0][None, :]
         mean = gain @ w
@@ -415,3 +427,15 @@ class LiveputOptimizer:
         if best == 0 or score[best] <= 0:
             return Decision(reactive, reactive, 0.0, 0.0, tuple(cands))
         return Decision(cands[best], reactive, float(mean[best]), float(std[best]), tuple(cands))
+
+
+def _known_first(cost: np.ndarray, shapes: Sequence[Shape], first_costs: FirstCosts) -> np.ndarray:
+    """``cost`` (one row: the current shape, the only source of the first interval) with the known moves in it."""
+    out = np.array(cost, dtype=float, copy=True)
+    for t, target in enumerate(shapes):
+        if target == PAUSED:
+            continue
+        known = first_costs(target)
+        if known is not None:
+            out[:, t] = float(known)
+    return out

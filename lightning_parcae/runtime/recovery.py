@@ -212,7 +212,7 @@ class Recovery:
         if existing is not None:
             return existing
         old = self.state.layout
-        shape = self.shapes.choose(len(old.members), len(alive), observe=False)
+        shape = self.shapes.choose(len(old.members), len(alive), observe=False, available=alive, senders=alive)
         if shape is None:
             return self.propose_fallback(step, f"{reason}: no shape fits {len(alive)}", generation=target,
                                          min_instances=self.shapes.fewest_instances(len(alive)))

@@ -35,7 +35,7 @@ from lightning_parcae.planning.measured import (
 )
 from lightning_parcae.planning.policy import DecisionOptions, ShapeDecider, ends_hold, hold_after
 from lightning_parcae.planning.migration_plan import StageLostError, plan_migration
-from lightning_parcae.planning.shape_optimizer import PAUSED, Decision, LiveputOptimizer
+from lightning_parcae.planning.shape_optimizer import PAUSED, Decision, FirstCosts, LiveputOptimizer
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator, booting_key
@@ -240,13 +240,19 @@ class ShapeChooser:
         else:
             t.phase, t.since = "returning", None
 
-    def choose(self, n_now: int, n_next: int, observe: bool) -> Optional[Shape]:
+    def choose(self, n_now: int, n_next: int, observe: bool, *, available: Optional[Sequence[str]] = None,
+               senders: Optional[Sequence[str]] = None) -> Optional[Shape]:
         """Next shape: the liveput optimizer over the known next interval and the predicted ones after it.
 
         Args:
             n_now: Instances the job has now (members + live standbys, including any under notice or just lost).
             n_next: Instances it will have for the next interval (notices and losses removed).
             observe: This is a planning interval: record ``n_next`` in the availability history.
+            available: The processes the next generation is drawn from, in the order the migration plan takes
+                them (``n_next`` of them): the move to each candidate is then priced by the plan the leader would
+                make (:meth:`_known_moves`), not by an expectation over which members leave.
+            senders: The old members that can still send state (default: every old member -- a noticed leaver
+                hands its state over; after a loss only the survivors).
         """
         s = self.host
         assert self.state.layout is not None and self.coord is not None
@@ -291,13 +297,15 @@ class ShapeChooser:
             # the simulator's parcae policy, literally: the interval about to run is known (notices are in, losses
             # seen, standbys counted); only the intervals after it are forecast, as quantile scenarios
             now = (n_now, max(0, n_next - n_now), max(0, n_now - n_next))
+            first_costs = None
             if self.config.policy == "reactive":
                 # the baseline: the throughput-best shape for the count about to run, no plan, no forecast (the
                 # simulator's live-reactive policy makes this very call)
                 shape = decider.optimizer.reactive_shape(n_next)
                 decision, scenarios, median = Decision(shape, shape, 0.0, 0.0, (shape,)), [], []
             else:
-                decision, scenarios, weights = decider.decide(cur, now)
+                first_costs = self._known_moves(decider, available, senders)
+                decision, scenarios, weights = decider.decide(cur, now, first_costs=first_costs)
                 shape = decision.next_shape
                 median = scenarios[len(scenarios) // 2] if scenarios else []
             # how long the forecast keeps this count: the time an exploration's gain can pay back in
@@ -310,7 +318,8 @@ class ShapeChooser:
                                       "expected_gain": float(decision.expected_gain),
                                       "gain_std": float(decision.gain_std), "scenarios": len(scenarios)}
             if shape != PAUSED:
-                plan = self._optimizer.plan(n_now, cur, [now, *median][: self.config.look_ahead], first=shape)
+                plan = self._optimizer.plan(n_now, cur, [now, *median][: self.config.look_ahead], first=shape,
+                                            first_costs=first_costs)
                 self.stats["liveput"] = float(plan.expected_samples)
         except Exception as exc:  # noqa: BLE001 -- planning must never stop training: keep a fitting shape
             log.warning("liveput planning failed (%s); taking the fastest shape that fits", exc)
@@ -377,6 +386,48 @@ class ShapeChooser:
         self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
                                     "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
         return shape
+
+    def _known_moves(self, decider: ShapeDecider, available: Optional[Sequence[str]],
+                     senders: Optional[Sequence[str]]) -> Optional[FirstCosts]:
+        """The price of the move to each candidate shape, from the migration plan the leader would make now.
+
+        The leader knows who leaves (the noticed members, or the lost ones) and who joins (the ready standbys), so
+        the interval about to run needs no expectation over victim patterns: each candidate's move is the plan
+        :meth:`decide` would propose for it (same layout, order, partition and layer bytes), priced by the cost
+        model (:meth:`~lightning_parcae.planning.costmodel.DefaultCostModel.plan_ms`). A target whose plan loses
+        a stage, or a cost model without constants, is left to the expectation (``None``).
+
+        Regression (issue 21, stop 49, 0.25 Gbps replay of lh_80_90 at N = 32): at a notice for five of 4x8's
+        members the expectation took the victims from the last replicas and priced 4x8 -> 4x6 at 26.0 s (a peak of
+        559 kB); the plan with the real leavers moved 457 kB and took 16.4 s. Against the dearer price the
+        optimizer chose 1x26 (24 samples/s, where 4x6 ran 38) and the run fell behind live-reactive.
+        """
+        cm = decider.optimizer.cm
+        old = self.state.layout
+        if available is None or old is None or not isinstance(cm, DefaultCostModel):
+            return None
+        avail, send = list(available), list(old.members if senders is None else senders)
+        layer_bytes = self.records.layer_bytes()
+        partitions: dict[int, list[int]] = {}
+        prices: dict[Shape, Optional[float]] = {}
+
+        def price(target: Shape) -> Optional[float]:
+            if target not in prices:
+                if target[0] * target[1] > len(avail):
+                    prices[target] = None
+                else:
+                    p = target[1]
+                    if p not in partitions:
+                        partitions[p] = self.partition_for(p)
+                    try:
+                        plan = plan_migration(old, avail, target, partitions[p], layer_bytes, senders=send)
+                    except (StageLostError, ConfigurationError):
+                        prices[target] = None
+                    else:
+                        prices[target] = cm.plan_ms(plan)
+            return prices[target]
+
+        return price
 
     def _returning(self, shape: Shape, measured: MeasuredThroughput) -> bool:
         """Whether ``shape`` is the way back from a lost try: the shape the try left, measured faster than the
@@ -750,7 +801,7 @@ class ShapeChooser:
         staying = [m for m in old.members if m not in leaving]
         avail = staying + standbys
         cur = (old.data_parallel, old.pipeline_stages)
-        shape = self.choose(len(old.members) + len(standbys), len(avail), observe=not leaving)
+        shape = self.choose(len(old.members) + len(standbys), len(avail), observe=not leaving, available=avail)
         self.save_profile(every_s=PROFILE_EVERY_S)
         requested = self.requested_shape(len(avail))
         if requested is not None:
