@@ -915,3 +915,35 @@ def test_without_the_members_that_leave_the_move_is_priced_by_the_expectation() 
     ch.choose(12, 12, observe=True)
     assert ch._known_moves(ch._decider, None, None) is None  # type: ignore[arg-type]
     assert ch.choose(12, 10, observe=True) == (2, 4)
+
+
+def test_a_hold_the_decision_takes_back_is_left_at_once_not_settled_in() -> None:
+    """Regression (issue 21, stop 49, 0.25 Gbps replay of lh_80_90 at N = 32): a notice sent the job to 1x26, a
+    hold the forecast chose over the reactive 4x6; the count then settled at 26, the decision took the hold back
+    for 4x6 -- and the settle rule (no leaving a shape within two intervals of entering it unless measured
+    slower) kept 1x26 for 32 s more at 24 samples/s where 4x6 ran 38: 1x26 had four steps, not yet "measured".
+    A hold was never entered for its throughput, so settling in it is what the rule exists to stop; ending it is
+    exempt, as it is from the veto's margin. Here 1x4, just entered, with a fit that prefers 2x2: entered for its
+    throughput the job settles; entered as a hold it moves to 2x2 at once (``hold_over``, no ``settle``)."""
+    def just_entered(held: bool, events: list) -> ShapeChooser:
+        host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
+        ch = _chooser(host, _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10),
+                      _config(look_ahead=12, interval_s=5.0, max_instances=4), events,
+                      coord=Coordinator(dist.HashStore()))
+        model = ch.model()
+        assert model is not None
+        for _ in range(10):
+            model.record(1, 4, model.prior.step_ms(1, 4))
+        if held:
+            ch._held = (1, 4)  # what hold_after leaves after a departing decision entered 1x4
+        ch.mark_step(0, 7)  # generation 0's first step boundary: just entered
+        return ch
+
+    events: list = []
+    assert just_entered(False, events).choose(4, 4, observe=True) == (1, 4)
+    assert [name for name, _ in events] == ["settle"]
+    events.clear()
+    ch = just_entered(True, events)
+    assert ch.choose(4, 4, observe=True) == (2, 2)
+    assert not ch.stats["decision"]["departs"]
+    assert [name for name, _ in events] == ["hold_over"]
