@@ -292,12 +292,59 @@ def _after(res: Any, startup_s: float) -> float:
     return float(res.samples - before)
 
 
+FITTED = ("group_base_ms", "group_per_process_ms", "bandwidth_bytes_per_s", "transfer_latency_ms")
+"""The migration constants a leader's ``migration_costs`` event reports (what it refits after each migration)."""
+
+
+def constants_schedule(ev: list[dict[str, Any]], intervals: int, wall_interval: float, base: Any,
+                       clock: Optional[str] = None) -> list[Any]:
+    """The migration constants a run's leader priced each interval's decision with, from its events.
+
+    Interval k (from the segment's start) gets the constants of the last ``migration_costs`` event before it
+    starts; before the first, the ``prior_profile``'s (when the run had one and could read it) or the runtime's
+    loopback constants. Fields a leader does not refit (join, restart, bytes per parameter) are ``base``'s (the
+    profile's). Regression (issue 21, stop 49, hl_15_25 at 0.25 Gbps): the forecast priced the whole run at its
+    last fit (9.6 kB/s) where the leader had decided its first moves at faster ones, and forecast the run at 0.86
+    of what it trained.
+    """
+    from lightning_parcae.errors import ConfigurationError  # noqa: PLC0415
+    from lightning_parcae.runtime.prior import read_prior_profile  # noqa: PLC0415
+    from lightning_parcae.runtime.shape_choice import RUNTIME_CONSTANTS  # noqa: PLC0415
+
+    def fitted(src: Any) -> Any:
+        get = src.get if isinstance(src, dict) else lambda k: getattr(src, k)
+        return replace(base, **{k: float(get(k)) for k in FITTED})
+
+    start = segment_start(ev, clock)
+    first = fitted(RUNTIME_CONSTANTS)
+    prior = next((e for e in ev if e.get("event") == "prior_profile" and not e.get("error")), None)
+    # the file is the event's ``profile`` (before stop 50 its ``source``, which hid the emitter's name)
+    path = None if prior is None else prior.get("profile") or prior.get("source")
+    if path and path not in ("elastic", "worker", "launcher"):
+        try:
+            first = fitted(read_prior_profile(str(path)).constants)
+        except ConfigurationError:
+            pass  # the prior is gone: the loopback constants are the best guess left
+    fits = sorted((float(e["time"]), fitted(e)) for e in ev if e.get("event") == "migration_costs"
+                  and all(k in e for k in FITTED))
+    out, cur, j = [], first, 0
+    for k in range(intervals):
+        t = (start or 0.0) + k * wall_interval
+        while j < len(fits) and fits[j][0] <= t:
+            cur = fits[j][1]
+            j += 1
+        out.append(cur)
+    return out
+
+
 def forecast(profile_path: Path, schedule: list[int], wall_interval: float, startup_s: float,
              restart_s: Optional[float], n_min: int, pipeline_stages: int = 2,
              restart_startup_s: Optional[float] = None, join_delay_s: float = 0.0,
-             launch_s: Optional[float] = None) -> dict[str, float]:
+             launch_s: Optional[float] = None, constants: Optional[dict[str, list[Any]]] = None) -> dict[str, float]:
     """The simulator's forecast of each policy from the Parcae run's fitted profile (``restart_s``: a relaunch of a
-    training generation, its stop included; ``launch_s``: a relaunch while nothing trains)."""
+    training generation, its stop included; ``launch_s``: a relaunch while nothing trains; ``constants``: per
+    in-place policy, the migration constants of each interval (:func:`constants_schedule`), else the profile's
+    last fit prices the whole run)."""
     from lightning_parcae.planning.measured import load_cost_model  # noqa: PLC0415
     from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
     from lightning_parcae.signals.traces import from_counts, usable_counts  # noqa: PLC0415
@@ -320,8 +367,16 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
     iv_live = [(x.prev_n, x.n_in, x.n_out) for x in usable]
     # the in-place policies price only their migrations: the job's own start-up (nothing trains before it) is
     # charged here (regression: without it the forecast of every in-place run was ~1.5 start-ups of samples high)
-    out = {"parcae": _after(run_policy("parcae", cm, iv_live, wall_interval, look_ahead=12), startup_s),
-           "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval), startup_s)}
+    constants = constants or {}
+
+    def priced(pol: str) -> Optional[list[Any]]:
+        sched = constants.get(pol)
+        return None if sched is None else [replace(c, restart_ms=0.0, checkpoint_ms=0.0) for c in sched]
+
+    out = {"parcae": _after(run_policy("parcae", cm, iv_live, wall_interval, look_ahead=12,
+                                       constants=priced("parcae")), startup_s),
+           "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval,
+                                         constants=priced("reactive")), startup_s)}
     cm_r = load_cost_model("default", profile_path=str(profile_path))
     cm_r.c = replace(cm_r.c, restart_ms=1000.0 * (restart_s if restart_s is not None else startup_s), checkpoint_ms=0.0)
     # the launcher's restart fallback: P fixed at the run's --pipeline-stages, every change relaunches, a change
@@ -355,11 +410,29 @@ def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) ->
     else:  # no relaunch reached a step: the whole losses, or (none measured) what the launch's start-up took
         restart_s = statistics.mean(lost) if lost else r["runs"].get("parcae", {}).get("startup_s")
     r["join_delay_s"] = _join_delay(seg_dir)
-    r["forecast"] = forecast(seg_dir / "parcae" / "profile.json", r["schedule"], wall_interval,
-                             counted_startup(r["runs"].get("parcae", {})), restart_s, r["n_min"],
-                             pipeline_stages=int(r.get("pipeline_stages", 2)),
-                             restart_startup_s=counted_startup(restart) if restart else None,
-                             join_delay_s=r["join_delay_s"], launch_s=launch_s)
+    args = dict(pipeline_stages=int(r.get("pipeline_stages", 2)),
+                restart_startup_s=counted_startup(restart) if restart else None,
+                join_delay_s=r["join_delay_s"], launch_s=launch_s)
+    profile = seg_dir / "parcae" / "profile.json"
+    startup = counted_startup(r["runs"].get("parcae", {}))
+    # each in-place run forecast with the constants its leader priced each interval with (its events), and, for
+    # comparison, the whole run at the profile's last fit (what the forecast did until stop 50)
+    from lightning_parcae.planning.measured import load_cost_model  # noqa: PLC0415
+
+    base = load_cost_model("default", profile_path=str(profile)).c
+    schedules = {}
+    for pol in ("parcae", "reactive"):
+        ev = read_events(seg_dir / pol)
+        if any(e.get("event") == "migration_costs" for e in ev):
+            schedules[pol] = constants_schedule(ev, len(r["schedule"]), wall_interval, base,
+                                                r["runs"].get(pol, {}).get("clock"))
+    r["forecast"] = forecast(profile, r["schedule"], wall_interval, startup, restart_s, r["n_min"],
+                             constants=schedules, **args)
+    if schedules:
+        end = forecast(profile, r["schedule"], wall_interval, startup, restart_s, r["n_min"], **args)
+        r["forecast_end_constants"] = {pol: end[pol] for pol in schedules}
+    else:
+        r.pop("forecast_end_constants", None)
 
 
 def counted_startup(run: dict[str, Any]) -> float:
@@ -568,6 +641,8 @@ def markdown(results: dict[str, Any]) -> str:
         "Each segment starts " + ("at the first training step (`--trace-clock first-step`): start-up is outside it "
                                   "and not counted; a relaunch's is" if results.get("trace_clock") == "first-step"
                                   else "at the launch: start-up is inside it") + ".", "",
+        "Forecasts of the in-place runs price each interval with the migration constants the run's leader had then "
+        "(its `migration_costs` events); in brackets, the whole run at its last fit.", "",
         "| segment | policy | samples | vs ideal | forecast | forecast / measured | start-up s | migrations | time lost s by kind |",
         "|---|---|---|---|---|---|---|---|---|"]
     for seg, r in results["segments"].items():
@@ -575,6 +650,9 @@ def markdown(results: dict[str, Any]) -> str:
         for pol, s in r["runs"].items():
             fc = r.get("forecast", {}).get(pol)
             ratio = f"{fc / s['samples']:.2f}" if fc and s["samples"] else "-"
+            end = r.get("forecast_end_constants", {}).get(pol)
+            if end and s["samples"]:
+                ratio += f" ({end / s['samples']:.2f})"
             lost = ", ".join(f"{k} {v:.1f}" for k, v in s["lost_s"].items() if v) or "0"
             migs = ", ".join(f"{k} {v}" for k, v in s["migrations"].items()) or "-"
             if s.get("explorations"):
@@ -610,9 +688,11 @@ def print_table(results: dict[str, Any]) -> None:
         for pol, s in r["runs"].items():
             fc = r.get("forecast", {}).get(pol)
             ideal = r.get("ideal_after_startup") or 0
+            end = r.get("forecast_end_constants", {}).get(pol)
+            end_ratio = f" (end {end / s['samples']:.2f})" if end and s["samples"] else ""
             print(f"{seg:9} {pol:9} {s['samples']:8d}  {s['samples'] / ideal if ideal else 0:7.1%}  "
-                  f"{fc or 0:8.0f}  {fc / s['samples'] if fc and s['samples'] else 0:6.2f}  {s['startup_s']:7.1f}  "
-                  f"{s['lost_s']}")
+                  f"{fc or 0:8.0f}  {fc / s['samples'] if fc and s['samples'] else 0:6.2f}{end_ratio}  "
+                  f"{s['startup_s']:7.1f}  {s['lost_s']}")
         checks = r["runs"].get("parcae", {}).get("shape_check", [])
         if checks:
             print(f"{seg:9} parcae shapes vs best static for N: " + ", ".join(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -106,3 +106,37 @@ def test_a_relaunch_is_measured_as_a_launch_and_a_stop_apart() -> None:
     ]
     parts = bench_replay.relaunch_parts(ev)
     assert parts == {"relaunch_launch_s": [21.0], "relaunch_stop_s": [4.5, 5.0]}
+
+
+@pytest.mark.parametrize("with_prior", [None, "profile", "source"])
+def test_each_interval_is_forecast_with_the_constants_its_leader_had_then(clock, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                            with_prior: Optional[str]) -> None:
+    """Regression (issue 21, stop 49, hl_15_25 at 0.25 Gbps): the forecast priced a whole run at the constants its
+    leader had fitted by the end (9.6 kB/s), though the leader had decided -- and its first moves had run -- at
+    faster ones; it forecast the run at 0.86 of what it trained. The schedule gives interval k the constants of
+    the last ``migration_costs`` event before it starts; before the first, the prior profile's (if the run had
+    one) or the runtime's loopback constants; fields a leader does not refit come from the profile."""
+    import json  # noqa: PLC0415
+
+    from lightning_parcae.planning.costmodel import MigrationConstants  # noqa: PLC0415
+    from lightning_parcae.planning.measured import PROFILE_FORMAT  # noqa: PLC0415
+    from lightning_parcae.runtime.shape_choice import RUNTIME_CONSTANTS  # noqa: PLC0415
+
+    clock("first-step")
+    ev = _run(10.0)  # the segment starts at t = 110
+    if with_prior:
+        prior = tmp_path / "profile.json"
+        prior.write_text(json.dumps({"format": PROFILE_FORMAT, "migration_constants": dict(vars(MigrationConstants(
+            bandwidth_bytes_per_s=5e4, group_base_ms=900.0)))}))
+        # the event names the file ``profile`` (stop 49's runs: ``source``, which hid the emitter's name)
+        ev.insert(1, {"source": "elastic", "event": "prior_profile", "time": 104.0, with_prior: str(prior)})
+    fit = {"group_base_ms": 2000.0, "group_per_process_ms": 1.0, "bandwidth_bytes_per_s": 9.6e3,
+           "transfer_latency_ms": 50.0}
+    ev.append({"event": "migration_costs", "time": 125.5, "migrations": 3, **fit})  # during interval 3 (5 s each)
+    base = MigrationConstants(join_ms=777.0)
+    sched = bench_replay.constants_schedule(ev, 6, 5.0, base)
+    assert len(sched) == 6 and all(c.join_ms == 777.0 for c in sched)
+    first = 5e4 if with_prior else RUNTIME_CONSTANTS.bandwidth_bytes_per_s
+    assert [c.bandwidth_bytes_per_s for c in sched] == [first] * 4 + [9.6e3] * 2
+    assert sched[0].group_base_ms == (900.0 if with_prior else RUNTIME_CONSTANTS.group_base_ms)
+    assert sched[4].group_base_ms == 2000.0 and sched[5].transfer_latency_ms == 50.0

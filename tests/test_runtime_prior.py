@@ -56,6 +56,8 @@ def test_a_first_move_is_priced_by_the_earlier_runs_migration_costs(tmp_path: Pa
     assert primed.choose(4, 4, observe=True) == (1, 4)
     (ev,) = [kw for name, kw in events if name == "prior_profile"]
     assert ev["shapes"] == ["1,4", "2,2"] and ev["step_times_not_used"] is None
+    # the file is the event's ``profile``: a ``source`` field would replace the emitter's name in events.jsonl
+    assert ev["profile"] == str(prior) and "source" not in ev
 
 
 def test_another_jobs_prior_gives_its_migration_costs_but_not_its_step_times(tmp_path: Path) -> None:

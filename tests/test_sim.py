@@ -510,3 +510,36 @@ def test_live_policies_keep_the_runtimes_veto_over_a_measured_profile(policy: st
     assert near.shapes == [(2, 2)] * 6  # 5 % faster: under the margin, no move
     clear = run_policy(policy, _measured_cm(0.3), intervals, 60.0)
     assert clear.shapes[:2] == [(2, 2)] * 2 and clear.shapes[-1] == (2, 3)
+
+
+def test_constants_per_interval_price_each_decision_and_move_as_the_runs_leader_did() -> None:
+    """Regression (issue 21, stop 49, 0.25 Gbps replay of hl_15_25): the forecast priced the whole run at the
+    constants its leader had fitted by the end (9.6 kB/s), though its first moves had been priced and had run at
+    faster ones, and forecast the run at 0.86 of what it trained. With ``constants`` (one entry per interval, None:
+    unchanged) a move is priced -- and the decision made -- with the constants in effect at its interval; the cost
+    model has its own constants back afterwards. Here a job whose state link turns slow at interval 3: the moves
+    before are priced fast, the later ones slow, and ``parcae`` stops moving back to 3x2 once a move cannot pay
+    back within its look-ahead."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from lightning_parcae.planning.costmodel import MigrationConstants  # noqa: PLC0415
+
+    table = {(1, 2): 20.0, (2, 2): 40.0, (1, 4): 30.0, (3, 2): 55.0, (1, 3): 25.0, (2, 3): 50.0, (1, 5): 32.0,
+             (1, 6): 33.0}
+    fast = MigrationConstants(bandwidth_bytes_per_s=1e7, transfer_latency_ms=0.0, group_base_ms=10.0,
+                              group_per_process_ms=0.0, join_ms=0.0, restart_ms=0.0, checkpoint_ms=0.0)
+    slow = replace(fast, bandwidth_bytes_per_s=3e3)
+    cm = DefaultCostModel(TableThroughput(table, 12), [1e4] * 12, fast, preemption_notice=True)
+    iv = [(0, 4, 0), (4, 0, 0), (4, 2, 0), (6, 0, 0), (6, 0, 1), (5, 1, 0), (6, 0, 0), (6, 0, 0)]
+    turn = [None, None, None, slow, None, None, None, None]
+    live = run_policy("live-reactive", cm, iv, 60.0, constants=turn)
+    assert cm.c == fast  # given back
+    stage_bytes = 6 * 1e4 * 12  # a stage of 3x2: 6 layers of 1e4 parameters, 12 bytes each
+    assert live.cost_ms[2] == pytest.approx(10.0 + 1000.0 * stage_bytes / fast.bandwidth_bytes_per_s)  # still fast
+    assert live.cost_ms[5] == pytest.approx(10.0 + 1000.0 * stage_bytes / slow.bandwidth_bytes_per_s)  # slow
+    assert live.samples < run_policy("live-reactive", cm, iv, 60.0).samples
+    assert run_policy("parcae", cm, iv, 60.0).shapes[5:] == [(3, 2)] * 3
+    assert run_policy("parcae", cm, iv, 60.0, constants=turn).shapes[4:] == [(2, 2)] * 4
+    assert run_policy("parcae", cm, iv, 60.0, constants=[fast] * 8).samples == run_policy("parcae", cm, iv, 60.0).samples
+    with pytest.raises(ConfigurationError, match="migration constants"):
+        run_policy("parcae", ArtifactCostModel("gpt-1.5b"), iv, 60.0, constants=turn)

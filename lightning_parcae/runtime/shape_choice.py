@@ -562,12 +562,12 @@ class ShapeChooser:
             prior = read_prior_profile(src)
         except ConfigurationError as exc:
             log.warning("%s; starting from the runtime's loopback migration constants", exc)
-            self.event("prior_profile", source=src, error=str(exc))
+            self.event("prior_profile", profile=src, error=str(exc))
             return None
         shapes, mismatch = prior.step_times_for(self.host.global_batch, self.host.micro_batches,
                                                   model.layer_bytes or [])
         c = prior.constants
-        self.event("prior_profile", source=src, shapes=sorted(shapes), step_times_not_used=mismatch,
+        self.event("prior_profile", profile=src, shapes=sorted(shapes), step_times_not_used=mismatch,
                    bandwidth_bytes_per_s=round(c.bandwidth_bytes_per_s, 1),
                    transfer_latency_ms=round(c.transfer_latency_ms, 1), group_base_ms=round(c.group_base_ms, 1))
         return {"shapes": shapes, "migration_constants": dict(vars(c))}

@@ -41,6 +41,12 @@ decision takes back is left unless the target measured slower. Regression (issue
 lh_80_90): the runtime's reactive stayed in 4x6 on 28-31 instances (4x7 measured 6.8 % faster: under the margin)
 while the simulator's moved to 4x7 and back for 33 s and 30 s of repartitions, and forecast reactive 17 % low.
 
+Option ``constants`` (``parcae``, ``parcae-oracle``, ``live-reactive``; a cost model with migration constants): one
+entry per interval, the :class:`~lightning_parcae.planning.costmodel.MigrationConstants` the decision and the
+interval's move are priced with from that interval on (``None``: unchanged) -- a replayed run's leader refits its
+constants after each migration, so a forecast of that run can price each decision as the leader did rather than
+the whole run at its last fit. The cost model gets its own constants back when the policy ends.
+
 The ``parcae`` decision is :class:`~lightning_parcae.planning.policy.ShapeDecider`, the very object (optimizer,
 predictor factory, options) the runtime's ``ShapeChooser`` decides with; the cost model is the runtime's kind.
 """
@@ -51,7 +57,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from lightning_parcae.planning.costmodel import MigrationCostModel, Shape, ThroughputModel
+from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape, ThroughputModel
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
 from lightning_parcae.planning.shape_optimizer import PAUSED, fit_shape, settle
@@ -288,6 +294,7 @@ def _liveput(
     max_instances: Optional[int] = None,
     risk: float = 0.5,
     levels: Sequence[float] = LEVELS,
+    constants: Optional[Sequence[Optional[MigrationConstants]]] = None,
     **_: object,
 ) -> PolicyResult:
     res = PolicyResult("live-reactive" if reactive else "parcae-oracle" if oracle else "parcae", interval_s)
@@ -295,14 +302,35 @@ def _liveput(
     options = DecisionOptions(look_ahead=look_ahead, predictor=predictor if forecast else None,
                               max_instances=max_instances, risk=risk, levels=levels)
     decider = ShapeDecider(cm, interval_s=interval_s, options=options)
-    opt = decider.optimizer
     acct = _Accountant(cm, 1000.0 * interval_s)
-    shape: Shape = (0, 0)
     # with a measured profile (a run's profile.json) the live policies keep the leader's veto, as the runtime does
     # for both: no move to a shape not measured faster by the margin while the current one still fits
     vetoes = None if oracle else getattr(cm.throughput, "vetoes", None)
+    original = getattr(cm, "c", None)
+    if constants is not None and not isinstance(original, MigrationConstants):
+        raise ConfigurationError(f"constants per interval need a cost model with migration constants; "
+                                 f"{type(cm).__name__} has none: use the default cost model (a run's profile.json)")
+    try:
+        _walk_liveput(res, cm, intervals, decider, acct, oracle=oracle, reactive=reactive, look_ahead=look_ahead,
+                      vetoes=vetoes, constants=constants)
+    finally:
+        if constants is not None and cm.c != original:  # type: ignore[attr-defined]
+            decider.set_constants(original)  # type: ignore[arg-type]
+    return res
+
+
+def _walk_liveput(res: PolicyResult, cm: MigrationCostModel, intervals: Intervals, decider: ShapeDecider,
+                  acct: "_Accountant", *, oracle: bool, reactive: bool, look_ahead: int,
+                  vetoes: Optional[Callable[..., bool]],
+                  constants: Optional[Sequence[Optional[MigrationConstants]]]) -> None:
+    """The interval loop of :func:`_liveput` (see there)."""
+    opt = decider.optimizer
+    shape: Shape = (0, 0)
     held: Optional[Shape] = None  # the shape the last departing decision chose over the throughput-best one
     for i, (prev, n_in, n_out) in enumerate(intervals):
+        if constants is not None and i < len(constants) and constants[i] is not None and \
+                constants[i] != cm.c:  # type: ignore[attr-defined]
+            decider.set_constants(constants[i])  # type: ignore[arg-type]
         after = prev + n_in - n_out
         t0 = time.perf_counter()
         decision = None
@@ -337,7 +365,6 @@ def _liveput(
             work_ms, lost = acct.step(cost, target)
             _record(res, after, target, cm.throughput.throughput(*target) * work_ms / 1000.0, cost, lost)
         shape = target
-    return res
 
 
 POLICIES: Dict[str, Callable[..., PolicyResult]] = {
