@@ -29,7 +29,10 @@ best shape per instance count for the "chosen shape within 10 % of the best" che
 Forecasts: ``parcae`` and ``reactive`` -- the simulator's ``parcae`` (look-ahead 12) and ``live-reactive`` policies; ``restart`` --
 its ``throughput`` policy (best shape after every event, paying a restart); ``static`` -- the profile's best
 measured throughput at N_min; all from the Parcae run's ``profile.json`` with the restart cost fitted from the
-restart run (``restart_done.lost_s``) and the start-up measured in each run.
+restart run (``restart_done.lost_s``) and the start-up measured in each run. The in-place forecasts price each
+interval with the migration constants that run's leader had then (its ``migration_costs`` events:
+:func:`constants_schedule`); ``forecast_end_constants`` in ``results.json`` (in brackets in the table) prices the
+whole run at the profile's last fit, as the forecast did until stop 50.
 
     nice -n 5 python benchmarks/bench_replay.py --time-scale 60 --out docs/evidence
     nice -n 5 python benchmarks/bench_replay.py --segments hh_55_65,lh_80_90 --policies parcae,reactive
