@@ -21,8 +21,11 @@ standbys), solved *lexicographically* so ties are broken exactly and determinist
 6. earlier members of ``available``, and earlier members in lower ranks.
 
 Each phase keeps only the edges that are tight under an optimal dual of the previous phase, so the next phase
-chooses among exactly the previous phase's optimal assignments. Every source of a transfer is then picked
-greedily: the eligible sender with the fewest bytes assigned so far.
+chooses among exactly the previous phase's optimal assignments. Every source of a transfer is then picked to keep
+the busiest sender's bytes low -- what a member receives is fixed by its slot, what it sends is not, and transfers
+run in parallel, so the most one process sends or receives is what a migration's time grows with: the most
+constrained transfers first, each from the eligible sender with the fewest bytes so far, then transfers moved off
+the busiest sender while another holder can take one and stay below it.
 
 Plain Python + numpy + scipy; no torch. The runtime executes a :class:`MigrationPlan`; it never plans.
 """
@@ -572,12 +575,45 @@ def _transfers(
             stages=stages,
         )
     order = {m: i for i, m in enumerate(send)}
+    eligible = [[m for m in old.holders(layer) if m in order] for _, layer in needed]
     load = {m: 0 for m in send}
     count = {m: 0 for m in send}
-    out: list[Transfer] = []
-    for dst, layer in needed:
-        src = min((m for m in old.holders(layer) if m in order), key=lambda m: (load[m], count[m], order[m]))
-        load[src] += nbytes[layer]
-        count[src] += 1
-        out.append(Transfer(layer=layer, src=src, dst=dst, nbytes=nbytes[layer]))
-    return tuple(out)
+    src: list[str] = [""] * len(needed)
+    # the most constrained transfers first (fewest eligible senders), the largest among them first, each from the
+    # eligible sender with the fewest bytes so far (then fewest transfers, then ``send`` order)
+    for i in sorted(range(len(needed)), key=lambda i: (len(eligible[i]), -nbytes[needed[i][1]], i)):
+        m = min(eligible[i], key=lambda m: (load[m], count[m], order[m]))
+        src[i] = m
+        load[m] += nbytes[needed[i][1]]
+        count[m] += 1
+    _unload_busiest(src, eligible, [nbytes[layer] for _, layer in needed], load, order)
+    return tuple(Transfer(layer=layer, src=src[i], dst=dst, nbytes=nbytes[layer])
+                 for i, (dst, layer) in enumerate(needed))
+
+
+def _unload_busiest(src: list[str], eligible: Sequence[Sequence[str]], size: Sequence[int], load: dict[str, int],
+                    order: Mapping[str, int]) -> None:
+    """Move transfers off the busiest sender while one can go to another eligible sender that stays below it.
+
+    The time of a migration is the most one process sends or receives (transfers run in parallel); what each
+    member receives is fixed by the slots, what each sends is chosen here. Regression (issue 21, stop 50): the
+    greedy pass alone, taking transfers receiver by receiver, sent two layers from one holder of 4x6 -> 4x7 on the
+    emulated GPT-1.5B (305 kB) where every receiver got at most 255 kB, and one holder each could send it; that
+    move took 16-24 s on the 0.25 Gbps link. Each move strictly lowers the busiest sender's load or the number of
+    senders at that load, so the loop ends; it is bounded anyway.
+    """
+    for _ in range(len(src) * max(len(load), 1)):
+        top = max(load, key=lambda m: (load[m], -order[m]))
+        moved = False
+        for i in (i for i, m in enumerate(src) if m == top):
+            for m in sorted(eligible[i], key=lambda m: (load[m], order[m])):
+                if m != top and load[m] + size[i] < load[top]:
+                    load[top] -= size[i]
+                    load[m] += size[i]
+                    src[i] = m
+                    moved = True
+                    break
+            if moved:
+                break
+        if not moved:
+            return
