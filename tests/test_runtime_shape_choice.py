@@ -215,6 +215,20 @@ def test_a_new_standby_costs_the_leader_no_wait_and_a_still_heartbeat_is_never_c
     assert chooser._fresh_standbys() == ["b"]
 
 
+def _1x4_measured(events: list, interval_s: float) -> ShapeChooser:
+    """A 1x4 job of ten layers on 4 instances with ten steps of 1x4 measured at the prior's time (its fit prefers
+    2x2)."""
+    host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
+    ch = _chooser(host, _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10),
+                  _config(look_ahead=12, interval_s=interval_s, max_instances=4), events,
+                  coord=Coordinator(dist.HashStore()))
+    model = ch.model()
+    assert model is not None
+    for _ in range(10):
+        model.record(1, 4, model.prior.step_ms(1, 4))
+    return ch
+
+
 def test_a_shape_is_not_left_within_two_intervals_of_entering_it_unless_measured_slower() -> None:
     """Regression (issue 21, bench_scale N=16, no trace): the leader explored 3x3 and left it for 2x4 3.4 s later
     (under two planning intervals), before 3x3 had a single measurement. Here a 1x4 job whose fit prefers 2x2:
@@ -223,15 +237,7 @@ def test_a_shape_is_not_left_within_two_intervals_of_entering_it_unless_measured
     import time
 
     def chooser(events: list) -> ShapeChooser:
-        host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
-        ch = _chooser(host, _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10),
-                      _config(look_ahead=12, interval_s=0.05, max_instances=4), events,
-                      coord=Coordinator(dist.HashStore()))
-        model = ch.model()
-        assert model is not None
-        for _ in range(10):
-            model.record(1, 4, model.prior.step_ms(1, 4))
-        return ch
+        return _1x4_measured(events, interval_s=0.05)
 
     events: list = []
     ch = chooser(events)
@@ -926,14 +932,7 @@ def test_a_hold_the_decision_takes_back_is_left_at_once_not_settled_in() -> None
     exempt, as it is from the veto's margin. Here 1x4, just entered, with a fit that prefers 2x2: entered for its
     throughput the job settles; entered as a hold it moves to 2x2 at once (``hold_over``, no ``settle``)."""
     def just_entered(held: bool, events: list) -> ShapeChooser:
-        host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
-        ch = _chooser(host, _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10),
-                      _config(look_ahead=12, interval_s=5.0, max_instances=4), events,
-                      coord=Coordinator(dist.HashStore()))
-        model = ch.model()
-        assert model is not None
-        for _ in range(10):
-            model.record(1, 4, model.prior.step_ms(1, 4))
+        ch = _1x4_measured(events, interval_s=5.0)
         if held:
             ch._held = (1, 4)  # what hold_after leaves after a departing decision entered 1x4
         ch.mark_step(0, 7)  # generation 0's first step boundary: just entered
