@@ -41,10 +41,15 @@ SEGMENTS = ["hh_55_65", "hl_15_25", "lh_80_90", "ll_10_11"]
 GBPS = 1.25e8  # bytes per second in one Gbit/s
 
 
+TAIL: float | None = None  # --tail: the optimizer's terminal value in intervals (None: the policy's default)
+RISK: float | None = None  # --risk: the standard deviations of gain a departure must clear (None: the default)
+
+
 def compare(cm: MigrationCostModel, intervals: Sequence[tuple[int, int, int]], interval_s: float) -> tuple[float, ...]:
     """(parcae / live-reactive, reactive's lost s, parcae's lost s, reactive's reconfigurations)."""
     reactive = run_policy("live-reactive", cm, intervals, interval_s)
-    parcae = run_policy("parcae", cm, intervals, interval_s, look_ahead=12)
+    parcae = run_policy("parcae", cm, intervals, interval_s, look_ahead=12, tail_intervals=TAIL,
+                        **({} if RISK is None else {"risk": RISK}))
     moves = sum(1 for x in reactive.lost_ms if x > 0)
     return (parcae.samples / reactive.samples, sum(reactive.lost_ms) / 1e3, sum(parcae.lost_ms) / 1e3, moves)
 
@@ -99,7 +104,19 @@ def main() -> int:
     ap.add_argument("--window-hours", type=float, default=0.5)
     ap.add_argument("--intervals", type=int, default=30, help="--segments: first K intervals (default 30)")
     ap.add_argument("--gbps", default="10,2.5,1,0.5,0.25", help="state bandwidths in Gbit/s")
+    ap.add_argument("--tail", type=float, default=None,
+                    help="parcae's terminal value: intervals after the look-ahead credited to the shape a plan ends "
+                         "in (default: the decision options' default)")
+    ap.add_argument("--risk", type=float, default=None,
+                    help="standard deviations of gain parcae's departure from reacting must clear (default: the "
+                         "decision options' default)")
     a = ap.parse_args()
+    global TAIL, RISK
+    TAIL, RISK = a.tail, a.risk
+    if RISK is not None and RISK < 0:
+        ap.error(f"--risk {a.risk}: give a number of standard deviations >= 0")
+    if TAIL is not None and TAIL < 0:
+        ap.error(f"--tail {a.tail}: give a number of intervals >= 0")
     gbps = [float(x) for x in a.gbps.split(",") if x]
     if not (a.windows or a.segments):
         ap.error("give --windows, --segments or both")

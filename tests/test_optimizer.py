@@ -456,3 +456,21 @@ def test_a_known_first_move_replaces_the_expectation_over_victims_and_only_there
     # decide() scores every candidate with the same known first move
     d = opt.decide(4, (1, 4), (4, 0, 1), [[(3, 0, 0), (3, 0, 0)]], first_costs=lambda t: 5_000.0)
     assert d.next_shape in table
+
+
+def test_a_tail_credits_the_shape_a_plan_ends_in_so_a_move_that_pays_back_after_the_horizon_is_taken() -> None:
+    """Regression (issue 21, stop 50, pass H): at 28 instances with a flat forecast, 4x6 -> 4x7 (39.6 -> 43.4
+    samples/s, 24 s to move) was worth less than staying *within the 240 s horizon* (9,364 vs 9,509 samples), so
+    the plan held 4x6 for the rest of the run. Here: 40 -> 44 samples/s for a 24 s move, 12 intervals of 20 s.
+    Without a tail the truncated horizon keeps the slower shape; with one (the terminal value) the move is taken,
+    and ``expected_samples`` still counts the horizon only."""
+    cm = ToyCost({(2, 2): 40.0, (3, 2): 44.0}, inter_ms=24_000.0)
+    flat = [(4, 2, 0)] + [(6, 0, 0)] * 11
+    bare = LiveputOptimizer(cm, interval_s=20.0, look_ahead=12).plan(4, (2, 2), flat)
+    assert bare.next_shape == (2, 2) and bare.expected_samples == pytest.approx(40.0 * 240)
+    assert bare.score == bare.expected_samples and bare.value is None
+    tail = LiveputOptimizer(cm, interval_s=20.0, look_ahead=12, tail_intervals=12).plan(4, (2, 2), flat)
+    assert tail.next_shape == (3, 2) and tail.expected_samples == pytest.approx(44.0 * (240 - 24))
+    assert tail.value == pytest.approx(44.0 * (240 - 24) + 44.0 * 240)
+    with pytest.raises(ConfigurationError, match="tail_intervals=-1"):
+        LiveputOptimizer(cm, tail_intervals=-1)

@@ -24,11 +24,13 @@ import copy
 from dataclasses import dataclass
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape
 from lightning_parcae.planning.forecast import Predictor, make_predictor
 from lightning_parcae.planning.shape_optimizer import Decision, FirstCosts, LiveputOptimizer
 
 __all__ = [
+    "DEFAULT_RISK",
     "LEVELS",
     "DecisionOptions",
     "ForecastDecision",
@@ -38,10 +40,32 @@ __all__ = [
     "hold_after",
     "make_decision_predictor",
     "paths_to_intervals",
+    "check_risk",
 ]
 
 LEVELS: Tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 """Quantile levels of the forecast's own errors; one scenario path each (equal paths merged)."""
+
+DEFAULT_RISK = 0.5
+"""Standard deviations of expected gain (over the forecast's scenarios) a departure from reacting must clear."""
+
+
+def check_risk(value: object, name: str = "risk") -> float:
+    """``value`` as a risk aversion (standard deviations of gain, >= 0).
+
+    Raises:
+        ConfigurationError: Naming the value given and what is expected.
+    """
+    try:
+        risk = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        risk = float("nan")
+    if isinstance(value, bool) or not risk >= 0 or risk == float("inf"):
+        raise ConfigurationError(f"{name}={value!r}: give the standard deviations of expected gain a departure from "
+                                 "the reactive shape must clear, a finite number >= 0 (0: follow the forecast's "
+                                 f"expectation; default {DEFAULT_RISK}; larger: depart less often)")
+    return risk
+
 
 Interval = Tuple[int, int, int]
 """``(prev_n, n_in, n_out)`` of one interval."""
@@ -58,13 +82,16 @@ class DecisionOptions:
         max_instances: Highest count a forecast may take (the cluster size; ``None``: unbounded).
         risk: Standard deviations of gain a departure from the reactive shape must clear.
         levels: Quantile levels of the forecast scenarios.
+        tail_intervals: Intervals after the horizon credited to the shape a plan ends in (the optimizer's
+            terminal value, :class:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer`).
     """
 
     look_ahead: int = 12
     predictor: Optional[str] = "persistence"
     max_instances: Optional[int] = None
-    risk: float = 0.5
+    risk: float = DEFAULT_RISK
     levels: Sequence[float] = LEVELS
+    tail_intervals: float = 0.0
 
 
 class ForecastDecision(NamedTuple):
@@ -196,7 +223,8 @@ class ShapeDecider:
     def __init__(self, cost_model: MigrationCostModel, *, interval_s: float,
                  options: DecisionOptions = DecisionOptions(), history: Iterable[int] = ()) -> None:
         self.options = options
-        self.optimizer = LiveputOptimizer(cost_model, interval_s=interval_s, look_ahead=options.look_ahead)
+        self.optimizer = LiveputOptimizer(cost_model, interval_s=interval_s, look_ahead=options.look_ahead,
+                                          tail_intervals=options.tail_intervals)
         self.predictor: Optional[Predictor] = make_decision_predictor(options)
         for n in history:
             self.observe(n)

@@ -16,6 +16,15 @@ just continues the old one); the interval then trains
 rest over. The plan maximizes expected samples at the horizon (ties: less carried-over cost). This is the
 artifact's recursion, with exact expectations instead of Monte-Carlo tables.
 
+The horizon is not the job's end. A plan that only counts samples up to it refuses every move whose payback is
+longer than what is left of it, even where the job will run the new shape for much longer: with ``tail_intervals``
+the shape a plan ends in is credited with its throughput for that many more intervals (less a migration still
+running at the horizon), as if the job kept it -- the DP's terminal value. ``tail_intervals=0`` is the artifact's
+truncated recursion. Regression (issue 21, stop 50, pass H, hl_15_25 at 0.25 Gbps): at 28 instances with a
+forecast of 28, 4x6 -> 4x7 (39.6 -> 43.4 samples/s, 24 s to move) was worth 9,364 samples over the 240 s horizon
+against 9,509 for staying, so parcae held 4x6 for the rest of the run while live-reactive moved and finished 3.9 %
+ahead.
+
 The same :class:`LiveputOptimizer` object serves the simulator and the runtime's interval callback.
 """
 
@@ -53,6 +62,8 @@ class Plan:
         expected_samples: Expected samples trained over the look-ahead if the plan is followed.
         first_cost_ms: Expected migration cost paid in the next interval.
         counts: Instance count after each planned interval.
+        value: What the plan maximized: ``expected_samples`` plus the tail credited to the shape it ends in
+            (equal to ``expected_samples`` without a tail).
     """
 
     next_shape: Shape
@@ -60,6 +71,12 @@ class Plan:
     expected_samples: float
     first_cost_ms: float
     counts: Tuple[int, ...] = field(default=())
+    value: Optional[float] = None
+
+    @property
+    def score(self) -> float:
+        """The plan's objective: ``value`` where set, else ``expected_samples``."""
+        return self.expected_samples if self.value is None else self.value
 
 
 @dataclass(frozen=True)
@@ -69,7 +86,7 @@ class Decision:
     Attributes:
         next_shape: Shape to run in the interval about to start.
         reactive: The reactive choice (best allowed shape on the instances present now).
-        expected_gain: Expected samples over the look-ahead gained by ``next_shape`` over ``reactive`` (0 when
+        expected_gain: Expected samples over the look-ahead (and the optimizer's tail) gained by ``next_shape`` over ``reactive`` (0 when
             they are the same).
         gain_std: Standard deviation of that gain over the scenarios.
         candidates: Shapes considered (the reactive one first).
@@ -118,6 +135,8 @@ class LiveputOptimizer:
         look_ahead: Default number of future intervals planned over.
         min_p: Override of the smallest pipeline depth (defaults to the throughput model's limits).
         max_p: Override of the largest pipeline depth.
+        tail_intervals: Intervals after the horizon for which the shape a plan ends in is credited with its
+            throughput (the terminal value; 0: count samples up to the horizon only, as the artifact does).
     """
 
     def __init__(
@@ -128,7 +147,11 @@ class LiveputOptimizer:
         look_ahead: int = 12,
         min_p: Optional[int] = None,
         max_p: Optional[int] = None,
+        tail_intervals: float = 0.0,
     ) -> None:
+        if not tail_intervals >= 0:
+            raise ConfigurationError(f"tail_intervals={tail_intervals}: the terminal value's length must be >= 0 "
+                                     "intervals (0: none)")
         if interval_s <= 0:
             raise ConfigurationError(f"interval_s={interval_s}: the interval must be a positive number of seconds")
         if look_ahead < 1:
@@ -141,6 +164,7 @@ class LiveputOptimizer:
         self.look_ahead = look_ahead
         self.min_p = min_p
         self.max_p = max_p
+        self.tail_ms = float(tail_intervals) * self.interval_ms
         self._cost_cache: Dict[Tuple[int, Shape, int, int, Tuple[Shape, ...]], np.ndarray] = {}
         self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
 
@@ -317,9 +341,15 @@ class LiveputOptimizer:
             frontier = new
             prev_n = after
 
-        best_key = min(frontier, key=lambda k: (-frontier[k][0], frontier[k][1], k[0][1], k[0]))
+        def value(k: Tuple[Shape, int]) -> float:
+            if not self.tail_ms or k[0] == PAUSED:
+                return frontier[k][0]
+            left = max(self.tail_ms - frontier[k][1], 0.0)  # a migration still running eats into the tail
+            return frontier[k][0] + self.thr.throughput(*k[0]) * left / 1000.0
+
+        best_key = min(frontier, key=lambda k: (-value(k), frontier[k][1], k[0][1], k[0]))
         samples, _, path, first_cost = frontier[best_key]
-        return Plan(path[0], path, samples, first_cost, tuple(counts))
+        return Plan(path[0], path, samples, first_cost, tuple(counts), value=value(best_key) if self.tail_ms else None)
 
     def _forced(
         self, n: int, keys: Sequence[Tuple[Shape, int]], n_in: int, n_out: int, after: int, first: Shape, hints: Tuple[int, ...]
@@ -416,9 +446,9 @@ class LiveputOptimizer:
         values = np.empty((len(cands), len(futures)))
         for j, (f, pl) in enumerate(zip(futures, plans)):
             for i, c in enumerate(cands):
-                values[i, j] = pl.expected_samples if c == pl.next_shape else self.plan(
+                values[i, j] = pl.score if c == pl.next_shape else self.plan(
                     n, shape, f, remain_ms=remain_ms, first=c, first_costs=first_costs
-                ).expected_samples
+                ).score
         gain = values - values[0][None, :]
         mean = gain @ w
         std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0))
