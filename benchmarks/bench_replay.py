@@ -343,11 +343,12 @@ def constants_schedule(ev: list[dict[str, Any]], intervals: int, wall_interval: 
 def forecast(profile_path: Path, schedule: list[int], wall_interval: float, startup_s: float,
              restart_s: Optional[float], n_min: int, pipeline_stages: int = 2,
              restart_startup_s: Optional[float] = None, join_delay_s: float = 0.0,
-             launch_s: Optional[float] = None, constants: Optional[dict[str, list[Any]]] = None) -> dict[str, float]:
+             launch_s: Optional[float] = None, constants: Optional[dict[str, list[Any]]] = None,
+             risk: Optional[float] = None) -> dict[str, float]:
     """The simulator's forecast of each policy from the Parcae run's fitted profile (``restart_s``: a relaunch of a
     training generation, its stop included; ``launch_s``: a relaunch while nothing trains; ``constants``: per
     in-place policy, the migration constants of each interval (:func:`constants_schedule`), else the profile's
-    last fit prices the whole run)."""
+    last fit prices the whole run; ``risk``: the parcae run's ``risk`` option, default the strategy's)."""
     from lightning_parcae.planning.measured import load_cost_model  # noqa: PLC0415
     from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
     from lightning_parcae.signals.traces import from_counts, usable_counts  # noqa: PLC0415
@@ -377,7 +378,8 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
         return None if sched is None else [replace(c, restart_ms=0.0, checkpoint_ms=0.0) for c in sched]
 
     out = {"parcae": _after(run_policy("parcae", cm, iv_live, wall_interval, look_ahead=12,
-                                       constants=priced("parcae")), startup_s),
+                                       constants=priced("parcae"), **({} if risk is None else {"risk": risk})),
+                            startup_s),
            "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval,
                                          constants=priced("reactive")), startup_s)}
     cm_r = load_cost_model("default", profile_path=str(profile_path))
@@ -415,7 +417,7 @@ def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) ->
     r["join_delay_s"] = _join_delay(seg_dir)
     args = dict(pipeline_stages=int(r.get("pipeline_stages", 2)),
                 restart_startup_s=counted_startup(restart) if restart else None,
-                join_delay_s=r["join_delay_s"], launch_s=launch_s)
+                join_delay_s=r["join_delay_s"], launch_s=launch_s, risk=r.get("risk"))
     profile = seg_dir / "parcae" / "profile.json"
     startup = counted_startup(r["runs"].get("parcae", {}))
     # each in-place run forecast with the constants its leader priced each interval with (its events), and, for
@@ -489,6 +491,9 @@ def main() -> int:
                     help="the in-place policies (parcae, reactive) start from this earlier run's profile.json "
                     "(strategy option prior_profile: its migration costs price the first moves; its step times are "
                     "taken when they are this job's). Use one of another segment: the replayed one stays unseen")
+    ap.add_argument("--risk", type=float, default=None,
+                    help="the parcae runs' strategy option risk (standard deviations of expected gain a departure from "
+                    "the reactive shape must clear; default: the strategy's); the forecast uses the same")
     ap.add_argument("--reforecast", action="store_true",
                     help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
     ap.add_argument("--combine", default=None, metavar="DIR,DIR,...",
@@ -512,6 +517,9 @@ def main() -> int:
     prior: tuple[str, ...] = ()
     if a.prior_profile:
         prior = ("--trainer.strategy.init_args.prior_profile", str(Path(a.prior_profile).resolve()))
+    if a.risk is not None and not a.risk >= 0:
+        raise SystemExit(f"--risk {a.risk}: give a number of standard deviations >= 0")
+    risk = () if a.risk is None else ("--trainer.strategy.init_args.risk", str(a.risk))
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -544,10 +552,12 @@ def main() -> int:
         common = ["--trace", trace_arg, "--time-scale", str(a.time_scale), "--instances", str(max(schedule)),
                   "--pipeline-stages", str(a.pipeline_stages)]
         r["pipeline_stages"] = a.pipeline_stages
+        if a.risk is not None:
+            r["risk"] = a.risk
         for pol in [p for p in a.policies.split(",") if p]:
             run_dir = out / seg / pol
             if pol == "parcae":
-                ev = launch(common, run_dir, seconds, train_extra=prior)
+                ev = launch(common, run_dir, seconds, train_extra=(*prior, *risk))
             elif pol == "reactive":
                 ev = launch(common, run_dir, seconds,
                             train_extra=("--trainer.strategy.init_args.policy", "reactive", *prior))

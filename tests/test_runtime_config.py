@@ -34,6 +34,9 @@ def test_the_defaults_are_a_member_of_a_job_of_up_to_64_instances() -> None:
     ({"max_exploration_share": -0.05}, "max_exploration_share=-0.05: expected the largest fraction"),
     ({"max_exploration_share": "10%"}, "max_exploration_share='10%': expected the largest fraction"),
     ({"policy": "greedy"}, "policy='greedy': use 'liveput' (plan over the forecast; the default) or 'reactive'"),
+    ({"risk": -0.5}, "risk=-0.5: give the standard deviations of expected gain a departure"),
+    ({"risk": float("nan")}, "risk=nan: give the standard deviations"),
+    ({"risk": "high"}, "risk='high': give the standard deviations"),
 ])
 def test_a_configuration_out_of_range_is_refused_naming_the_value(kw: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigurationError) as err:
@@ -75,3 +78,17 @@ def test_the_strategys_policy_reaches_the_runtime_and_an_unknown_one_is_refused_
     assert environment.runtime_config(planning).policy == "reactive"
     with pytest.raises(ConfigurationError, match="policy='parcae': use 'liveput'"):
         ParcaeStrategy(elastic=False, policy="parcae")
+
+
+def test_the_strategys_risk_reaches_the_runtime_and_a_bad_one_is_refused_at_the_strategy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ParcaeStrategy(risk=...)``: how many standard deviations of expected gain the leader's departure from the
+    reactive shape must clear; checked when the strategy is built, carried to the runtime's configuration."""
+    from lightning_parcae.training import environment
+    from lightning_parcae.training.strategy import ParcaeStrategy
+
+    monkeypatch.setenv("PARCAE_STORE", "tcp://127.0.0.1:5")
+    assert environment.runtime_config(ParcaeStrategy(elastic=False).elastic_options).risk == 0.5
+    assert environment.runtime_config(ParcaeStrategy(elastic=False, risk=1.5).elastic_options).risk == 1.5
+    with pytest.raises(ConfigurationError, match=r"risk=-1: give .* a finite number >= 0"):
+        ParcaeStrategy(elastic=False, risk=-1)

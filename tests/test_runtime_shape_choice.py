@@ -765,7 +765,7 @@ def test_the_leader_prices_migrations_by_what_this_jobs_migrations_cost(move_s: 
         assert ch.fitted_constants() == ch.fitted_constants()
 
 
-def _held_job(events: list) -> tuple[ShapeChooser, Any, list[str]]:
+def _held_job(events: list, **config: Any) -> tuple[ShapeChooser, Any, list[str]]:
     """3x4 on 12 instances of a 20-layer model (P >= 4), its repartitions measured at ~6 s a move (intervals of
     6 s): a notice for two instances leaves 10."""
     layers = 20
@@ -779,7 +779,8 @@ def _held_job(events: list) -> tuple[ShapeChooser, Any, list[str]]:
     coord = Coordinator(dist.HashStore())
     for _ in range(10):
         coord.append_history(12)
-    ch = ShapeChooser(host, state, _config(look_ahead=12, interval_s=6.0, max_instances=12, max_exploration_share=0.0),
+    ch = ShapeChooser(host, state, _config(look_ahead=12, interval_s=6.0, max_instances=12, max_exploration_share=0.0,
+                                           **config),
                       GenerationRecords(host, state), coord=coord, migrations=moves,  # type: ignore[arg-type]
                       event=lambda name, **kw: events.append((name, kw)))
     model = ch.model()
@@ -946,3 +947,37 @@ def test_a_hold_the_decision_takes_back_is_left_at_once_not_settled_in() -> None
     assert ch.choose(4, 4, observe=True) == (2, 2)
     assert not ch.stats["decision"]["departs"]
     assert [name for name, _ in events] == ["hold_over"]
+
+
+def test_the_decision_event_says_whether_the_shape_departs_from_reacting_and_by_what_expected_gain() -> None:
+    """A departure is a bet on the forecast; judging the bets after a run needs them in events.jsonl (stop 51: the
+    losing holds of stop 50's replays could only be reconstructed by re-running the decider). The hold of
+    :func:`_held_job` -- 2x4 kept on 10 instances where reacting repartitions to 2x5 -- is reported with the
+    reactive choice and the gain's mean and spread; a decision that reacts says so."""
+    events: list = []
+    ch, _, _ = _held_job(events)
+    ch.store = ch.coord.store  # no standbys beat: the decision admits none
+    ch.choose(12, 12, observe=True)
+    events.clear()
+    ch.decide(SimpleNamespace(global_step=1), reason="preemption notice for m10, m11", leaving=["m10", "m11"])
+    decision = [kw for name, kw in events if name == "decision"][-1]
+    assert decision["chosen"] == [2, 4]
+    dep = decision["departure"]
+    assert dep["departs"] and dep["reactive"] == [2, 5] and dep["scenarios"] > 1
+    assert dep["expected_gain"] > 0.5 * dep["gain_std"] > 0  # what cleared the risk rule (0.5 sigma)
+    ch.choose(12, 12, observe=True)
+    assert ch.stats["decision"]["departs"] is False and ch.stats["decision"]["reactive"] == [3, 4]
+
+
+def test_the_configured_risk_decides_whether_the_leader_bets_on_the_forecast() -> None:
+    """The hold of :func:`_held_job` clears the default 0.5 standard deviations of gain; a leader configured to
+    demand more (``ParcaeStrategy(risk=...)``, here above the hold's own gain / spread) reacts: 2x5 on the 10."""
+    ch, _, _ = _held_job([])
+    ch.choose(12, 12, observe=True)
+    assert ch.choose(12, 10, observe=True) == (2, 4)
+    d = ch.stats["decision"]
+    odds = d["expected_gain"] / d["gain_std"]
+    assert d["departs"] and odds > 0.5
+    strict, _, _ = _held_job([], risk=odds + 0.1)
+    strict.choose(12, 12, observe=True)
+    assert strict.choose(12, 10, observe=True) == (2, 5) and not strict.stats["decision"]["departs"]

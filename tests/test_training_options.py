@@ -95,7 +95,7 @@ def test_planning_interval_comes_from_launcher_unless_given(clean_env: pytest.Mo
     assert s.elastic_options["interval_s"] == expected
     assert set(s.elastic_options) == {"interval_s", "interval_steps", "look_ahead", "predictor", "heartbeat_s",
                                       "dead_after_s", "stall_after_s", "throughput", "max_exploration_share",
-                                      "preemption_notice", "policy", "prior_profile"}
+                                      "preemption_notice", "policy", "prior_profile", "risk"}
 
 
 @pytest.mark.parametrize("given, env, expected", [

@@ -17,6 +17,7 @@ from typing import Optional
 
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE, check_exploration_share
+from lightning_parcae.planning.policy import DEFAULT_RISK, check_risk
 
 __all__ = ["POLICIES", "RuntimeConfig", "check_policy"]
 
@@ -80,10 +81,14 @@ class RuntimeConfig:
             the leader prices its first migrations by that run's fitted constants (and starts from its step times
             when they are this job's) instead of the loopback constants; see :mod:`~lightning_parcae.runtime.prior`.
             None: start from the loopback constants.
+        risk: Standard deviations of expected gain (over the forecast's scenarios) the liveput policy's departure
+            from the reactive shape must clear (default 0.5; 0 follows the expectation; see
+            :meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`).
 
     Raises:
         ConfigurationError: ``stall_after_s`` is not positive, ``throughput`` or ``policy`` is unknown,
-            ``max_instances`` is below 1 or ``max_exploration_share`` is not a number in ``[0, 1]``.
+            ``max_instances`` is below 1, ``max_exploration_share`` is not a number in ``[0, 1]`` or
+            ``risk`` is not a number >= 0.
     """
 
     store_url: str
@@ -106,6 +111,7 @@ class RuntimeConfig:
     preemption_notice: bool = True
     policy: str = "liveput"
     prior_profile: Optional[str] = None
+    risk: float = DEFAULT_RISK
 
     def __post_init__(self) -> None:
         if not self.stall_after_s > 0:
@@ -116,6 +122,7 @@ class RuntimeConfig:
             raise ConfigurationError(f"max_instances must be >= 1, got {self.max_instances}")
         check_exploration_share(self.max_exploration_share)
         check_policy(self.policy)
+        check_risk(self.risk)
 
     @property
     def stall_timeout(self) -> timedelta:

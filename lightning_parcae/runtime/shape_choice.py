@@ -276,7 +276,7 @@ class ShapeChooser:
             cm.preemption_notice = self.config.preemption_notice
             # the simulator's parcae policy builds the very same decider (planning/policy.py: one predictor factory)
             options = DecisionOptions(look_ahead=self.config.look_ahead, predictor=self.config.predictor,
-                                      max_instances=self.config.max_instances)
+                                      max_instances=self.config.max_instances, risk=self.config.risk)
             self._decider = ShapeDecider(cm, interval_s=max(self.config.interval_s, 1.0), options=options,
                                          history=self.coord.history())
             self._optimizer = self._decider.optimizer
@@ -293,6 +293,7 @@ class ShapeChooser:
         stay = 1  # planning intervals the forecast keeps n_next (1 if planning fails)
         decision: Optional[Decision] = None
         decider.prices_changed()  # prices change as steps are measured
+        self.stats.pop("decision", None)  # the decision event reports this call's departure or none
         try:
             # the simulator's parcae policy, literally: the interval about to run is known (notices are in, losses
             # seen, standbys counted); only the intervals after it are forecast, as quantile scenarios
@@ -816,7 +817,8 @@ class ShapeChooser:
             self.event("decision", reason=reason, N=len(avail), current=list(cur),
                        chosen=list(shape) if shape else None, standbys=standbys, leaving=leaving,
                        predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"),
-                       throughput=self.stats.get("throughput"), exploration=self.stats.get("exploration"))
+                       throughput=self.stats.get("throughput"), exploration=self.stats.get("exploration"),
+                       departure=self.stats.get("decision"))
         if shape is None:  # every member is alive here: save a checkpoint before stopping
             return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
                                           checkpoint=True, min_instances=self.fewest_instances(len(avail)))

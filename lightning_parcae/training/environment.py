@@ -48,6 +48,7 @@ from lightning_parcae.contract import (
 )
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE
+from lightning_parcae.planning.policy import DEFAULT_RISK
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.steptime import STEP_TIMING_ENV
 
@@ -148,7 +149,7 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
     Args:
         planning: The strategy's planning options (``StrategyOptions.elastic_options``: ``interval_s``,
             ``interval_steps``, ``look_ahead``, ``predictor``, ``heartbeat_s``, ``dead_after_s``, ``stall_after_s``,
-            ``throughput``, ``max_exploration_share``, ``preemption_notice``, ``policy``, ``prior_profile``).
+            ``throughput``, ``max_exploration_share``, ``preemption_notice``, ``policy``, ``prior_profile``, ``risk``).
 
     Raises:
         ConfigurationError: ``PARCAE_STORE`` is not set, or an option is out of range.
@@ -182,6 +183,7 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
         preemption_notice=bool(planning.get("preemption_notice", True)),
         policy=planning.get("policy", "liveput"),
         prior_profile=planning.get("prior_profile"),
+        risk=planning.get("risk", DEFAULT_RISK),
     )
 
 

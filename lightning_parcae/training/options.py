@@ -21,6 +21,7 @@ from typing import Any, Optional
 from lightning_parcae.contract import ELASTIC_ENV
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE, check_exploration_share
+from lightning_parcae.planning.policy import DEFAULT_RISK, check_risk
 from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.config import check_policy
 from lightning_parcae.runtime.prior import read_prior_profile
@@ -68,6 +69,7 @@ class StrategyOptions:
     preemption_notice: bool = True
     policy: str = "liveput"
     prior_profile: Optional[str] = None
+    risk: float = DEFAULT_RISK
 
     @classmethod
     def resolve(cls, **given: Any) -> "StrategyOptions":
@@ -92,6 +94,8 @@ class StrategyOptions:
         if given.get("prior_profile") is not None:
             read_prior_profile(str(given["prior_profile"]))  # a bad file fails here, naming the fix, not mid-run
             given["prior_profile"] = str(given["prior_profile"])
+        if "risk" in given:
+            given["risk"] = check_risk(given["risk"])
         if "max_exploration_share" in given:
             given["max_exploration_share"] = check_exploration_share(given["max_exploration_share"])
         if given["elastic"] is None:
@@ -116,7 +120,7 @@ class StrategyOptions:
             predictor=self.predictor, heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,
             stall_after_s=self.stall_after_s, throughput=self.throughput,
             max_exploration_share=self.max_exploration_share, preemption_notice=self.preemption_notice,
-            policy=self.policy, prior_profile=self.prior_profile,
+            policy=self.policy, prior_profile=self.prior_profile, risk=self.risk,
         )
 
 

@@ -54,6 +54,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE
+from lightning_parcae.planning.policy import DEFAULT_RISK
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.training import environment as launcher_env
 from lightning_parcae.training.checkpointing import StrategyCheckpoints
@@ -130,6 +131,10 @@ class ParcaeStrategyMixin:
             when the global batch, micro-batches and per-layer state match) instead of loopback constants, which
             price a first move of gigabyte stages at milliseconds; it refits them from this job's own migrations.
             Read and checked when the strategy is built. See ``docs/elastic.md``.
+        risk: elastic only, ``policy="liveput"``: how sure the forecast must be before the leader departs from the
+            reactive shape -- the standard deviations of expected gain, over the forecast's scenarios, a departure
+            (holding a shape through a dip, a detour) must clear (default 0.5; 0 follows the expectation; larger
+            departs less often and converges on ``"reactive"``). See ``docs/elastic.md``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
     """
@@ -164,6 +169,7 @@ class ParcaeStrategyMixin:
         preemption_notice: bool = True,
         policy: Literal["liveput", "reactive"] = "liveput",
         prior_profile: Optional[str] = None,
+        risk: float = DEFAULT_RISK,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
