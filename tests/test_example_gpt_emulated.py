@@ -4,6 +4,7 @@ the modelled network time."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -141,16 +142,18 @@ def test_the_link_is_installed_before_fit_so_a_joiner_pays_for_the_stage_it_rece
     """Regression (issue 21, stop 50): a standby is admitted -- and receives its stage -- while the strategy sets
     up its environment, before ``LightningModule.setup`` installs the modelled link, so in the 0.25 Gbps GPT-1.5B
     replays a joiner received three layers in 0.43 s (the link takes 23.6 s) while its senders paid for theirs.
-    ``train.py`` now installs the link before ``fit``; a model without ``emulate`` installs none."""
+    ``train.py`` now installs the link before ``fit`` (``GPT.install_link``, which ``setup`` also calls); a model
+    without ``emulate`` installs none."""
     import train  # noqa: PLC0415  (examples/gpt/train.py)
 
+    assert "cli.model.install_link()" in inspect.getsource(train.main)
     before = migration.set_modelled_link(None)
     try:
         model = GPT(**SMALL, emulate="gpt-1.5b", time_scale=30.0, state_gbps=0.25)
-        train._link_before_fit(model)
+        model.install_link()
         link = migration.set_modelled_link(None)
         assert link is not None and link.charge([1, 2, 3]) == pytest.approx(model.workload.transfer_s([1, 2, 3]))
-        train._link_before_fit(GPT(**SMALL))
+        GPT(**SMALL).install_link()
         assert migration.set_modelled_link(None) is None
     finally:
         migration.set_modelled_link(before)

@@ -223,11 +223,21 @@ class GPT(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.layers(idx)
 
-    def setup(self, stage: str) -> None:
+    def install_link(self) -> None:
         """With ``emulate``: every state transfer, pipeline message and gradient all-reduce of this process also
-        takes the workload's modelled network time."""
+        takes the workload's modelled network time from now on (without: nothing). Idempotent.
+
+        Called by :meth:`setup` and, earlier, by ``train.py`` before ``fit``. Regression (issue 21, stop 50): a
+        standby is admitted -- and receives its stage -- while the strategy sets up its environment, before
+        Lightning calls ``setup``, so a joiner received whole stages over no modelled link: in the 0.25 Gbps
+        GPT-1.5B replays its three layers arrived in 0.43 s where the link takes 23.6 s, while its senders paid for
+        theirs, and the leader's fit of the migration constants came out flat (a 15.5 s latency, 659 kB/s)."""
         if self.workload is not None:
             install_modelled_link(self.workload)
+
+    def setup(self, stage: str) -> None:
+        """Install the modelled link (:meth:`install_link`; a no-op when ``train.py`` already did)."""
+        self.install_link()
 
     def teardown(self, stage: str) -> None:
         """Remove the modelled link installed by :meth:`setup`."""

@@ -24,7 +24,7 @@ from pytorch_lightning.cli import LightningCLI  # noqa: E402
 
 from gpt import GPT, StdlibText  # noqa: E402
 from lightning_parcae.contract import JOIN_ENV  # noqa: E402
-from lightning_parcae.testing.emulated_cluster import EmulatedWorkload, install_modelled_link  # noqa: E402
+from lightning_parcae.testing.emulated_cluster import EmulatedWorkload  # noqa: E402
 from lightning_parcae.training.callbacks import resume_path  # noqa: E402
 
 
@@ -58,20 +58,6 @@ def _boot_emulated_instance(args: list[str]) -> None:
         time.sleep(workload.boot_scaled_s())
 
 
-def _link_before_fit(model: GPT) -> None:
-    """Under ``model.emulate``, install the workload's modelled link before ``fit`` starts, not only in the
-    module's ``setup``.
-
-    Regression (issue 21, stop 50): a standby is admitted -- and receives its stage -- while the strategy sets up
-    its environment, before Lightning calls ``LightningModule.setup``, so a joiner received whole stages over no
-    modelled link: in the 0.25 Gbps GPT-1.5B replays its three layers arrived in 0.43 s where the link takes 23.6 s,
-    while its senders paid for theirs. Migrations that admitted joiners were as fast as the senders' side (~16 s,
-    whatever the receivers needed), and the leader's fit of the migration constants came out flat (a 15.5 s latency,
-    659 kB/s). ``setup`` installs the same link again; ``teardown`` removes it."""
-    if model.workload is not None:
-        install_modelled_link(model.workload)
-
-
 def _config_model(args: list[str]) -> dict:
     """``model:`` options of the ``--config`` file, with ``--model.emulate`` / ``--model.time_scale`` overrides."""
     out: dict = {}
@@ -96,7 +82,7 @@ def main() -> None:
     # the two-process test trained past its 30 steps until its timeout. The children re-apply the defaults above.
     sys.argv = argv
     trainer = cli.trainer
-    _link_before_fit(cli.model)
+    cli.model.install_link()  # before fit: a joiner receives its stage before LightningModule.setup runs
     trainer.fit(cli.model, cli.datamodule, ckpt_path=resume_path())
     if trainer.is_global_zero:
         s = trainer.strategy
