@@ -344,11 +344,12 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
              restart_s: Optional[float], n_min: int, pipeline_stages: int = 2,
              restart_startup_s: Optional[float] = None, join_delay_s: float = 0.0,
              launch_s: Optional[float] = None, constants: Optional[dict[str, list[Any]]] = None,
-             risk: Optional[float] = None) -> dict[str, float]:
+             risk: Optional[float] = None, in_place_only: bool = False) -> dict[str, float]:
     """The simulator's forecast of each policy from the Parcae run's fitted profile (``restart_s``: a relaunch of a
     training generation, its stop included; ``launch_s``: a relaunch while nothing trains; ``constants``: per
     in-place policy, the migration constants of each interval (:func:`constants_schedule`), else the profile's
-    last fit prices the whole run; ``risk``: the parcae run's ``risk`` option, default the strategy's)."""
+    last fit prices the whole run; ``risk``: the parcae run's ``risk`` option, default the strategy's;
+    ``in_place_only``: parcae and reactive only, not the restart and static runs)."""
     from lightning_parcae.planning.measured import load_cost_model  # noqa: PLC0415
     from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
     from lightning_parcae.signals.traces import from_counts, usable_counts  # noqa: PLC0415
@@ -382,6 +383,8 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
                             startup_s),
            "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval,
                                          constants=priced("reactive")), startup_s)}
+    if in_place_only:
+        return out
     cm_r = load_cost_model("default", profile_path=str(profile_path))
     cm_r.c = replace(cm_r.c, restart_ms=1000.0 * (restart_s if restart_s is not None else startup_s), checkpoint_ms=0.0)
     # the launcher's restart fallback: P fixed at the run's --pipeline-stages, every change relaunches, a change
@@ -434,7 +437,8 @@ def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) ->
     r["forecast"] = forecast(profile, r["schedule"], wall_interval, startup, restart_s, r["n_min"],
                              constants=schedules, **args)
     if schedules:
-        end = forecast(profile, r["schedule"], wall_interval, startup, restart_s, r["n_min"], **args)
+        end = forecast(profile, r["schedule"], wall_interval, startup, restart_s, r["n_min"], in_place_only=True,
+                       **args)
         r["forecast_end_constants"] = {pol: end[pol] for pol in schedules}
     else:
         r.pop("forecast_end_constants", None)
