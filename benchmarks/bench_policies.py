@@ -25,6 +25,7 @@ from collections import defaultdict
 
 from lightning_parcae.signals.corpus import corpus
 from lightning_parcae.planning.costmodel import ArtifactCostModel, reference_models
+from lightning_parcae.planning.shape_optimizer import DEFAULT_RISK
 from lightning_parcae.planning.sim import run_policy
 from lightning_parcae.signals.traces import bundled_trace_path, load_trace
 
@@ -59,7 +60,7 @@ def main() -> None:
     ap.add_argument("--look-ahead", type=int, default=12)
     ap.add_argument("--look-aheads", nargs="*", type=int, default=[8, 10, 12], help="with --p3")
     ap.add_argument("--predictor", default="persistence")
-    ap.add_argument("--risk", type=float, default=0.5, help="parcae's risk aversion (std devs of the gain)")
+    ap.add_argument("--risk", type=float, default=DEFAULT_RISK, help="parcae's risk aversion (std devs of the gain)")
     ap.add_argument("--families", nargs="*", default=None, help="only these families")
     ap.add_argument("--p3", action="store_true", help="only the p3 headline table (every model x look-ahead)")
     ap.add_argument("--oracle", action="store_true", help="with --p3: also run parcae-oracle (true future)")

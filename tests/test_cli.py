@@ -24,6 +24,7 @@ def test_cli_simulate_prints_table_and_writes_report_if_segment_trace(tmp_path: 
     assert set(data["policies"]) == {"ideal", "throughput", "parcae"}
     assert data["policies"]["ideal"]["samples"] >= data["policies"]["parcae"]["samples"] > 0
     assert data["settings"]["look_ahead"] == 8 and data["trace"]["intervals"] == 60
+    assert data["settings"]["risk"] == 1.0 and "risk 1;" not in out and "risk 1" in out  # the runtime's default
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -58,6 +59,7 @@ def test_cli_simulate_scales_the_trace_like_parcae_run_if_max_instances_given(
         (["simulate", "--policy", "ideal,magic"], "magic"),
         (["simulate", "--look-ahead", "0"], "--look-ahead 0"),
         (["simulate", "--price", "-1", "--policy", "ideal"], "price=-1"),
+        (["simulate", "--risk", "-1", "--policy", "ideal"], "risk=-1.0: give the standard deviations"),
         (["simulate", "--start-hour", "50", "--policy", "ideal"], "select no interval"),
         (["simulate", "--cost-model", "artifact", "--preemption-notice", "--policy", "ideal"], "--preemption-notice"),
         (["predict", "--horizon", "0"], "--horizon 0"),
@@ -140,3 +142,14 @@ def test_cli_simulate_uses_native_interval_if_not_given(tmp_path: Path, capsys: 
     trace = _skypilot(tmp_path / "t300.json", [16] * 4 + [12] * 4, 300)
     assert main(["simulate", "--trace", trace, "--policy", "ideal,throughput"]) == 0
     assert "8 intervals of 300 s" in capsys.readouterr().out
+
+
+def test_cli_simulate_runs_parcae_at_the_risk_given(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--risk`` is the strategy's ``risk`` option for the simulated parcae policy: an unclearable one makes
+    parcae the live-reactive baseline exactly, and the report records it."""
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", "ll_10_11", "--model-table", "gpt-1.5b", "--policy", "parcae,live-reactive",
+                 "--risk", "1e9", "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert data["settings"]["risk"] == 1e9 and "risk 1e+09" in capsys.readouterr().out
+    assert data["policies"]["parcae"]["samples"] == data["policies"]["live-reactive"]["samples"]

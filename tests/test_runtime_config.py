@@ -88,7 +88,7 @@ def test_the_strategys_risk_reaches_the_runtime_and_a_bad_one_is_refused_at_the_
     from lightning_parcae.training.strategy import ParcaeStrategy
 
     monkeypatch.setenv("PARCAE_STORE", "tcp://127.0.0.1:5")
-    assert environment.runtime_config(ParcaeStrategy(elastic=False).elastic_options).risk == 0.5
+    assert environment.runtime_config(ParcaeStrategy(elastic=False).elastic_options).risk == 1.0  # since stop 51
     assert environment.runtime_config(ParcaeStrategy(elastic=False, risk=1.5).elastic_options).risk == 1.5
     with pytest.raises(ConfigurationError, match=r"risk=-1: give .* a finite number >= 0"):
         ParcaeStrategy(elastic=False, risk=-1)

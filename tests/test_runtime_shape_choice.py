@@ -964,20 +964,20 @@ def test_the_decision_event_says_whether_the_shape_departs_from_reacting_and_by_
     assert decision["chosen"] == [2, 4]
     dep = decision["departure"]
     assert dep["departs"] and dep["reactive"] == [2, 5] and dep["scenarios"] > 1
-    assert dep["expected_gain"] > 0.5 * dep["gain_std"] > 0  # what cleared the risk rule (0.5 sigma)
+    assert dep["expected_gain"] > 1.0 * dep["gain_std"] > 0  # what cleared the risk rule (the default 1 sigma)
     ch.choose(12, 12, observe=True)
     assert ch.stats["decision"]["departs"] is False and ch.stats["decision"]["reactive"] == [3, 4]
 
 
 def test_the_configured_risk_decides_whether_the_leader_bets_on_the_forecast() -> None:
-    """The hold of :func:`_held_job` clears the default 0.5 standard deviations of gain; a leader configured to
+    """The hold of :func:`_held_job` clears the default 1 standard deviation of gain; a leader configured to
     demand more (``ParcaeStrategy(risk=...)``, here above the hold's own gain / spread) reacts: 2x5 on the 10."""
     ch, _, _ = _held_job([])
     ch.choose(12, 12, observe=True)
     assert ch.choose(12, 10, observe=True) == (2, 4)
     d = ch.stats["decision"]
     odds = d["expected_gain"] / d["gain_std"]
-    assert d["departs"] and odds > 0.5
+    assert d["departs"] and odds > 1.0
     strict, _, _ = _held_job([], risk=odds + 0.1)
     strict.choose(12, 12, observe=True)
     assert strict.choose(12, 10, observe=True) == (2, 5) and not strict.stats["decision"]["departs"]

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scale the trace's counts so that its peak is this many instances, as `parcae run "
                    "--max-instances` replays it (e.g. to price a run's profile.json on the cluster it ran on)")
     s.add_argument("--look-ahead", type=int, default=12, help="intervals the parcae policies plan over (default 12)")
+    s.add_argument("--risk", type=float, default=None,
+                   help="standard deviations of expected gain the parcae policy's departure from reacting must clear "
+                        "(default 1, as ParcaeStrategy(risk=...); 0 follows the forecast's expectation)")
     s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence (default), arima, artifact, hazard, ensemble")
     s.add_argument("--cost-model", default="artifact", choices=["artifact", "default"], help="artifact: the Parcae artifact's accounting (needs --model-table); default: our runtime's costs")
     s.add_argument("--preemption-notice", action=argparse.BooleanOptionalAction, default=None,
@@ -151,11 +154,13 @@ def _simulate(a: argparse.Namespace) -> int:
     policies = [x.strip() for x in a.policy.split(",") if x.strip()]
     settings = {"model": model if not a.profile else a.profile, "cost_model": a.cost_model, "trace": a.trace,
                 "preemption_notice": notice}
-    comp = simulate(trace, cm, policies, look_ahead=a.look_ahead, predictor=a.predictor, price=a.price, settings=settings)
+    comp = simulate(trace, cm, policies, look_ahead=a.look_ahead, predictor=a.predictor, price=a.price, settings=settings,
+                    risk=a.risk)
     print(
         f"trace {a.trace}: {len(trace)} intervals of {trace.interval_s:g} s, up to {trace.max_n} instances; "
         f"model {settings['model']}; cost model {a.cost_model}"
-        f"{' (departures noticed)' if notice else ''}; look-ahead {a.look_ahead}; predictor {a.predictor}"
+        f"{' (departures noticed)' if notice else ''}; look-ahead {a.look_ahead}; predictor {a.predictor}; "
+        f"risk {comp.settings['risk']:g}"
     )
     print(comp.table())
     if a.report:

@@ -27,7 +27,7 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape
 from lightning_parcae.planning.forecast import Predictor, make_predictor
-from lightning_parcae.planning.shape_optimizer import Decision, FirstCosts, LiveputOptimizer
+from lightning_parcae.planning.shape_optimizer import DEFAULT_RISK, Decision, FirstCosts, LiveputOptimizer
 
 __all__ = [
     "DEFAULT_RISK",
@@ -45,10 +45,6 @@ __all__ = [
 
 LEVELS: Tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 """Quantile levels of the forecast's own errors; one scenario path each (equal paths merged)."""
-
-DEFAULT_RISK = 0.5
-"""Standard deviations of expected gain (over the forecast's scenarios) a departure from reacting must clear."""
-
 
 def check_risk(value: object, name: str = "risk") -> float:
     """``value`` as a risk aversion (standard deviations of gain, >= 0).
@@ -168,7 +164,7 @@ def decide_with_forecast(
     now: Interval,
     *,
     remain_ms: float = 0.0,
-    risk: float = 0.5,
+    risk: float = DEFAULT_RISK,
     levels: Sequence[float] = LEVELS,
     first_costs: Optional[FirstCosts] = None,
 ) -> ForecastDecision:

@@ -39,10 +39,21 @@ from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConst
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
-__all__ = ["Plan", "Decision", "FirstCosts", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
+__all__ = ["DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
 """The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
+
+DEFAULT_RISK = 1.0
+"""Standard deviations of expected gain (over the forecast's scenarios) a departure from reacting must clear.
+
+1 since stop 51 (0.5 before, chosen before any run and not tuned). At 0.5, stop 50's four 0.25 Gbps GPT-1.5B
+replays at N = 32 lost to live-reactive by 1.6-4 %, each by a bet the count did not honour (pass H's, reconstructed:
+0.70 sigma). At 1 the simulator keeps the whole p3 trace's gain at 0.25 Gbps (1.0788 against 1.0803, no 0.5 h
+window below 1) but keeps less than half of it on the measured profiles' segments (1.0115 against 1.0254); the
+replays at 1 gave 1.097 on hl_15_25 (a hold at 4.1 sigma) and 0.907 / 0.926 on lh_80_90, where parcae made no
+departure (slower steps in one pass, the shared veto in the other): docs/evidence.md "Stop 51". A judgment, not a
+fit: see there."""
 
 FutureInterval = Tuple[int, int, int]
 """``(prev_n, n_in, n_out)`` of one future interval."""
@@ -393,7 +404,7 @@ class LiveputOptimizer:
         weights: Optional[Sequence[float]] = None,
         *,
         remain_ms: float = 0.0,
-        risk: float = 0.5,
+        risk: float = DEFAULT_RISK,
         first_costs: Optional[FirstCosts] = None,
     ) -> Decision:
         """Choose the next interval's shape from what is known now and a distribution of futures.

@@ -82,7 +82,7 @@ class RuntimeConfig:
             when they are this job's) instead of the loopback constants; see :mod:`~lightning_parcae.runtime.prior`.
             None: start from the loopback constants.
         risk: Standard deviations of expected gain (over the forecast's scenarios) the liveput policy's departure
-            from the reactive shape must clear (default 0.5; 0 follows the expectation; see
+            from the reactive shape must clear (default 1; 0 follows the expectation; see
             :meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`).
 
     Raises:

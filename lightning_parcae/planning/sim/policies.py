@@ -60,7 +60,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape, ThroughputModel
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
-from lightning_parcae.planning.shape_optimizer import PAUSED, fit_shape, settle
+from lightning_parcae.planning.shape_optimizer import DEFAULT_RISK, PAUSED, fit_shape, settle
 from lightning_parcae.planning.policy import LEVELS, DecisionOptions, ShapeDecider, ends_hold, hold_after
 
 __all__ = ["PolicyResult", "POLICIES", "run_policy"]
@@ -292,7 +292,7 @@ def _liveput(
     reactive: bool = False,
     predictor: str = "persistence",
     max_instances: Optional[int] = None,
-    risk: float = 0.5,
+    risk: float = DEFAULT_RISK,
     levels: Sequence[float] = LEVELS,
     constants: Optional[Sequence[Optional[MigrationConstants]]] = None,
     tail_intervals: Optional[float] = None,
@@ -390,7 +390,7 @@ def run_policy(name: str, cm: MigrationCostModel, intervals: Intervals, interval
         intervals: ``(prev_n, n_in, n_out)`` per interval.
         interval_s: Interval length.
         **options: ``pipeline_stages`` and ``startup_ms`` for ``relaunch``; ``look_ahead``, ``predictor``, ``max_instances`` (the cluster size, bounding forecasts; default
-            none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default 0.5) and
+            none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`) and
             ``levels`` (scenario quantiles) for the parcae policies.
 
     Returns:

@@ -15,6 +15,8 @@ from typing import Dict, Optional, Sequence
 
 from lightning_parcae.planning.costmodel import MigrationCostModel
 from lightning_parcae.errors import ConfigurationError
+from lightning_parcae.planning.policy import check_risk
+from lightning_parcae.planning.shape_optimizer import DEFAULT_RISK
 from lightning_parcae.planning.sim.policies import POLICIES, PolicyResult, run_policy
 from lightning_parcae.signals.traces import Trace
 
@@ -150,6 +152,7 @@ def simulate(
     predictor: str = "persistence",
     price: float = 3.06 * 0.3,
     settings: Optional[Dict[str, object]] = None,
+    risk: Optional[float] = None,
 ) -> Comparison:
     """Run ``policies`` on ``trace``.
 
@@ -161,6 +164,8 @@ def simulate(
         predictor: Predictor name for ``parcae``.
         price: USD per instance-hour (default: a p3.2xlarge at a 70 % spot discount).
         settings: Extra fields recorded in the report.
+        risk: Standard deviations of gain ``parcae``'s departures from reacting must clear (default: the
+            runtime's, :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`).
 
     Returns:
         The comparison.
@@ -171,9 +176,11 @@ def simulate(
     if price < 0:
         raise ConfigurationError(f"price={price}: USD per instance-hour cannot be negative")
     intervals = trace.as_tuples()
+    risk = DEFAULT_RISK if risk is None else check_risk(risk)
     results = {
-        name: run_policy(name, cost_model, intervals, trace.interval_s, look_ahead=look_ahead, predictor=predictor)
+        name: run_policy(name, cost_model, intervals, trace.interval_s, look_ahead=look_ahead, predictor=predictor,
+                         risk=risk)
         for name in policies
     }
-    s = dict(settings or {}, look_ahead=look_ahead, predictor=predictor)
+    s = dict(settings or {}, look_ahead=look_ahead, predictor=predictor, risk=risk)
     return Comparison(trace, results, price, s)
