@@ -21,9 +21,10 @@ longer than what is left of it, even where the job will run the new shape for mu
 the shape a plan ends in is credited with its throughput for that many more intervals (less a migration still
 running at the horizon), as if the job kept it -- the DP's terminal value. ``tail_intervals=0`` is the artifact's
 truncated recursion. Regression (issue 21, stop 50, pass H, hl_15_25 at 0.25 Gbps): at 28 instances with a
-forecast of 28, 4x6 -> 4x7 (39.6 -> 43.4 samples/s, 24 s to move) was worth 9,364 samples over the 240 s horizon
-against 9,509 for staying, so parcae held 4x6 for the rest of the run while live-reactive moved and finished 3.9 %
-ahead.
+forecast of 28, 4x6 -> 4x7 (39.6 -> 43.4 samples/s, 24 s to move) was worth 9,428 samples over the 240 s horizon
+against 9,434 for staying (reconstructed from the run's profile), so the hold cleared the 0.5-sigma risk rule of
+then and parcae kept 4x6 to the end while live-reactive moved and finished 3.9 % ahead. The tail would have
+moved; the simulator says it does not pay in general (docs/planner.md), so it is off by default.
 
 The same :class:`LiveputOptimizer` object serves the simulator and the runtime's interval callback.
 """
@@ -97,7 +98,8 @@ class Decision:
     Attributes:
         next_shape: Shape to run in the interval about to start.
         reactive: The reactive choice (best allowed shape on the instances present now).
-        expected_gain: Expected samples over the look-ahead (and the optimizer's tail) gained by ``next_shape`` over ``reactive`` (0 when
+        expected_gain: Expected samples over the look-ahead (and the optimizer's tail) gained by ``next_shape``
+            over ``reactive`` (0 when
             they are the same).
         gain_std: Standard deviation of that gain over the scenarios.
         candidates: Shapes considered (the reactive one first).

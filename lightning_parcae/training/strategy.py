@@ -133,8 +133,8 @@ class ParcaeStrategyMixin:
             Read and checked when the strategy is built. See ``docs/elastic.md``.
         risk: elastic only, ``policy="liveput"``: how sure the forecast must be before the leader departs from the
             reactive shape -- the standard deviations of expected gain, over the forecast's scenarios, a departure
-            (holding a shape through a dip, a detour) must clear (default 1 -- 0.5 until stop 51; 0 follows the expectation; larger
-            departs less often and converges on ``"reactive"``). See ``docs/elastic.md``.
+            (holding a shape through a dip, a detour) must clear (default 1 -- 0.5 until stop 51; 0 follows the
+            expectation; larger departs less often and converges on ``"reactive"``). See ``docs/planner.md``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
     """

@@ -390,7 +390,8 @@ def run_policy(name: str, cm: MigrationCostModel, intervals: Intervals, interval
         intervals: ``(prev_n, n_in, n_out)`` per interval.
         interval_s: Interval length.
         **options: ``pipeline_stages`` and ``startup_ms`` for ``relaunch``; ``look_ahead``, ``predictor``, ``max_instances`` (the cluster size, bounding forecasts; default
-            none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`) and
+            none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default
+            :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`) and
             ``levels`` (scenario quantiles) for the parcae policies.
 
     Returns:
