@@ -474,3 +474,23 @@ def test_a_tail_credits_the_shape_a_plan_ends_in_so_a_move_that_pays_back_after_
     assert tail.value == pytest.approx(44.0 * (240 - 24) + 44.0 * 240)
     with pytest.raises(ConfigurationError, match="tail_intervals=-1"):
         LiveputOptimizer(cm, tail_intervals=-1)
+
+
+def test_a_decision_that_reacts_names_the_bet_it_did_not_take_and_how_close_it_came() -> None:
+    """A run's events must say how close a rejected bet came to the risk rule (stop 51: at risk 1 the lh_80_90
+    passes reported ``0 +- 0`` for every decision, so nobody could tell whether 0.5 would have bet). Half the
+    scenarios see the preemption, half do not: the hold gains in expectation with a spread; a risk above its odds
+    reacts and reports it, a risk below takes it and reports no alternative."""
+    table = {(4, 2): 100.0, (3, 2): 90.0, (2, 2): 70.0}
+    cm = ToyCost(table, inter_ms=59_000.0, repartition_ms=0.0)
+    opt = LiveputOptimizer(cm, look_ahead=3)
+    scenarios = [_chain(8, [6, 6]), _chain(8, [6, 6]), _chain(8, [8, 8])]
+    bold = opt.decide(8, (3, 2), (8, 0, 0), scenarios, risk=0.0)
+    assert bold.departs and bold.alternative is None and bold.gain_std > 0
+    odds = bold.expected_gain / bold.gain_std
+    shy = opt.decide(8, (3, 2), (8, 0, 0), scenarios, risk=odds + 0.01)
+    assert not shy.departs and shy.expected_gain == 0.0
+    assert shy.alternative == bold.next_shape
+    assert (shy.alternative_gain, shy.alternative_std) == pytest.approx((bold.expected_gain, bold.gain_std))
+    agreed = opt.decide(8, (4, 2), (8, 0, 0), [_chain(8, [8, 8])])
+    assert agreed.alternative is None and agreed.candidates == ((4, 2),)

@@ -981,3 +981,6 @@ def test_the_configured_risk_decides_whether_the_leader_bets_on_the_forecast() -
     strict, _, _ = _held_job([], risk=odds + 0.1)
     strict.choose(12, 12, observe=True)
     assert strict.choose(12, 10, observe=True) == (2, 5) and not strict.stats["decision"]["departs"]
+    rejected = strict.stats["decision"]  # the bet not taken, in the decision event: how close it came
+    assert rejected["alternative"] == [2, 4]
+    assert rejected["alternative_gain"] / rejected["alternative_std"] == pytest.approx(odds)

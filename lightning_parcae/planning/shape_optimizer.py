@@ -103,6 +103,11 @@ class Decision:
             they are the same).
         gain_std: Standard deviation of that gain over the scenarios.
         candidates: Shapes considered (the reactive one first).
+        alternative: When the decision reacts although another candidate was scored: the best-scored other
+            candidate (the bet not taken), with its expected gain and standard deviation -- how close it came to
+            clearing the risk rule. ``None`` when the decision departs or every candidate agreed.
+        alternative_gain: That candidate's expected gain over the reactive shape (0 without one).
+        alternative_std: Its standard deviation over the scenarios (0 without one).
     """
 
     next_shape: Shape
@@ -110,6 +115,9 @@ class Decision:
     expected_gain: float
     gain_std: float
     candidates: Tuple[Shape, ...]
+    alternative: Optional[Shape] = None
+    alternative_gain: float = 0.0
+    alternative_std: float = 0.0
 
     @property
     def departs(self) -> bool:
@@ -468,7 +476,8 @@ class LiveputOptimizer:
         score = mean - np.where(std > 0, risk * np.where(std > 0, std, 1.0), 0.0)
         best = int(np.argmax(score))
         if best == 0 or score[best] <= 0:
-            return Decision(reactive, reactive, 0.0, 0.0, tuple(cands))
+            alt = 1 + int(np.argmax(score[1:]))  # the bet not taken (at least two candidates here)
+            return Decision(reactive, reactive, 0.0, 0.0, tuple(cands), cands[alt], float(mean[alt]), float(std[alt]))
         return Decision(cands[best], reactive, float(mean[best]), float(std[best]), tuple(cands))
 
 

@@ -318,6 +318,10 @@ class ShapeChooser:
             self.stats["decision"] = {"reactive": list(decision.reactive), "departs": decision.departs,
                                       "expected_gain": float(decision.expected_gain),
                                       "gain_std": float(decision.gain_std), "scenarios": len(scenarios)}
+            if decision.alternative is not None:  # a bet not taken: how close it came to the risk rule
+                self.stats["decision"].update(alternative=list(decision.alternative),
+                                              alternative_gain=float(decision.alternative_gain),
+                                              alternative_std=float(decision.alternative_std))
             if shape != PAUSED:
                 plan = self._optimizer.plan(n_now, cur, [now, *median][: self.config.look_ahead], first=shape,
                                             first_costs=first_costs)
