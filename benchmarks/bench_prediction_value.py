@@ -32,6 +32,8 @@ from lightning_parcae.launch.run import _load_schedule  # noqa: E402
 from lightning_parcae.planning.costmodel import (  # noqa: E402
     DefaultCostModel, MigrationCostModel, ProfileThroughput, reference_layer_params, TableThroughput)
 from lightning_parcae.planning.measured import load_cost_model  # noqa: E402
+from lightning_parcae.errors import ConfigurationError  # noqa: E402
+from lightning_parcae.planning.policy import check_risk  # noqa: E402
 from lightning_parcae.planning.sim import run_policy  # noqa: E402
 from lightning_parcae.runtime.shape_choice import RUNTIME_CONSTANTS  # noqa: E402
 from lightning_parcae.signals.traces import from_counts, load_trace, bundled_trace_path  # noqa: E402
@@ -48,8 +50,8 @@ RISK: float | None = None  # --risk: the standard deviations of gain a departure
 def compare(cm: MigrationCostModel, intervals: Sequence[tuple[int, int, int]], interval_s: float) -> tuple[float, ...]:
     """(parcae / live-reactive, reactive's lost s, parcae's lost s, reactive's reconfigurations)."""
     reactive = run_policy("live-reactive", cm, intervals, interval_s)
-    parcae = run_policy("parcae", cm, intervals, interval_s, look_ahead=12, tail_intervals=TAIL,
-                        **({} if RISK is None else {"risk": RISK}))
+    given = {k: v for k, v in (("tail_intervals", TAIL), ("risk", RISK)) if v is not None}
+    parcae = run_policy("parcae", cm, intervals, interval_s, look_ahead=12, **given)
     moves = sum(1 for x in reactive.lost_ms if x > 0)
     return (parcae.samples / reactive.samples, sum(reactive.lost_ms) / 1e3, sum(parcae.lost_ms) / 1e3, moves)
 
@@ -113,8 +115,11 @@ def main() -> int:
     a = ap.parse_args()
     global TAIL, RISK
     TAIL, RISK = a.tail, a.risk
-    if RISK is not None and RISK < 0:
-        ap.error(f"--risk {a.risk}: give a number of standard deviations >= 0")
+    if RISK is not None:
+        try:
+            check_risk(RISK, "--risk")
+        except ConfigurationError as exc:
+            ap.error(str(exc))
     if TAIL is not None and TAIL < 0:
         ap.error(f"--tail {a.tail}: give a number of intervals >= 0")
     gbps = [float(x) for x in a.gbps.split(",") if x]

@@ -521,8 +521,14 @@ def main() -> int:
     prior: tuple[str, ...] = ()
     if a.prior_profile:
         prior = ("--trainer.strategy.init_args.prior_profile", str(Path(a.prior_profile).resolve()))
-    if a.risk is not None and not a.risk >= 0:
-        raise SystemExit(f"--risk {a.risk}: give a number of standard deviations >= 0")
+    if a.risk is not None:
+        from lightning_parcae.errors import ConfigurationError  # noqa: PLC0415
+        from lightning_parcae.planning.policy import check_risk  # noqa: PLC0415
+
+        try:
+            check_risk(a.risk, "--risk")  # the strategy's own check, before any job is launched
+        except ConfigurationError as exc:
+            raise SystemExit(str(exc)) from None
     risk = () if a.risk is None else ("--trainer.strategy.init_args.risk", str(a.risk))
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 

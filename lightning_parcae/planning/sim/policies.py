@@ -295,14 +295,14 @@ def _liveput(
     risk: float = DEFAULT_RISK,
     levels: Sequence[float] = LEVELS,
     constants: Optional[Sequence[Optional[MigrationConstants]]] = None,
-    tail_intervals: Optional[float] = None,
+    tail_intervals: float = DecisionOptions.tail_intervals,
     **_: object,
 ) -> PolicyResult:
     res = PolicyResult("live-reactive" if reactive else "parcae-oracle" if oracle else "parcae", interval_s)
     forecast = not oracle and not reactive
     options = DecisionOptions(look_ahead=look_ahead, predictor=predictor if forecast else None,
                               max_instances=max_instances, risk=risk, levels=levels,
-                              tail_intervals=DecisionOptions.tail_intervals if tail_intervals is None else tail_intervals)
+                              tail_intervals=tail_intervals)
     decider = ShapeDecider(cm, interval_s=interval_s, options=options)
     acct = _Accountant(cm, 1000.0 * interval_s)
     # with a measured profile (a run's profile.json) the live policies keep the leader's veto, as the runtime does
