@@ -125,7 +125,8 @@ def test_optimizer_never_picks_a_measured_slower_shape(machine, seed):
     assert model.throughput(*plan.next_shape) >= model.measured(2, 1) * 0.999 or model.measured(*plan.next_shape) is None
     assert model.vetoes((2, 1), (4, 1), 4)
     # back to the faster shape: allowed once it is measured faster by more than the margin
-    assert model.vetoes((4, 1), (2, 1), 4) == (model.measured(2, 1) < model.measured(4, 1) * (1 + model.margin))
+    gain = model.required_gain((4, 1), (2, 1))
+    assert model.vetoes((4, 1), (2, 1), 4) == (model.measured(2, 1) < model.measured(4, 1) * (1 + gain))
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -137,6 +138,46 @@ def test_margin_stops_ping_pong_between_equal_shapes(seed):
         model.record(1, 2, 100 * (1 + 0.02 * rng.standard_normal()))
         model.record(1, 3, 100 * (1 + 0.02 * rng.standard_normal()))
     assert model.vetoes((1, 2), (1, 3), 3) and model.vetoes((1, 3), (1, 2), 3)
+
+
+def _two_shapes(rng, fast_ms: float, slow_ms: float, spread: float, steps: int = 64) -> MeasuredThroughput:
+    model = make(min_p=2)
+    for _ in range(steps):
+        model.record(1, 2, slow_ms * (1 + spread * rng.standard_normal()))
+        model.record(1, 3, fast_ms * (1 + spread * rng.standard_normal()))
+    return model
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_steady_nine_percent_gain_is_taken(seed):
+    """Regression (issue 21, stop 51, pass I2, lh_80_90 at N = 28): 4x7 measured 43.42 samples/s against 4x6's
+    39.49-39.77 (1.092-1.099) with steps spreading 1.9-2.8 %; a fixed 10 % margin refused the move seven times in
+    100 s, while the other policy's leader, whose 4x6 had measured a little slower, moved at once. A gain several
+    times the steps' spread is a gain: the move is allowed."""
+    rng = np.random.default_rng(seed)
+    model = _two_shapes(rng, fast_ms=3000.0, slow_ms=3000.0 * 1.092, spread=0.025)
+    assert model.required_gain((1, 2), (1, 3)) < 0.092
+    assert not model.vetoes((1, 2), (1, 3), 3)
+    assert model.vetoes((1, 3), (1, 2), 3)  # and never back to the slower one
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_margin_grows_with_the_spread_of_the_steps(seed):
+    """The same 9 % gap between shapes whose steps spread 9 % (a loaded machine: pass I's 4x7 spread 9.2 %) is
+    inside the noise: kept where it is, whichever runs."""
+    rng = np.random.default_rng(seed)
+    model = _two_shapes(rng, fast_ms=3000.0, slow_ms=3000.0 * 1.092, spread=0.09)
+    assert model.required_gain((1, 2), (1, 3)) > 0.2
+    assert model.vetoes((1, 2), (1, 3), 3)
+    quiet = _two_shapes(rng, fast_ms=100.0, slow_ms=100.5, spread=0.0)
+    assert quiet.required_gain((1, 2), (1, 3)) == quiet.margin  # no spread: the floor
+    assert quiet.vetoes((1, 2), (1, 3), 3)
+
+
+@pytest.mark.parametrize("bad", [dict(margin=-0.1), dict(margin=float("nan")), dict(margin_sigmas=-1.0)])
+def test_a_bad_margin_is_refused_by_name(bad):
+    with pytest.raises(ConfigurationError, match="margin"):
+        MeasuredThroughput(PipelineThroughput(LAYERS, 64, 2), **bad)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -200,7 +241,7 @@ def test_exploration_only_when_unsure_and_interval_is_long():
     model.margin = max(model.throughput(*c) * (1.0 + 8.0 * model.uncertainty(*c))
                        for c in model.candidates(4) if model.measured(*c) is None) / model.measured(1, 1)
     assert model.exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None
-    model.margin = 0.1
+    model.margin = 0.03
     # once everything reachable is measured there is nothing to explore
     feed(model, model.candidates(4), rng, 0.0, **machine)
     assert model.exploration(4, (1, 1), interval_s=600.0, move_cost_s=0.2) is None
@@ -227,7 +268,7 @@ def test_exploration_never_tries_a_shape_the_profile_ranks_no_faster_than_the_ru
             if model.measured(*s) is None and model.profiled_ms(*s) >= model.profiled_ms(*current):
                 mu = model.throughput(*s)
                 filtered += exploration_value(cur, mu, mu * model.uncertainty(*s), model._trial_s(s, 2, 0.2),
-                                              600.0, 0.2, model.margin) > 0
+                                              600.0, 0.2, model.required_gain(current)) > 0
     if current == (2, 2):
         assert filtered, "no profiled-slower shape had a positive value: the test would not see the rule"
 
@@ -428,7 +469,7 @@ def test_leaving_a_hold_is_refused_only_by_a_measurement_of_the_target_as_slower
     fresh.record(1, 1, 100.0)  # not measured yet (fewer than min_samples)
     assert fresh.measured(1, 1) is None
     assert fresh.vetoes((1, 1), (2, 1), 2) and not fresh.vetoes((1, 1), (2, 1), 2, held=True)
-    for step_ms, refused in ((120.0, True), (97.0, False)):  # 2x1 measured slower / 3 % faster (inside the margin)
+    for step_ms, refused in ((120.0, True), (98.0, False)):  # 2x1 measured slower / 2 % faster (inside the margin)
         m = make()
         for _ in range(10):
             m.record(1, 1, 100.0)

@@ -504,10 +504,11 @@ def test_live_policies_keep_the_runtimes_veto_over_a_measured_profile(policy: st
     """Regression (issue 21, stop 49, 0.25 Gbps replay of lh_80_90): the runtime's reactive stayed in 4x6 on 28-31
     instances -- 4x7 measured 6.8 % faster, under the veto's 10 % margin -- while the simulator's moved to 4x7 and
     back, and forecast reactive 17 % below the run. Over a measured profile the simulated live policies now keep
-    the leader's veto; a shape measured faster by more than the margin is still taken."""
+    the leader's veto; a shape measured faster by more than the margin (now at least 3 %: these steps do not
+    spread) is still taken."""
     intervals = [(0, 4, 0), (4, 0, 0), (4, 2, 0), (6, 0, 0), (6, 0, 0), (6, 0, 0)]
-    near = run_policy(policy, _measured_cm(0.05), intervals, 60.0)
-    assert near.shapes == [(2, 2)] * 6  # 5 % faster: under the margin, no move
+    near = run_policy(policy, _measured_cm(0.02), intervals, 60.0)
+    assert near.shapes == [(2, 2)] * 6  # 2 % faster: under the margin, no move
     clear = run_policy(policy, _measured_cm(0.3), intervals, 60.0)
     assert clear.shapes[:2] == [(2, 2)] * 2 and clear.shapes[-1] == (2, 3)
 

@@ -184,6 +184,13 @@ def exploration_value(current: float, mean: float, sigma: float, trial_s: float,
     return gain_rate * rest - (current - mean) * trial_s - current * move_cost_s * (2.0 - p_win)
 
 
+DEFAULT_MARGIN = 0.03
+"""The least gain a move between two measured shapes must show (:meth:`MeasuredThroughput.required_gain`): the
+spread of one shape's median across replays of the same job on this machine was 1.2 % (issue 21, stop 51)."""
+
+DEFAULT_MARGIN_SIGMAS = 2.0
+"""Combined single-step spreads the gain of a move between two measured shapes must clear."""
+
 DEFAULT_MAX_EXPLORATION_SHARE = 0.1
 """Default cap on the share of training wall time spent in exploration tries (see :class:`ExplorationBudget`)."""
 
@@ -310,12 +317,14 @@ class MeasuredThroughput(ThroughputModel):
         min_samples: Steps before a shape counts as measured.
         window: Steps kept per shape.
         ridge: Strength of the pull toward the prior coefficients.
-        margin: A move to another *measured* shape needs it measured faster by this fraction (see :meth:`vetoes`).
+        margin: The least fraction a move to another *measured* shape needs it measured faster by (see
+            :meth:`required_gain`: the fraction grows with the spread of the two shapes' steps).
+        margin_sigmas: How many combined step spreads (:meth:`spread`) the move's gain must clear.
     """
 
     def __init__(self, prior: PipelineThroughput, *, layer_bytes: Optional[Sequence[float]] = None,
                  cores: Optional[int] = None, min_samples: int = 5, window: int = 64, ridge: float = 0.1,
-                 margin: float = 0.1) -> None:
+                 margin: float = DEFAULT_MARGIN, margin_sigmas: float = DEFAULT_MARGIN_SIGMAS) -> None:
         self.prior = prior
         self.global_batch = prior.global_batch
         self.limits = prior.limits
@@ -328,6 +337,11 @@ class MeasuredThroughput(ThroughputModel):
         self.window = max(self.min_samples, int(window))
         self.ridge = float(ridge)
         self.margin = float(margin)
+        self.margin_sigmas = float(margin_sigmas)
+        if not (math.isfinite(self.margin) and self.margin >= 0 and math.isfinite(self.margin_sigmas)
+                and self.margin_sigmas >= 0):
+            raise ConfigurationError(f"margin={margin!r}, margin_sigmas={margin_sigmas!r}: both must be finite and "
+                                     f">= 0 (defaults {DEFAULT_MARGIN} and {DEFAULT_MARGIN_SIGMAS})")
         self.samples: Dict[Shape, Deque[float]] = {}
         self.constants: Optional[MigrationConstants] = None
         self.bytes_per_param = 4.0
@@ -367,6 +381,36 @@ class MeasuredThroughput(ThroughputModel):
         """Whether both shapes are measured and ``shape`` measured more samples/s than ``than``."""
         a, b = self.measured(*shape), self.measured(*than)
         return a is not None and b is not None and a > b
+
+    def spread(self, d: int, p: int) -> Optional[float]:
+        """Relative spread of single steps of a measured shape (1.4826 x MAD / median: the standard deviation of a
+        normal step time, robust to the odd slow step), or None if (d, p) is not measured."""
+        ms = self.measured_ms(d, p)
+        if ms is None:
+            return None
+        q = np.asarray(self.samples[(d, p)])
+        return float(1.4826 * np.median(np.abs(q - ms)) / ms)
+
+    def required_gain(self, current: Shape, chosen: Optional[Shape] = None) -> float:
+        """The fraction ``chosen`` must measure faster than ``current`` by for a move between them to count as a
+        gain rather than noise: ``max(margin, margin_sigmas x hypot(spread(current), spread(chosen)))``. An
+        unmeasured ``chosen`` (an exploration's candidate) is taken to spread as ``current`` does.
+
+        The spread of single steps, not the standard error of the two medians (0.2-0.5 % at 64 steps): the
+        running shape's steps move with the machine's load while a shape measured earlier keeps the load of
+        its time, and the single steps' spread in the window is how far that load moved them. On the emulated
+        GPT-1.5B cluster (2 cores, N = 28) 4x6 and 4x7 steps spread 1.6-3.1 %, their medians across passes
+        1.2 % (one pass 7 %: its steps spread 4.5-9.2 %).
+
+        Regression (issue 21, stop 51, pass I2, lh_80_90 at N = 28): the margin was a fixed 10 %. 4x7 measured
+        43.42 samples/s against 4x6's 39.49-39.77 (1.092-1.099, steps spread 1.9-2.8 %): the veto refused the move
+        seven times in 100 s, while the other policy's leader, whose 4x6 had measured a little slower, moved at
+        once -- which policy won the segment was a coin flip of the running shape's measurement. Two shapes
+        equal up to noise still keep the job where it is (test_margin_stops_ping_pong_between_equal_shapes).
+        """
+        a = self.spread(*current) or 0.0
+        b = self.spread(*chosen) if chosen is not None else None
+        return max(self.margin, self.margin_sigmas * math.hypot(a, a if b is None else b))
 
     def measured_shapes(self) -> List[Shape]:
         """Shapes with a measurement (at least ``min_samples`` steps)."""
@@ -456,8 +500,7 @@ class MeasuredThroughput(ThroughputModel):
         """
         ms = self.measured_ms(d, p)
         if ms is not None:
-            q = np.asarray(self.samples[(d, p)])
-            return float(1.4826 * np.median(np.abs(q - ms)) / ms / math.sqrt(len(q)))
+            return float(self.spread(d, p) or 0.0) / math.sqrt(len(self.samples[(d, p)]))
         self._coef()
         meas = self.measured_shapes()
         if any(s[1] == p and s[0] * s[1] == d * p for s in meas):
@@ -503,8 +546,9 @@ class MeasuredThroughput(ThroughputModel):
         instances (availability does not force the move) and
 
         * ``chosen`` is measured slower than ``current`` (never move to a shape measured slower) -- or not faster
-          by more than :attr:`margin`: measurements of the running shape move with the machine's load while the
-          others' stay as they were, and without a margin the job ping-pongs between two equal shapes; or
+          by more than :meth:`required_gain` (at least :attr:`margin`, more where the two shapes' steps spread
+          more): measurements of the running shape move with the machine's load while the others' stay as they
+          were, and without a margin the job ping-pongs between two equal shapes; or
         * ``current`` is not measured yet (a few more steps measure it; moving away on the formula alone is how
           the job used to leave its best shape); or
         * ``chosen`` is not measured and even its fitted throughput less its uncertainty
@@ -533,7 +577,7 @@ class MeasuredThroughput(ThroughputModel):
             return True
         if b is None:
             return self.throughput(*chosen) * (1.0 - self.uncertainty(*chosen)) <= a
-        return b < a * (1.0 + self.margin)
+        return b < a * (1.0 + self.required_gain(current, chosen))
 
     def exploration(self, n: int, current: Shape, interval_s: float, move_cost_s: float,
                     warmup_steps: int = 2, boundary_s: float = 0.0) -> Optional[Shape]:
@@ -544,7 +588,8 @@ class MeasuredThroughput(ThroughputModel):
         (:func:`exploration_value`): the fitted
         throughput with its uncertainty as a normal belief, a try as long as measuring it takes (``warmup_steps``
         + ``min_samples`` steps at the fitted rate), a move to it afterwards only if it measures faster than the
-        current shape by :attr:`margin` (the veto's rule), the gain counted over the rest of ``interval_s``. The
+        current shape by :meth:`required_gain` (the veto's rule), the gain counted over the rest of
+        ``interval_s``. The
         shape with the largest expected value is returned. Whether the try may start is the caller's
         :class:`ExplorationBudget` (the share of wall time tries may take; a try's cost:
         :meth:`exploration_cost_s`).
@@ -590,7 +635,7 @@ class MeasuredThroughput(ThroughputModel):
                 continue
             trial_s = self._trial_s(s, warmup_steps, move_cost_s, boundary_s)
             value = exploration_value(cur, mu, mu * self.uncertainty(*s), trial_s, interval_s, move_cost_s,
-                                      self.margin)
+                                      self.required_gain(current))
             if value > best_value:
                 best, best_value = s, value
         return best

@@ -232,7 +232,7 @@ class ShapeChooser:
         if tried is None:
             return
         self.exploration.charge(now - (now if t.since is None else t.since))
-        kept = origin is None or tried > origin * (1.0 + model.margin)
+        kept = origin is None or tried > origin * (1.0 + model.required_gain(t.origin, t.shape))
         self.event("explore_done", shape=list(t.shape), origin=list(t.origin), kept=kept, measured=tried,
                    measured_origin=origin, **self.exploration.report(self._elapsed(now)))
         if kept:
