@@ -839,6 +839,29 @@ def _measure_2x2_faster(ch: ShapeChooser) -> None:
         model.record(2, 2, 0.9 * model.prior.step_ms(1, 4))
 
 
+@pytest.mark.parametrize("faster, moves", [(0.06, True), (0.02, False)])
+def test_the_leader_moves_to_a_shape_measured_faster_by_more_than_the_steps_spread(faster: float, moves: bool) -> None:
+    """Regression (issue 21, stop 51, pass I2): the veto asked a fixed 10 % of a move between two measured shapes,
+    and refused 4x6 -> 4x7 measured 9.2-9.9 % faster for 100 s. Steady steps (no spread) now need the 3 % floor:
+    2x2 measured 6 % faster than the running 1x4 is taken; 2 % is not, and the veto event names the margin."""
+    events: list = []
+    host = _host([0.0116] + [0.048] * 8 + [0.03], max_stage_memory_bytes=2.5e5)
+    state = _state(("a", "b", "c", "d"), (3, 3, 2, 2), 10)
+    ch = _chooser(host, state, _config(look_ahead=12, interval_s=2.0, max_instances=4), events,
+                  coord=Coordinator(dist.HashStore()))
+    model = ch.model()
+    assert model is not None
+    for _ in range(10):
+        model.record(1, 4, model.prior.step_ms(1, 4))
+        model.record(2, 2, model.prior.step_ms(1, 4) / (1.0 + faster))
+    assert ch.choose(4, 4, observe=True) == ((2, 2) if moves else (1, 4))
+    vetoes = [kw for name, kw in events if name == "veto"]
+    if moves:
+        assert not vetoes
+    else:
+        assert vetoes and vetoes[0]["required_gain"] == pytest.approx(model.margin)
+
+
 def test_a_new_leader_prices_migrations_by_what_the_previous_leader_published() -> None:
     """A new leader -- a standby admitted late, say, that took part in few migrations -- planned its first moves
     at the loopback constants again (a 30 ms rebuild, 10 Gbps) although the previous leader had published the

@@ -342,8 +342,10 @@ class ShapeChooser:
         vetoed = False
         if by_measurement and measured.vetoes(cur, shape, n_next, held=held) and not self._returning(shape, measured):
             # never move to a shape measured slower than the current one unless availability forces it
+            both = measured.measured(*shape) is not None and measured.measured(*cur) is not None
             self.event("veto", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
-                       measured_chosen=measured.measured(*shape))
+                       measured_chosen=measured.measured(*shape),
+                       required_gain=round(measured.required_gain(cur, shape), 4) if both else None)
             shape, vetoed = cur, True
         elif held and shape != cur:
             self.event("hold_over", current=list(cur), chosen=list(shape), measured_current=measured.measured(*cur),
