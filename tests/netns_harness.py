@@ -53,7 +53,7 @@ from lightning_parcae.planning.costmodel import largest_split
 
 from elastic_harness import JOB, ROOT, check_replicas_agree, check_samples_once, merged_final, reference
 
-__all__ = ["NetnsTrial", "draw", "run_trial", "main"]
+__all__ = ["NetnsTrial", "JobWatch", "TrialFailed", "draw", "run_trial", "main"]
 
 MICRO_BATCHES = 2  # elastic_job's default --micro-batches
 STEP_DELAY_S = 0.25  # each step sleeps this long (elastic_job --delay): the job outlasts the fault schedule
@@ -101,8 +101,9 @@ class TrialFailed(Exception):
     """A step of the schedule did not happen (what, and how long it was waited for)."""
 
 
-class _Job:
-    """The files a running trial writes, read while it runs."""
+class JobWatch:
+    """The files a running trial writes, read while it runs: its agents, what was done and when, and waits that
+    fail by name (:class:`TrialFailed`) when the job ends first or an agent not cut exits."""
 
     def __init__(self, out: Path, names: list[str], max_steps: int, batch: int) -> None:
         self.out, self.names, self.max_steps, self.batch = out, names, max_steps, batch
@@ -181,7 +182,7 @@ def run_trial(trial: NetnsTrial, work: Path) -> dict[str, Any]:
     out = work / "out"
     out.mkdir(parents=True)
     names = [f"a{k}" for k in range(trial.machines)]
-    job = _Job(out, names, trial.max_steps, trial.batch)
+    job = JobWatch(out, names, trial.max_steps, trial.batch)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     result: dict[str, Any] = {"trial": asdict(trial), "problems": []}
@@ -262,7 +263,7 @@ def run_trial(trial: NetnsTrial, work: Path) -> dict[str, Any]:
     return result
 
 
-def _check(trial: NetnsTrial, job: _Job, remaining: list[str], codes: dict[str, Optional[int]], work: Path,
+def _check(trial: NetnsTrial, job: JobWatch, remaining: list[str], codes: dict[str, Optional[int]], work: Path,
            result: dict[str, Any]) -> list[str]:
     """The end-of-trial checks (module docstring); returns what failed."""
     if codes != {n: 0 for n in remaining}:

@@ -27,6 +27,7 @@ import torch
 import netns
 from elastic_harness import JOB, ROOT, ElasticJob, check_replicas_agree, check_samples_once, merged_final, reference
 from lightning_parcae.runtime.store import new_token
+from netns_harness import JobWatch, TrialFailed
 
 _WHY = netns.unavailable()
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess,
@@ -151,6 +152,24 @@ def _logs(out: Path) -> Any:
     return "\n".join(f.read_text(errors="replace")[-1500:] for f in sorted(out.glob("agent_*.txt")))
 
 
+def _agent_log(out: Path, name: str) -> str:
+    return (out / f"agent_{name}.txt").read_text(errors="replace")
+
+
+def _max_step(out: Path) -> int:
+    """The highest step any worker recorded in ``out/steps_*.jsonl``."""
+    return max((json.loads(line)["step"] for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()
+                if line.strip()), default=0)
+
+
+def _until(out: Path, what: str, cond: Any, timeout: float = 180.0) -> None:
+    """Wait for ``cond``; fail with ``what`` and every agent's log tail after ``timeout`` seconds."""
+    t_end = time.time() + timeout
+    while not cond():
+        assert time.time() < t_end, f"{what}: {_logs(out)}"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_agents_without_ranks_relaunch_from_the_checkpoint_by_themselves_if_the_machine_holding_a_stage_goes_silent(
@@ -170,17 +189,13 @@ def test_agents_without_ranks_relaunch_from_the_checkpoint_by_themselves_if_the_
     agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def log(name: str) -> str:
-        return (out / f"agent_{name}.txt").read_text(errors="replace")
+        return _agent_log(out, name)
 
     def max_step() -> int:
-        return max((json.loads(line)["step"] for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()
-                    if line.strip()), default=0)
+        return _max_step(out)
 
     def until(what: str, cond: Any, timeout: float = 180.0) -> None:
-        t_end = time.time() + timeout
-        while not cond():
-            assert time.time() < t_end, f"{what}: {_logs(out)}"
-            time.sleep(0.1)
+        _until(out, what, cond, timeout)
 
     with netns.Cluster(["a0", "a1", "a2"]) as cluster:
         url, store = cluster.host_store(token)
@@ -245,17 +260,13 @@ def test_agents_relaunch_from_object_storage_if_the_machine_that_wrote_the_check
     agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def log(name: str) -> str:
-        return (out / f"agent_{name}.txt").read_text(errors="replace")
+        return _agent_log(out, name)
 
     def max_step() -> int:
-        return max((json.loads(line)["step"] for f in out.glob("steps_*.jsonl") for line in f.read_text().splitlines()
-                    if line.strip()), default=0)
+        return _max_step(out)
 
     def until(what: str, cond: Any, timeout: float = 180.0) -> None:
-        t_end = time.time() + timeout
-        while not cond():
-            assert time.time() < t_end, f"{what}: {_logs(out)}"
-            time.sleep(0.1)
+        _until(out, what, cond, timeout)
 
     with netns.Cluster(["a0", "a1", "a2", "s3"]) as cluster:
         url, store = cluster.host_store(token)
@@ -346,59 +357,13 @@ def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_e
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARCAE_")}
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     names = ["a0", "a1", "a2", "a3", "a4"]
-    agents: dict[str, subprocess.Popen[bytes]] = {}
-    trace: list[str] = []  # what the test did, and when: part of every failure message
-    cut: set[str] = set()  # machines noticed or silenced: their agents may end at any time
-    t0 = time.time()
-
-    def note(line: str) -> None:
-        trace.append(f"{time.time() - t0:6.1f} s, step {max((r['step'] for r in steps()), default=0)}: {line}")
-
-    def log(name: str) -> str:
-        return (out / f"agent_{name}.txt").read_text(errors="replace")
-
-    def events(name: str) -> list[dict[str, Any]]:
-        """Machine ``name``'s worker events (its agent's --run-dir)."""
-        return netns.read_jsonl(out / name / "events.jsonl")
-
-    def steps() -> list[dict[str, Any]]:
-        return [r for f in out.glob("steps_*.jsonl") for r in netns.read_jsonl(f)]
-
-    def machine(member: str) -> str:
-        """The machine whose worker is ``member`` (each machine's worker events name its member ids)."""
-        return next(n for n in names if any(e.get("member") == member for e in events(n)))
+    # the agents, what the test did and when (part of every failure message), the machines noticed or silenced
+    # (their agents may end at any time), and the waits: the fleet harness's own
+    job = JobWatch(out, names, max_steps, batch)
+    agents, cut, note, log, events, steps = job.agents, job.cut, job.note, job.log, job.events, job.steps
 
     def why() -> str:
-        return "\n".join(trace) + "\n" + _logs(out)
-
-    def until(what: str, cond: Any, timeout: float = 180.0) -> None:
-        t_end = time.time() + timeout
-        while not cond():
-            assert time.time() < t_end, f"{what} within {timeout:g} s:\n{why()}"
-            assert max((r["step"] for r in steps()), default=0) < max_steps, f"{what} before the job ended:\n{why()}"
-            ended = {n: p.returncode for n, p in agents.items() if n not in cut and p.poll() is not None}
-            assert not ended, f"{what}: agents exited {ended}:\n{why()}"
-            time.sleep(0.1)
-
-    def seats(since: int = 0) -> tuple[int, int, dict[str, tuple[int, int]]]:
-        """The newest generation (``since`` or later) that trains, its first step and its machines' (replica,
-        stage), read once a record three steps after its first one is there (every member of it then recorded the
-        step after its first: each step needs all of them)."""
-        found: dict[str, Any] = {}
-
-        def ready() -> bool:
-            recs = [r for r in steps() if r["gen"] < 1000]
-            gen = max((r["gen"] for r in recs), default=-1)
-            mine = [r for r in recs if r["gen"] == gen]
-            first = min((r["step"] for r in mine), default=0)
-            if gen < since or max((r["step"] for r in mine), default=0) < first + 3:
-                return False
-            found.update(gen=gen, first=first, seats={machine(r["member"]): (r["replica"], r["stage"])
-                                                      for r in mine if r["step"] == first + 1})
-            return True
-
-        until(f"no generation since {since} trained three steps", ready)
-        return found["gen"], found["first"], found["seats"]
+        return "\n".join(job.trace) + "\n" + _logs(out)
 
     with netns.Cluster([*names, "s3"]) as cluster:
         token_file = tmp_path / "store" / "job.token"
@@ -418,7 +383,7 @@ def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_e
             # 1. four machines form round 0 at D=2 P=2
             for name in names[:4]:
                 start(name)
-            gen, _, seated = seats()
+            gen, _, seated = job.seats(0)
             assert gen == 0 and sorted(seated) == names[:4] and sorted(seated.values()) == [(0, 0), (0, 1), (1, 0),
                                                                                             (1, 1)], (seated, why())
             # 2. a preemption notice for the member at replica 1, stage 1; 3. the later arrival right after it
@@ -429,11 +394,11 @@ def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_e
             start("a4")
             assert agents[noticed].wait(timeout=120) == 0, why()
             note(f"{noticed}'s agent exited 0")
-            until("a4 was not admitted", lambda: any(e.get("event") == "joined" for e in events("a4")), timeout=300)
+            job.until("a4 was not admitted", lambda: any(e.get("event") == "joined" for e in events("a4")))
             admitted = next(e["generation"] for e in events("a4") if e.get("event") == "joined")
             note(f"a4 admitted in generation {admitted}")
             # 4. a member that is neither rank 0 nor its stage's only holder goes silent
-            gen, first, seated = seats(since=admitted)
+            gen, first, seated = job.seats(admitted)
             holders = {st: [m for m, at in seated.items() if at[1] == st] for _, st in seated.values()}
             quiet = [m for m, (rep, st) in seated.items() if (rep, st) != (0, 0) and len(holders[st]) >= 2]
             assert "a4" in seated and quiet, f"generation {gen} {seated}: no member to silence\n{why()}"
@@ -442,9 +407,9 @@ def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_e
             cluster.silence(silent)
             note(f"silenced {silent} {seated[silent]} of generation {gen} {seated}")
             # 5. every holder of stage 0, rank 0 (the checkpoint writer) among them, goes silent at once
-            gen, first, seated = seats(since=gen + 1)
+            gen, first, seated = job.seats(gen + 1)
             writer = next(m for m, at in seated.items() if at == (0, 0))
-            until(f"rank 0 ({writer}) wrote no checkpoint in generation {gen}",
+            job.until(f"rank 0 ({writer}) wrote no checkpoint in generation {gen}",
                   lambda: any(e.get("event") == "checkpoint" and e["step"] >= first for e in events(writer)))
             lost = sorted(m for m, at in seated.items() if at[1] == 0)
             remaining = [n for n in names if n not in (noticed, silent, *lost)]
@@ -455,12 +420,13 @@ def test_five_agents_replay_a_notice_an_arrival_a_silence_and_a_stage_loss_and_e
             note(f"silenced stage 0's holders {lost} of generation {gen} {seated}")
             codes = {n: agents[n].wait(timeout=400) for n in remaining}
             note(f"the remaining agents exited {codes}")
+        except TrialFailed as e:
+            pytest.fail(f"{e}:\n{why()}")
         finally:
             netns.kill_agents(agents)
             store.terminate()
             store.wait(timeout=30)
             s3.stop()
-    print("\n".join(trace))
     assert codes == {n: 0 for n in remaining}, why()
     survivors = [n for n in names if n != noticed]
     moves = [e for n in survivors for e in events(n) if e.get("event") == "migration"]
