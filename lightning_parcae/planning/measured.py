@@ -147,8 +147,16 @@ class PipelineThroughput(ThroughputModel):
         return sorted(out)
 
 
+DEFAULT_MARGIN = 0.03
+"""The least gain a move between two measured shapes must show (:meth:`MeasuredThroughput.required_gain`): the
+spread of one shape's median across replays of the same job on this machine was 1.2 % (issue 21, stop 51)."""
+
+DEFAULT_MARGIN_SIGMAS = 2.0
+"""Combined single-step spreads the gain of a move between two measured shapes must clear."""
+
+
 def exploration_value(current: float, mean: float, sigma: float, trial_s: float, horizon_s: float,
-                      move_cost_s: float, margin: float = 0.1) -> float:
+                      move_cost_s: float, margin: float = DEFAULT_MARGIN) -> float:
     """Expected samples an exploration gains over staying (negative: it costs more than it can win).
 
     A try of an unmeasured shape believed to run ``N(mean, sigma)`` samples/s: the job moves to it (one
@@ -170,7 +178,8 @@ def exploration_value(current: float, mean: float, sigma: float, trial_s: float,
         trial_s: Seconds the try trains in the candidate before it counts as measured.
         horizon_s: Seconds the job expects to keep the instance count.
         move_cost_s: Seconds one in-place migration stops training.
-        margin: Fraction the candidate must measure faster by to be kept.
+        margin: Fraction the candidate must measure faster by to be kept (the caller's
+            :meth:`MeasuredThroughput.required_gain`).
     """
     c = current * (1.0 + margin)
     if sigma <= 0:
@@ -183,13 +192,6 @@ def exploration_value(current: float, mean: float, sigma: float, trial_s: float,
     rest = max(0.0, horizon_s - trial_s - move_cost_s)
     return gain_rate * rest - (current - mean) * trial_s - current * move_cost_s * (2.0 - p_win)
 
-
-DEFAULT_MARGIN = 0.03
-"""The least gain a move between two measured shapes must show (:meth:`MeasuredThroughput.required_gain`): the
-spread of one shape's median across replays of the same job on this machine was 1.2 % (issue 21, stop 51)."""
-
-DEFAULT_MARGIN_SIGMAS = 2.0
-"""Combined single-step spreads the gain of a move between two measured shapes must clear."""
 
 DEFAULT_MAX_EXPLORATION_SHARE = 0.1
 """Default cap on the share of training wall time spent in exploration tries (see :class:`ExplorationBudget`)."""
