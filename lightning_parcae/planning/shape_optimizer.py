@@ -181,6 +181,9 @@ class LiveputOptimizer:
             raise ConfigurationError(f"min_p={min_p} > max_p={max_p}: the pipeline-depth range is empty")
         self.cm = cost_model
         self.thr = cost_model.throughput
+        # the price a plan counts a shape's samples at: a measured model prices a gain inside its noise margin
+        # as none (MeasuredThroughput.planning_throughput); what a policy trains is still counted at throughput
+        self._price = getattr(self.thr, "planning_throughput", self.thr.throughput)
         self.interval_ms = 1000.0 * interval_s
         self.look_ahead = look_ahead
         self.min_p = min_p
@@ -249,7 +252,7 @@ class LiveputOptimizer:
                 # Nothing can run on n instances (below the model's minimum depth): the job pauses. PAUSED has
                 # no throughput and no cost; leaving it is a start from scratch (see transition_costs).
                 shapes = [PAUSED]
-            thr = np.array([self.thr.throughput(*s) if s != PAUSED else 0.0 for s in shapes], dtype=float)
+            thr = np.array([self._price(*s) if s != PAUSED else 0.0 for s in shapes], dtype=float)
             conc = np.array([self.cm.concurrent_restart_ms(*s) if s != PAUSED else 0.0 for s in shapes], dtype=float)
             self._targets_cache[key] = (shapes, thr, conc)
         return self._targets_cache[key]
@@ -366,7 +369,7 @@ class LiveputOptimizer:
             if not self.tail_ms or k[0] == PAUSED:
                 return frontier[k][0]
             left = max(self.tail_ms - frontier[k][1], 0.0)  # a migration still running eats into the tail
-            return frontier[k][0] + self.thr.throughput(*k[0]) * left / 1000.0
+            return frontier[k][0] + self._price(*k[0]) * left / 1000.0
 
         best_key = min(frontier, key=lambda k: (-value(k), frontier[k][1], k[0][1], k[0]))
         samples, _, path, first_cost = frontier[best_key]
@@ -389,7 +392,7 @@ class LiveputOptimizer:
         cost = np.stack([self.transition_costs(n, k[0], n_in, n_out, [first]) for k in keys])
         return (
             [first],
-            np.array([self.thr.throughput(*first)]),
+            np.array([self._price(*first)]),
             np.array([self.cm.concurrent_restart_ms(*first)]),
             cost,
         )
