@@ -38,7 +38,9 @@ Over a *measured* profile (a run's ``profile.json``: a throughput model with ``v
 ``live-reactive`` also keep the runtime leader's veto (:meth:`~lightning_parcae.planning.measured.MeasuredThroughput.vetoes`):
 no move, while the current shape still fits, to a shape not measured faster by the margin (``required_gain``: at
 least 3 %, two combined step spreads where the steps spread more), and a hold the
-decision takes back is left unless the target measured slower. Regression (issue 21, stop 49, 0.25 Gbps replay of
+decision takes back is left unless the target measured slower. Both decide at the runtime's planning prices
+(:meth:`~lightning_parcae.planning.measured.MeasuredThroughput.planning_throughput`: a gain inside that margin
+over a narrower measured shape counts as none) and train at the measurements. Regression (issue 21, stop 49, 0.25 Gbps replay of
 lh_80_90): the runtime's reactive stayed in 4x6 on 28-31 instances (4x7 measured 6.8 % faster: under the 10 %
 margin of then)
 while the simulator's moved to 4x7 and back for 33 s and 30 s of repartitions, and forecast reactive 17 % low.
