@@ -421,6 +421,13 @@ class MeasuredThroughput(ThroughputModel):
         b = self.spread(*chosen) if chosen is not None else None
         return max(self.margin, self.margin_sigmas * math.hypot(a, a if b is None else b))
 
+    def within_margin(self, current: Shape, chosen: Shape) -> bool:
+        """Whether both shapes are measured and ``chosen`` does not measure faster than ``current`` by
+        :meth:`required_gain` (slower included): a move between them would be a move for noise -- the veto's rule,
+        and the one :meth:`planning_throughput` prices by."""
+        a, b = self.measured(*current), self.measured(*chosen)
+        return a is not None and b is not None and b < a * (1.0 + self.required_gain(current, chosen))
+
     def measured_shapes(self) -> List[Shape]:
         """Shapes with a measurement (at least ``min_samples`` steps)."""
         return sorted(s for s in self.samples if self.measured_ms(*s) is not None)
@@ -559,12 +566,9 @@ class MeasuredThroughput(ThroughputModel):
         if cached is not None:
             return cached
         floor = 0.0
-        for t in self.measured_shapes():
-            if t[0] * t[1] >= d * p or not self.limits.allows(*t) or not self.prior.allowed(*t):
-                continue
-            b = self.measured(*t)
-            if b is not None and b < own < b * (1.0 + self.required_gain(t, (d, p))):
-                floor = max(floor, b)
+        for t in self.measured_shapes():  # all allowed: record() keeps no other shape
+            if t[0] * t[1] < d * p and self.measured(*t) < own and self.within_margin(t, (d, p)):
+                floor = max(floor, self.measured(*t))
         price = self._planning[(d, p)] = thr if floor <= 0 else floor * (1.0 - 1e-9)
         return price
 
@@ -624,7 +628,7 @@ class MeasuredThroughput(ThroughputModel):
             return True
         if b is None:
             return self.throughput(*chosen) * (1.0 - self.uncertainty(*chosen)) <= a
-        return b < a * (1.0 + self.required_gain(current, chosen))
+        return self.within_margin(current, chosen)
 
     def exploration(self, n: int, current: Shape, interval_s: float, move_cost_s: float,
                     warmup_steps: int = 2, boundary_s: float = 0.0) -> Optional[Shape]:
