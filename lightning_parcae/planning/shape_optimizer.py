@@ -101,13 +101,17 @@ class Decision:
         expected_gain: Expected samples over the look-ahead (and the optimizer's tail) gained by ``next_shape``
             over ``reactive`` (0 when
             they are the same).
-        gain_std: Standard deviation of that gain over the scenarios.
+        gain_std: Standard deviation of that gain: over the scenarios, and of the fit where the plan rests on
+            unmeasured shapes.
         candidates: Shapes considered (the reactive one first).
         alternative: When the decision reacts although another candidate was scored: the best-scored other
             candidate (the bet not taken), with its expected gain and standard deviation -- how close it came to
             clearing the risk rule. ``None`` when the decision departs or every candidate agreed.
         alternative_gain: That candidate's expected gain over the reactive shape (0 without one).
         alternative_std: Its standard deviation over the scenarios (0 without one).
+        fit_std: The part of the reported shape's standard deviation (``next_shape``'s when it departs, else
+            ``alternative``'s) that is the fit's: what its plan rests on shapes not measured yet (see
+            :meth:`LiveputOptimizer.decide`); ``gain_std`` and ``alternative_std`` include it.
     """
 
     next_shape: Shape
@@ -118,6 +122,7 @@ class Decision:
     alternative: Optional[Shape] = None
     alternative_gain: float = 0.0
     alternative_std: float = 0.0
+    fit_std: float = 0.0
 
     @property
     def departs(self) -> bool:
@@ -158,6 +163,8 @@ class LiveputOptimizer:
         max_p: Override of the largest pipeline depth.
         tail_intervals: Intervals after the horizon for which the shape a plan ends in is credited with its
             throughput (the terminal value; 0: count samples up to the horizon only, as the artifact does).
+        charge_unmeasured: :meth:`decide` adds to a departure's standard deviation the fit's uncertainty on the
+            samples its plan counts in shapes the throughput model has not measured (False: the scenarios' only).
     """
 
     def __init__(
@@ -169,6 +176,7 @@ class LiveputOptimizer:
         min_p: Optional[int] = None,
         max_p: Optional[int] = None,
         tail_intervals: float = 0.0,
+        charge_unmeasured: bool = True,
     ) -> None:
         if not tail_intervals >= 0:
             raise ConfigurationError(f"tail_intervals={tail_intervals}: the terminal value's length must be >= 0 "
@@ -189,6 +197,7 @@ class LiveputOptimizer:
         self.min_p = min_p
         self.max_p = max_p
         self.tail_ms = float(tail_intervals) * self.interval_ms
+        self.charge_unmeasured = bool(charge_unmeasured)
         self._cost_cache: Dict[Tuple[int, Shape, int, int, Tuple[Shape, ...]], np.ndarray] = {}
         self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
 
@@ -431,7 +440,10 @@ class LiveputOptimizer:
         Otherwise every candidate is scored under every scenario (the best plan that starts with it), and the
         decision departs from the reactive choice only when the expected gain over the scenarios exceeds
         ``risk`` times its standard deviation -- a plan that only pays off in some futures does not replace
-        reacting.
+        reacting. Where a candidate's plan runs shapes the throughput model has not measured, one sigma of their
+        fit on what the plan rests on them beyond what reacting does (:meth:`unmeasured_risk`, averaged over the
+        scenarios) joins that standard deviation: a departure on a fitted gain must clear the fit's error as well,
+        as the veto asks of a move to an unmeasured shape (``charge_unmeasured=False``: the scenarios' only).
 
         Args:
             n: Instances before ``now``'s events.
@@ -468,21 +480,73 @@ class LiveputOptimizer:
         if len(cands) == 1:
             return Decision(reactive, reactive, 0.0, 0.0, tuple(cands))
         values = np.empty((len(cands), len(futures)))
+        unsure = np.zeros_like(values)
         for j, (f, pl) in enumerate(zip(futures, plans)):
             for i, c in enumerate(cands):
-                values[i, j] = pl.score if c == pl.next_shape else self.plan(
-                    n, shape, f, remain_ms=remain_ms, first=c, first_costs=first_costs
-                ).score
+                forced = pl if c == pl.next_shape else self.plan(
+                    n, shape, f, remain_ms=remain_ms, first=c, first_costs=first_costs)
+                values[i, j] = forced.score
+                unsure[i, j] = self.unmeasured_risk(forced)
         gain = values - values[0][None, :]
         mean = gain @ w
-        std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0))
+        # the fit's error on what a departure rests on beyond what reacting rests on (never a credit: reacting on
+        # an unmeasured shape is no reason to depart) adds to the spread over the scenarios
+        fit = np.maximum(unsure - unsure[0][None, :], 0.0) @ w
+        std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0) + fit ** 2)
         score = mean - np.where(std > 0, risk * np.where(std > 0, std, 1.0), 0.0)
         best = int(np.argmax(score))
         if best == 0 or score[best] <= 0:
             alt = 1 + int(np.argmax(score[1:]))  # the bet not taken (at least two candidates here)
-            return Decision(reactive, reactive, 0.0, 0.0, tuple(cands), cands[alt], float(mean[alt]), float(std[alt]))
-        return Decision(cands[best], reactive, float(mean[best]), float(std[best]), tuple(cands))
+            return Decision(reactive, reactive, 0.0, 0.0, tuple(cands), cands[alt], float(mean[alt]), float(std[alt]),
+                            float(fit[alt]))
+        return Decision(cands[best], reactive, float(mean[best]), float(std[best]), tuple(cands),
+                        fit_std=float(fit[best]))
 
+    def unmeasured_risk(self, plan: Plan) -> float:
+        """One sigma of what ``plan``'s value may be overstated by where it runs shapes the throughput model has
+        not measured: the fit's relative uncertainty times the samples the plan counts in each such shape, up to
+        the time a wrong fit can cost (0 where the model measures nothing or ``charge_unmeasured`` is off).
+
+        A wrong fit costs only until the job knows better: once the shape is measured (``min_samples`` steps) a
+        decision on the measurement can leave it, at the price of the move back to the reactive shape of that
+        count. So each stay in an unmeasured shape is counted for at most the time those steps take plus that
+        move (and never longer than the plan stays). Each planned interval counts as a whole interval (the
+        first less its known migration), the last one plus the optimizer's tail; a shape is priced at the
+        planning price.
+
+        Regression (issue 21, stop 53, pass S, lh_80_90 at 0.25 Gbps): on the notice that took 28 instances to
+        27, parcae's leader left 4x7 for an unmeasured 1x26 (a 0.3 s move: every layer already sat on a
+        survivor) rather than repartition into 4x6 (16 s), on a fitted gain of 389 +- 254 samples. 1x26
+        measured 10 % under its fit (25.2 samples/s against 4x6's 39.5); with the departures that followed, the
+        pass lost 3 % of the segment to live-reactive.
+        """
+        if not self.charge_unmeasured:
+            return 0.0
+        measured = getattr(self.thr, "measured", None)
+        uncertainty = getattr(self.thr, "uncertainty", None)
+        if measured is None or uncertainty is None:
+            return 0.0
+        steps = float(getattr(self.thr, "min_samples", 1))
+        batch = float(getattr(self.thr, "global_batch", 0.0))
+        total = 0.0
+        last = len(plan.sequence) - 1
+        k = 0
+        while k <= last:
+            s = plan.sequence[k]
+            stay_ms, end = 0.0, k
+            while end <= last and plan.sequence[end] == s:
+                stay_ms += self.interval_ms - (plan.first_cost_ms if end == 0 else 0.0) + (self.tail_ms if end == last else 0.0)
+                end += 1
+            if s != PAUSED and measured(*s) is None:
+                price = self._price(*s)
+                if price > 0:
+                    n = plan.counts[k] if k < len(plan.counts) else s[0] * s[1]
+                    back = self.reactive_shape(n)
+                    bail_ms = 0.0 if back in (s, PAUSED) else float(self.transition_costs(n, s, 0, 0, [back])[0])
+                    exposed_ms = min(max(stay_ms, 0.0), 1000.0 * steps * batch / price + bail_ms)
+                    total += float(uncertainty(*s)) * price * exposed_ms / 1000.0
+            k = end
+        return total
 
 def _known_first(cost: np.ndarray, shapes: Sequence[Shape], first_costs: FirstCosts) -> np.ndarray:
     """``cost`` (one row: the current shape, the only source of the first interval) with the known moves in it."""

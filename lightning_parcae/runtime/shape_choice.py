@@ -317,7 +317,8 @@ class ShapeChooser:
             self.stats["predicted_N"] = [int(n_next)] + [int(iv[0] + iv[1] - iv[2]) for iv in median[:1]]
             self.stats["decision"] = {"reactive": list(decision.reactive), "departs": decision.departs,
                                       "expected_gain": float(decision.expected_gain),
-                                      "gain_std": float(decision.gain_std), "scenarios": len(scenarios)}
+                                      "gain_std": float(decision.gain_std), "scenarios": len(scenarios),
+                                      "fit_std": float(decision.fit_std)}
             if decision.alternative is not None:  # a bet not taken: how close it came to the risk rule
                 self.stats["decision"].update(alternative=list(decision.alternative),
                                               alternative_gain=float(decision.alternative_gain),
