@@ -498,6 +498,9 @@ def main() -> int:
     ap.add_argument("--risk", type=float, default=None,
                     help="the parcae runs' strategy option risk (standard deviations of expected gain a departure from "
                     "the reactive shape must clear; default: the strategy's); the forecast uses the same")
+    ap.add_argument("--victims", choices=["newest", "random", "stage", "any"], default=None,
+                    help="parcae run --victims for every run (default: parcae run's, newest with standbys first); "
+                    "'any' draws from every instance as a spot provider and the planner's cost model do")
     ap.add_argument("--reforecast", action="store_true",
                     help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
     ap.add_argument("--combine", default=None, metavar="DIR,DIR,...",
@@ -507,6 +510,8 @@ def main() -> int:
         return combine([Path(x) for x in a.combine.split(",") if x])
     global TRAIN, LAUNCH_EXTRA, CLOCK
     TRAIN, LAUNCH_EXTRA = JOBS[a.job]
+    if a.victims is not None:
+        LAUNCH_EXTRA = [*LAUNCH_EXTRA, "--victims", a.victims]
     CLOCK = a.trace_clock
     if a.job == "gpt15b":
         TRAIN = [*TRAIN, "--model.time_scale", str(a.time_scale)]

@@ -93,6 +93,18 @@ def test_random_spreads_losses_over_members_not_by_age() -> None:
     assert min(counts) > 60, counts
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_any_is_reproducible_by_seed_and_does_not_spare_standbys(seed: int) -> None:
+    """``--victims any`` draws from every instance, as the planner's cost model does: the standby is removed
+    first exactly as often as any member (the other orders always remove it first)."""
+    a = _fleet("any", seed, standbys=(2,)).removal_order(list(range(6)))
+    assert a == _fleet("any", seed, standbys=(2,)).removal_order(list(range(6))) and sorted(a) == list(range(6))
+    fleet = _fleet("any", seed, standbys=(2,))
+    firsts = [fleet.removal_order(list(range(6)))[0] for _ in range(600)]
+    counts = [firsts.count(k) for k in range(6)]
+    assert min(counts) > 60 and counts[2] < 160, counts  # about 100 each: the standby is no exception
+
+
 def test_stage_removes_standbys_then_the_last_stages_holders_so_a_drop_of_d_empties_a_stage() -> None:
     """``--victims stage`` (the README's job): from 2x2 (ranks i0 i1 / i2 i3, stage = rank % 2) a drop of two takes
     both holders of the last stage -- an inter-stage migration every run. With ``--victims random`` whether the

@@ -456,6 +456,11 @@ class Fleet:
         (``--victims newest``), in a seeded random order (``--victims random``: a spot provider does not pick
         by age, so a drop can take any stage -- two at once can leave a stage short, the case an inter-stage
         migration repairs) or the holders of the last stage first (``--victims stage``: :meth:`_stage_order`).
+        ``--victims any`` is the seeded random order over every instance, standbys not first: the provider does
+        not know which instances train, and the planner's cost model (``settle``, the expectation over victim
+        patterns) draws victims from every instance present. Standbys-first spares a policy that keeps idle
+        instances the refill the planner priced (issue 21, stop 54: in an ll_10_11 replay live-reactive's 4x6 on
+        27 lost two standbys and paid nothing where the simulator had charged it 31 s).
 
         Regression: a member released by a 4 -> 2 shape change restarts as a standby under its *old* instance
         number, so "newest first" noticed an older training member while the restarted standby (still importing,
@@ -478,9 +483,11 @@ class Fleet:
         if self.cfg.victims == "stage":
             stage = self._stage_order()
             return sorted(ids, key=lambda k: (member(k), stage(k), -k))
-        if self.cfg.victims == "random":
+        if self.cfg.victims in ("random", "any"):
             shuffled = sorted(ids)
             self._victim_rng.shuffle(shuffled)
+            if self.cfg.victims == "any":
+                return shuffled
             rank = {k: i for i, k in enumerate(shuffled)}
             return sorted(ids, key=lambda k: (member(k), rank[k]))
         return sorted(ids, key=lambda k: (member(k), -k))

@@ -79,8 +79,8 @@ from lightning_parcae.signals.traces import scale_counts
 __all__ = ["build_parser", "main", "RunConfig", "RunFailed", "Launcher", "host_capacity", "scale_counts",
            "initial_members", "ELASTIC", "RESTART_FALLBACK", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT"]
 
-VICTIM_ORDERS = ("newest", "random", "stage")
-"""``--victims``: which training members a trace's drop removes (idle standbys always go first)."""
+VICTIM_ORDERS = ("newest", "random", "stage", "any")
+"""``--victims``: which instances a trace's drop removes (idle standbys first, except under ``any``)."""
 
 # ---------------------------------------------------------------------------------------------------------------
 # Configuration
@@ -120,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "members): 'newest' (default; reproducible), 'random' (seeded by --seed: the provider picks, "
                    "as a spot market does, so losses fall on any stage) or 'stage' (the holders of the last "
                    "pipeline stage first, newest first among them: a drop of D or more empties a stage, the "
-                   "worst case for a pipeline; the README's job)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --victims random (default 0)")
+                   "worst case for a pipeline; the README's job); 'any' (seeded by --seed, standbys NOT first: a "
+                   "spot provider does not know which instances train, and the planner's cost model draws "
+                   "victims from every instance present the same way)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --victims random and any (default 0)")
     p.add_argument("--max-instances", type=int, default=None,
                    help="the trace's peak count is scaled down to this many instances (default --instances)")
     p.add_argument("--pipeline-stages", default="1",
