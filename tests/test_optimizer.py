@@ -12,7 +12,7 @@ from lightning_parcae.planning.costmodel import (ArtifactCostModel, DefaultCostM
                                                  ShapeLimits, TableThroughput, reference_layer_params)
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import expected_transition_cost
-from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer, fit_shape
+from lightning_parcae.planning.shape_optimizer import DEFAULT_MIN_GAIN, PAUSED, LiveputOptimizer, fit_shape
 
 
 class ToyCost(MigrationCostModel):
@@ -517,7 +517,7 @@ def _hold(measured, u, **kwargs):
     skips (the fitted gain of holding 3x2: 357 +- 146 samples)."""
     cm = ToyCost({(4, 2): 100.0, (3, 2): 90.0, (2, 2): 70.0}, inter_ms=20_000.0)
     cm.throughput = FittedTable(cm.throughput.table, measured, u)
-    opt = LiveputOptimizer(cm, look_ahead=3, **kwargs)
+    opt = LiveputOptimizer(cm, look_ahead=3, min_gain=0.0, **kwargs)  # the risk rule alone (min_gain: below)
     return opt, opt.decide(8, (3, 2), (8, 0, 0), [_chain(8, [6, 6]), _chain(8, [6, 6]), _chain(8, [8, 8])])
 
 
@@ -584,3 +584,33 @@ def test_a_wrong_fit_is_exposed_only_until_measured_and_moved_out_of(interval_s)
     measured_plan = opt.plan(8, (4, 2), [(8, 0, 0)] * 4)
     assert set(measured_plan.sequence) == {(4, 2)} and opt.unmeasured_risk(measured_plan) == 0.0
     assert LiveputOptimizer(cm, interval_s=interval_s, charge_unmeasured=False).unmeasured_risk(plan) == 0.0
+
+
+@pytest.mark.parametrize("move_s", [18.05, 18.1, 18.2, 18.5, 19.0, 20.0, 24.0])
+def test_a_gain_the_estimates_cannot_tell_from_none_is_no_departure_even_when_every_scenario_agrees(move_s) -> None:
+    """Regression (issue 21, stop 54, ll_10_11 with role-blind victims): every forecast path said 32 instances,
+    so the gain's spread was 0 and the risk rule passed any gain; parcae held 4x6 against the reactive 4x7 for an
+    expected 16 samples out of ~9,000 and trained 140 s in the slower shape while live-reactive moved.
+
+    Here 3x2 runs at 90 samples/s and the reactive 4x2 at 100 after a move of ``move_s``; over three 60 s
+    intervals holding 3x2 gains ``90 x 180 - 100 x (180 - move_s)``. The hold is taken only if that is at least
+    ``min_gain`` (1 %) of the reactive plan's value -- and, with ``min_gain=0``, whenever it is positive."""
+    cm = ToyCost({(4, 2): 100.0, (3, 2): 90.0, (2, 2): 70.0}, inter_ms=1000.0 * move_s)
+    gain = 90.0 * 180 - 100.0 * (180 - move_s)
+    reactive_value = 100.0 * (180 - move_s)
+    for min_gain, needed in ((DEFAULT_MIN_GAIN, DEFAULT_MIN_GAIN * reactive_value), (0.0, 0.0)):
+        opt = LiveputOptimizer(cm, look_ahead=3, min_gain=min_gain)
+        dec = opt.decide(8, (3, 2), (8, 0, 0), [_chain(8, [8, 8])] * 3)
+        assert dec.reactive == (4, 2)
+        assert dec.departs == (gain > needed), (min_gain, gain, needed)
+        if dec.departs:
+            assert dec.expected_gain == pytest.approx(gain) and dec.gain_std == pytest.approx(0.0, abs=1e-6)
+        else:
+            assert dec.alternative == (3, 2) and dec.alternative_gain == pytest.approx(gain)
+
+
+def test_min_gain_outside_zero_to_one_is_a_configuration_error() -> None:
+    cm = ToyCost({(4, 2): 100.0})
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ConfigurationError, match="min_gain="):
+            LiveputOptimizer(cm, min_gain=bad)

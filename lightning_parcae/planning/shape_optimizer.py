@@ -40,7 +40,7 @@ from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConst
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
-__all__ = ["DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
+__all__ = ["DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
 """The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
@@ -55,6 +55,16 @@ window below 1) but keeps less than half of it on the measured profiles' segment
 replays at 1 gave 1.097 on hl_15_25 (a hold at 4.1 sigma) and 0.907 / 0.926 on lh_80_90, where parcae made no
 departure (slower steps in one pass, the shared veto in the other): docs/evidence.md "Stop 51". A judgment, not a
 fit: see there."""
+
+DEFAULT_MIN_GAIN = 0.01
+"""The least fraction of the reactive plan's expected value a departure must gain (after the risk rule).
+
+The scenarios' spread is 0 where every forecast path agrees, and the risk rule then passes any positive gain --
+but the costs and throughputs the plans are priced at are estimates. Issue 21, stop 54, ll_10_11 with role-blind
+victims: on 32 instances parcae held 4x6 against the reactive 4x7 for an expected 16 samples out of ~9,000 over the
+horizon (0 +- 0) and trained 140 s in the slower shape while live-reactive moved. 1 % is about what the estimate of
+one move is worth over the runtime's horizon (12 intervals of 20 s): the same 4x6 -> 4x7 repartition measured 24.3
+and 26.9 s in two runs of stop 54 (37.3 s in a third, under load), ~2.5 s of 240. A judgment, not a fit."""
 
 FutureInterval = Tuple[int, int, int]
 """``(prev_n, n_in, n_out)`` of one future interval."""
@@ -163,6 +173,8 @@ class LiveputOptimizer:
         max_p: Override of the largest pipeline depth.
         tail_intervals: Intervals after the horizon for which the shape a plan ends in is credited with its
             throughput (the terminal value; 0: count samples up to the horizon only, as the artifact does).
+        min_gain: The least fraction of the reactive plan's expected value a departure must gain on top of the
+            risk rule (:data:`DEFAULT_MIN_GAIN`; 0: none).
         charge_unmeasured: :meth:`decide` adds to a departure's standard deviation the fit's uncertainty on the
             samples its plan counts in shapes the throughput model has not measured (False: the scenarios' only).
     """
@@ -177,6 +189,7 @@ class LiveputOptimizer:
         max_p: Optional[int] = None,
         tail_intervals: float = 0.0,
         charge_unmeasured: bool = True,
+        min_gain: float = DEFAULT_MIN_GAIN,
     ) -> None:
         if not tail_intervals >= 0:
             raise ConfigurationError(f"tail_intervals={tail_intervals}: the terminal value's length must be >= 0 "
@@ -198,6 +211,11 @@ class LiveputOptimizer:
         self.max_p = max_p
         self.tail_ms = float(tail_intervals) * self.interval_ms
         self.charge_unmeasured = bool(charge_unmeasured)
+        if not 0.0 <= min_gain < 1.0:
+            raise ConfigurationError(f"min_gain={min_gain}: the least gain of a departure is a fraction of the reactive "
+                                     f"plan's value in [0, 1) (default {DEFAULT_MIN_GAIN}; 0: any gain that clears the "
+                                     "risk rule)")
+        self.min_gain = float(min_gain)
         self._cost_cache: Dict[Tuple[int, Shape, int, int, Tuple[Shape, ...]], np.ndarray] = {}
         self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
 
@@ -444,6 +462,7 @@ class LiveputOptimizer:
         fit on what the plan rests on them beyond what reacting does (:meth:`unmeasured_risk`, averaged over the
         scenarios) joins that standard deviation: a departure on a fitted gain must clear the fit's error as well,
         as the veto asks of a move to an unmeasured shape (``charge_unmeasured=False``: the scenarios' only).
+        What clears that must also be at least ``min_gain`` of the reactive plan's expected value.
 
         Args:
             n: Instances before ``now``'s events.
@@ -494,6 +513,8 @@ class LiveputOptimizer:
         fit = np.maximum(unsure - unsure[0][None, :], 0.0) @ w
         std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0) + fit ** 2)
         score = mean - np.where(std > 0, risk * np.where(std > 0, std, 1.0), 0.0)
+        # a gain the estimates cannot tell from none is no reason to depart, even when every scenario agrees
+        score = score - self.min_gain * max(float(values[0] @ w), 0.0)
         best = int(np.argmax(score))
         if best == 0 or score[best] <= 0:
             alt = 1 + int(np.argmax(score[1:]))  # the bet not taken (at least two candidates here)
