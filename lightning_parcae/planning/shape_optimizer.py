@@ -40,7 +40,8 @@ from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConst
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
-__all__ = ["DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "fit_shape", "settle", "PAUSED"]
+__all__ = ["DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "fit_shape",
+           "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
 """The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
@@ -212,9 +213,9 @@ class LiveputOptimizer:
         self.tail_ms = float(tail_intervals) * self.interval_ms
         self.charge_unmeasured = bool(charge_unmeasured)
         if not 0.0 <= min_gain < 1.0:
-            raise ConfigurationError(f"min_gain={min_gain}: the least gain of a departure is a fraction of the reactive "
-                                     f"plan's value in [0, 1) (default {DEFAULT_MIN_GAIN}; 0: any gain that clears the "
-                                     "risk rule)")
+            raise ConfigurationError(f"min_gain={min_gain}: the least gain of a departure is a fraction of the "
+                                     f"reactive plan's value in [0, 1) (default {DEFAULT_MIN_GAIN}; 0: any gain "
+                                     "that clears the risk rule)")
         self.min_gain = float(min_gain)
         self._cost_cache: Dict[Tuple[int, Shape, int, int, Tuple[Shape, ...]], np.ndarray] = {}
         self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
@@ -556,7 +557,8 @@ class LiveputOptimizer:
             s = plan.sequence[k]
             stay_ms, end = 0.0, k
             while end <= last and plan.sequence[end] == s:
-                stay_ms += self.interval_ms - (plan.first_cost_ms if end == 0 else 0.0) + (self.tail_ms if end == last else 0.0)
+                stay_ms += self.interval_ms - (plan.first_cost_ms if end == 0 else 0.0)
+                stay_ms += self.tail_ms if end == last else 0.0
                 end += 1
             if s != PAUSED and measured(*s) is None:
                 price = self._price(*s)
@@ -568,6 +570,7 @@ class LiveputOptimizer:
                     total += float(uncertainty(*s)) * price * exposed_ms / 1000.0
             k = end
         return total
+
 
 def _known_first(cost: np.ndarray, shapes: Sequence[Shape], first_costs: FirstCosts) -> np.ndarray:
     """``cost`` (one row: the current shape, the only source of the first interval) with the known moves in it."""
