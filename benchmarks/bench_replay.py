@@ -464,6 +464,8 @@ def _sliced(seg: str, intervals: Optional[int], out: Path) -> str:
 
 
 def main() -> int:
+    from lightning_parcae.launch.run import VICTIM_ORDERS  # noqa: PLC0415 -- parcae run's own choices (no torch)
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--segments", default=",".join(SEGMENTS))
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -498,7 +500,7 @@ def main() -> int:
     ap.add_argument("--risk", type=float, default=None,
                     help="the parcae runs' strategy option risk (standard deviations of expected gain a departure from "
                     "the reactive shape must clear; default: the strategy's); the forecast uses the same")
-    ap.add_argument("--victims", choices=["newest", "random", "stage", "any"], default=None,
+    ap.add_argument("--victims", choices=VICTIM_ORDERS, default=None,
                     help="parcae run --victims for every run (default: parcae run's, newest with standbys first); "
                     "'any' draws from every instance as a spot provider and the planner's cost model do")
     ap.add_argument("--reforecast", action="store_true",
