@@ -344,11 +344,12 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
              restart_s: Optional[float], n_min: int, pipeline_stages: int = 2,
              restart_startup_s: Optional[float] = None, join_delay_s: float = 0.0,
              launch_s: Optional[float] = None, constants: Optional[dict[str, list[Any]]] = None,
-             risk: Optional[float] = None, in_place_only: bool = False) -> dict[str, float]:
+             risk: Optional[float] = None, in_place_only: bool = False,
+             min_gain: Optional[float] = None) -> dict[str, float]:
     """The simulator's forecast of each policy from the Parcae run's fitted profile (``restart_s``: a relaunch of a
     training generation, its stop included; ``launch_s``: a relaunch while nothing trains; ``constants``: per
     in-place policy, the migration constants of each interval (:func:`constants_schedule`), else the profile's
-    last fit prices the whole run; ``risk``: the parcae run's ``risk`` option, default the strategy's;
+    last fit prices the whole run; ``risk`` / ``min_gain``: the parcae run's options, default the strategy's;
     ``in_place_only``: parcae and reactive only, not the restart and static runs)."""
     from lightning_parcae.planning.measured import load_cost_model  # noqa: PLC0415
     from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
@@ -379,7 +380,8 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
         return None if sched is None else [replace(c, restart_ms=0.0, checkpoint_ms=0.0) for c in sched]
 
     out = {"parcae": _after(run_policy("parcae", cm, iv_live, wall_interval, look_ahead=12,
-                                       constants=priced("parcae"), **({} if risk is None else {"risk": risk})),
+                                       constants=priced("parcae"), **({} if risk is None else {"risk": risk}),
+                                       **({} if min_gain is None else {"min_gain": min_gain})),
                             startup_s),
            "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval,
                                          constants=priced("reactive")), startup_s)}
@@ -420,7 +422,7 @@ def _segment_forecast(seg_dir: Path, r: dict[str, Any], wall_interval: float) ->
     r["join_delay_s"] = _join_delay(seg_dir)
     args = dict(pipeline_stages=int(r.get("pipeline_stages", 2)),
                 restart_startup_s=counted_startup(restart) if restart else None,
-                join_delay_s=r["join_delay_s"], launch_s=launch_s, risk=r.get("risk"))
+                join_delay_s=r["join_delay_s"], launch_s=launch_s, risk=r.get("risk"), min_gain=r.get("min_gain"))
     profile = seg_dir / "parcae" / "profile.json"
     startup = counted_startup(r["runs"].get("parcae", {}))
     # each in-place run forecast with the constants its leader priced each interval with (its events), and, for
@@ -500,6 +502,10 @@ def main() -> int:
     ap.add_argument("--risk", type=float, default=None,
                     help="the parcae runs' strategy option risk (standard deviations of expected gain a departure from "
                     "the reactive shape must clear; default: the strategy's); the forecast uses the same")
+    ap.add_argument("--min-gain", type=float, default=None,
+                    help="the parcae runs' strategy option min_gain (least fraction of the reactive plan's expected "
+                    "value a departure must gain after the risk rule; default: the strategy's); the forecast uses "
+                    "the same")
     ap.add_argument("--victims", choices=VICTIM_ORDERS, default=None,
                     help="parcae run --victims for every run (default: parcae run's, newest with standbys first); "
                     "'any' draws from every instance as a spot provider and the planner's cost model do")
@@ -536,7 +542,17 @@ def main() -> int:
             check_risk(a.risk, "--risk")  # the strategy's own check, before any job is launched
         except ConfigurationError as exc:
             raise SystemExit(str(exc)) from None
-    risk = () if a.risk is None else ("--trainer.strategy.init_args.risk", str(a.risk))
+    # the parcae runs' decision options, passed to the strategy as LightningCLI arguments
+    decision = () if a.risk is None else ("--trainer.strategy.init_args.risk", str(a.risk))
+    if a.min_gain is not None:
+        from lightning_parcae.errors import ConfigurationError  # noqa: PLC0415
+        from lightning_parcae.planning.shape_optimizer import check_min_gain  # noqa: PLC0415
+
+        try:
+            check_min_gain(a.min_gain, "--min-gain")  # the strategy's own check, before any job is launched
+        except ConfigurationError as exc:
+            raise SystemExit(str(exc)) from None
+        decision = (*decision, "--trainer.strategy.init_args.min_gain", str(a.min_gain))
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -571,10 +587,12 @@ def main() -> int:
         r["pipeline_stages"] = a.pipeline_stages
         if a.risk is not None:
             r["risk"] = a.risk
+        if a.min_gain is not None:
+            r["min_gain"] = a.min_gain
         for pol in [p for p in a.policies.split(",") if p]:
             run_dir = out / seg / pol
             if pol == "parcae":
-                ev = launch(common, run_dir, seconds, train_extra=(*prior, *risk))
+                ev = launch(common, run_dir, seconds, train_extra=(*prior, *decision))
             elif pol == "reactive":
                 ev = launch(common, run_dir, seconds,
                             train_extra=("--trainer.strategy.init_args.policy", "reactive", *prior))

@@ -24,7 +24,8 @@ def test_cli_simulate_prints_table_and_writes_report_if_segment_trace(tmp_path: 
     assert set(data["policies"]) == {"ideal", "throughput", "parcae"}
     assert data["policies"]["ideal"]["samples"] >= data["policies"]["parcae"]["samples"] > 0
     assert data["settings"]["look_ahead"] == 8 and data["trace"]["intervals"] == 60
-    assert data["settings"]["risk"] == 1.0 and "risk 1;" not in out and "risk 1" in out  # the runtime's default
+    assert data["settings"]["risk"] == 1.0 and "risk 1;" in out  # the runtime's default
+    assert data["settings"]["min_gain"] == 0.01 and "least gain 0.01" in out and data["settings"]["charge_unmeasured"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -60,6 +61,7 @@ def test_cli_simulate_scales_the_trace_like_parcae_run_if_max_instances_given(
         (["simulate", "--look-ahead", "0"], "--look-ahead 0"),
         (["simulate", "--price", "-1", "--policy", "ideal"], "price=-1"),
         (["simulate", "--risk", "-1", "--policy", "ideal"], "risk=-1.0: give the standard deviations"),
+        (["simulate", "--min-gain", "1", "--policy", "ideal"], "--min-gain=1.0: the least gain of a departure"),
         (["simulate", "--start-hour", "50", "--policy", "ideal"], "select no interval"),
         (["simulate", "--cost-model", "artifact", "--preemption-notice", "--policy", "ideal"], "--preemption-notice"),
         (["predict", "--horizon", "0"], "--horizon 0"),
@@ -153,3 +155,22 @@ def test_cli_simulate_runs_parcae_at_the_risk_given(tmp_path: Path, capsys: pyte
     data = json.loads(report.read_text())
     assert data["settings"]["risk"] == 1e9 and "risk 1e+09" in capsys.readouterr().out
     assert data["policies"]["parcae"]["samples"] == data["policies"]["live-reactive"]["samples"]
+
+
+def test_cli_simulate_runs_parcae_at_the_least_gain_given(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--min-gain`` is the strategy's ``min_gain`` for the simulated parcae policy: with none (0, and risk 0)
+    parcae departs from reacting on lh_80_90 and trains more than live-reactive; a least gain no plan can reach
+    (0.99 of the reactive plan's value) leaves it the live-reactive baseline exactly. ``--no-charge-unmeasured``
+    is recorded."""
+    got = {}
+    for gain in ("0", "0.99"):
+        report = tmp_path / f"r{gain}.json"
+        assert main(["simulate", "--trace", "lh_80_90", "--model-table", "gpt-1.5b", "--policy",
+                     "parcae,live-reactive", "--risk", "0", "--min-gain", gain, "--no-charge-unmeasured",
+                     "--report", str(report)]) == 0
+        data = json.loads(report.read_text())
+        assert data["settings"]["min_gain"] == float(gain) and data["settings"]["charge_unmeasured"] is False
+        assert f"least gain {float(gain):g}; fit error not charged" in capsys.readouterr().out
+        got[gain] = (data["policies"]["parcae"]["samples"], data["policies"]["live-reactive"]["samples"])
+    assert got["0"][0] > got["0"][1]
+    assert got["0.99"][0] == got["0.99"][1] == got["0"][1]

@@ -16,7 +16,7 @@ from lightning_parcae.planning.policy import (
     make_decision_predictor,
     paths_to_intervals,
 )
-from lightning_parcae.planning.shape_optimizer import PAUSED, LiveputOptimizer
+from lightning_parcae.planning.shape_optimizer import DEFAULT_MIN_GAIN, PAUSED, LiveputOptimizer
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +69,18 @@ def test_the_decision_predictor_looks_back_the_look_ahead_from_zero_to_the_clust
     assert make_decision_predictor(DecisionOptions(predictor=None)) is None
 
 
-def test_the_decider_is_decide_with_forecast_over_its_own_optimizer_and_predictor(gpt: ArtifactCostModel) -> None:
+@pytest.mark.parametrize("min_gain, charge_unmeasured", [(DEFAULT_MIN_GAIN, True), (0.0, False), (0.05, True)])
+def test_the_decider_is_decide_with_forecast_over_its_own_optimizer_and_predictor(
+        gpt: ArtifactCostModel, min_gain: float, charge_unmeasured: bool) -> None:
     """Walking a history through the decider gives, interval by interval, decide_with_forecast over an optimizer
-    and a predictor built as the decider documents them."""
+    and a predictor built as the decider documents them -- with the options' least gain and fit charge."""
     rng = random.Random(3)
-    options = DecisionOptions(look_ahead=6, predictor="persistence", max_instances=32, risk=0.25, levels=LEVELS[1:4])
+    options = DecisionOptions(look_ahead=6, predictor="persistence", max_instances=32, risk=0.25, levels=LEVELS[1:4],
+                              min_gain=min_gain, charge_unmeasured=charge_unmeasured)
     decider = ShapeDecider(gpt, interval_s=120.0, options=options)
-    opt = LiveputOptimizer(gpt, interval_s=120.0, look_ahead=6)
+    assert (decider.optimizer.min_gain, decider.optimizer.charge_unmeasured) == (min_gain, charge_unmeasured)
+    opt = LiveputOptimizer(gpt, interval_s=120.0, look_ahead=6, min_gain=min_gain,
+                           charge_unmeasured=charge_unmeasured)
     pred = make_predictor("persistence", window=8, min_instances=0, max_instances=32)
     n, shape = 16, PAUSED
     for _ in range(6):

@@ -37,6 +37,10 @@ def test_the_defaults_are_a_member_of_a_job_of_up_to_64_instances() -> None:
     ({"risk": -0.5}, "risk=-0.5: give the standard deviations of expected gain a departure"),
     ({"risk": float("nan")}, "risk=nan: give the standard deviations"),
     ({"risk": "high"}, "risk='high': give the standard deviations"),
+    ({"min_gain": 1.0}, "min_gain=1.0: the least gain of a departure from the reactive shape is a fraction"),
+    ({"min_gain": -0.01}, "min_gain=-0.01: the least gain"),
+    ({"min_gain": "1%"}, "min_gain='1%': the least gain"),
+    ({"min_gain": float("nan")}, "min_gain=nan: the least gain"),
 ])
 def test_a_configuration_out_of_range_is_refused_naming_the_value(kw: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigurationError) as err:
@@ -92,3 +96,24 @@ def test_the_strategys_risk_reaches_the_runtime_and_a_bad_one_is_refused_at_the_
     assert environment.runtime_config(ParcaeStrategy(elastic=False, risk=1.5).elastic_options).risk == 1.5
     with pytest.raises(ConfigurationError, match=r"risk=-1: give .* a finite number >= 0"):
         ParcaeStrategy(elastic=False, risk=-1)
+
+
+def test_the_strategys_least_gain_and_fit_charge_reach_the_runtime_and_bad_ones_are_refused_at_the_strategy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ParcaeStrategy(min_gain=..., charge_unmeasured=...)``: the two rules of stop 54 beside the risk rule (a
+    departure must gain 1 % of the reactive plan; a bet on an unmeasured shape also clears the fit's error). Until
+    stop 55 only the optimizer took them, so a user could neither loosen nor tighten them; now they are checked
+    when the strategy is built and carried to the runtime's configuration and its decider."""
+    from lightning_parcae.training import environment
+    from lightning_parcae.training.strategy import ParcaeStrategy
+
+    monkeypatch.setenv("PARCAE_STORE", "tcp://127.0.0.1:5")
+    default = environment.runtime_config(ParcaeStrategy(elastic=False).elastic_options)
+    assert (default.min_gain, default.charge_unmeasured) == (0.01, True)
+    given = environment.runtime_config(
+        ParcaeStrategy(elastic=False, min_gain=0.03, charge_unmeasured=False).elastic_options)
+    assert (given.min_gain, given.charge_unmeasured) == (0.03, False)
+    with pytest.raises(ConfigurationError, match=r"min_gain=1.5: the least gain .* in \[0, 1\)"):
+        ParcaeStrategy(elastic=False, min_gain=1.5)
+    with pytest.raises(ConfigurationError, match=r"charge_unmeasured='no': give True .* or False"):
+        ParcaeStrategy(elastic=False, charge_unmeasured="no")  # type: ignore[arg-type]

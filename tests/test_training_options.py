@@ -95,7 +95,8 @@ def test_planning_interval_comes_from_launcher_unless_given(clean_env: pytest.Mo
     assert s.elastic_options["interval_s"] == expected
     assert set(s.elastic_options) == {"interval_s", "interval_steps", "look_ahead", "predictor", "heartbeat_s",
                                       "dead_after_s", "stall_after_s", "throughput", "max_exploration_share",
-                                      "preemption_notice", "policy", "prior_profile", "risk"}
+                                      "preemption_notice", "policy", "prior_profile", "risk", "min_gain",
+                                      "charge_unmeasured"}
 
 
 @pytest.mark.parametrize("given, env, expected", [

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--risk", type=float, default=None,
                    help="standard deviations of expected gain the parcae policy's departure from reacting must clear "
                         "(default 1, as ParcaeStrategy(risk=...); 0 follows the forecast's expectation)")
+    s.add_argument("--min-gain", type=float, default=None,
+                   help="the least fraction of the reactive plan's expected value a parcae departure must gain after "
+                        "the risk rule, in [0, 1) (default 0.01, as ParcaeStrategy(min_gain=...); 0: none)")
+    s.add_argument("--charge-unmeasured", action=argparse.BooleanOptionalAction, default=True,
+                   help="a parcae departure to a shape the --profile has not measured must also clear the fit's "
+                        "error (default on, as ParcaeStrategy(charge_unmeasured=True))")
     s.add_argument("--predictor", default="persistence", help="predictor of the parcae policy: persistence (default), arima, artifact, hazard, ensemble")
     s.add_argument("--cost-model", default="artifact", choices=["artifact", "default"], help="artifact: the Parcae artifact's accounting (needs --model-table); default: our runtime's costs")
     s.add_argument("--preemption-notice", action=argparse.BooleanOptionalAction, default=None,
@@ -130,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _simulate(a: argparse.Namespace) -> int:
     from lightning_parcae.planning.measured import load_cost_model
     from lightning_parcae.errors import ConfigurationError
+    from lightning_parcae.planning.shape_optimizer import check_min_gain
     from lightning_parcae.planning.sim import simulate
 
     if a.look_ahead < 1:
@@ -155,12 +162,14 @@ def _simulate(a: argparse.Namespace) -> int:
     settings = {"model": model if not a.profile else a.profile, "cost_model": a.cost_model, "trace": a.trace,
                 "preemption_notice": notice}
     comp = simulate(trace, cm, policies, look_ahead=a.look_ahead, predictor=a.predictor, price=a.price, settings=settings,
-                    risk=a.risk)
+                    risk=a.risk, min_gain=None if a.min_gain is None else check_min_gain(a.min_gain, "--min-gain"),
+                    charge_unmeasured=a.charge_unmeasured)
     print(
         f"trace {a.trace}: {len(trace)} intervals of {trace.interval_s:g} s, up to {trace.max_n} instances; "
         f"model {settings['model']}; cost model {a.cost_model}"
         f"{' (departures noticed)' if notice else ''}; look-ahead {a.look_ahead}; predictor {a.predictor}; "
-        f"risk {comp.settings['risk']:g}"
+        f"risk {comp.settings['risk']:g}; least gain {comp.settings['min_gain']:g}"
+        f"{'' if a.charge_unmeasured else '; fit error not charged'}"
     )
     print(comp.table())
     if a.report:

@@ -7,7 +7,8 @@ drift apart (they did: the runtime's predictor had another window and, for ``art
 
 This module holds the decision once, for both callers:
 
-* :class:`DecisionOptions` -- how the decision is made (look-ahead, predictor, forecast bound, risk, levels);
+* :class:`DecisionOptions` -- how the decision is made (look-ahead, predictor, forecast bound, risk, least gain,
+  fit charge, levels);
 * :func:`make_decision_predictor` -- the one predictor factory;
 * :class:`ShapeDecider` -- the decision state of one job (its optimizer and predictor): it observes the count of
   each interval and decides the next shape (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`
@@ -27,7 +28,13 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape
 from lightning_parcae.planning.forecast import Predictor, make_predictor
-from lightning_parcae.planning.shape_optimizer import DEFAULT_RISK, Decision, FirstCosts, LiveputOptimizer
+from lightning_parcae.planning.shape_optimizer import (
+    DEFAULT_MIN_GAIN,
+    DEFAULT_RISK,
+    Decision,
+    FirstCosts,
+    LiveputOptimizer,
+)
 
 __all__ = [
     "DEFAULT_RISK",
@@ -80,6 +87,11 @@ class DecisionOptions:
         levels: Quantile levels of the forecast scenarios.
         tail_intervals: Intervals after the horizon credited to the shape a plan ends in (the optimizer's
             terminal value, :class:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer`).
+        min_gain: The least fraction of the reactive plan's expected value a departure must gain after the risk
+            rule (:data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`; 0: none).
+        charge_unmeasured: Add the fit's error on shapes not yet measured to a departure's spread
+            (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.unmeasured_risk`; False: the
+            scenarios' spread only).
     """
 
     look_ahead: int = 12
@@ -88,6 +100,8 @@ class DecisionOptions:
     risk: float = DEFAULT_RISK
     levels: Sequence[float] = LEVELS
     tail_intervals: float = 0.0
+    min_gain: float = DEFAULT_MIN_GAIN
+    charge_unmeasured: bool = True
 
 
 class ForecastDecision(NamedTuple):
@@ -220,7 +234,8 @@ class ShapeDecider:
                  options: DecisionOptions = DecisionOptions(), history: Iterable[int] = ()) -> None:
         self.options = options
         self.optimizer = LiveputOptimizer(cost_model, interval_s=interval_s, look_ahead=options.look_ahead,
-                                          tail_intervals=options.tail_intervals)
+                                          tail_intervals=options.tail_intervals, min_gain=options.min_gain,
+                                          charge_unmeasured=options.charge_unmeasured)
         self.predictor: Optional[Predictor] = make_decision_predictor(options)
         for n in history:
             self.observe(n)

@@ -40,8 +40,8 @@ from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConst
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
-__all__ = ["DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "fit_shape",
-           "settle", "PAUSED"]
+__all__ = ["DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "check_min_gain",
+           "fit_shape", "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
 """The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
@@ -66,6 +66,32 @@ victims: on 32 instances parcae held 4x6 against the reactive 4x7 for an expecte
 horizon (0 +- 0) and trained 140 s in the slower shape while live-reactive moved. 1 % is about what the estimate of
 one move is worth over the runtime's horizon (12 intervals of 20 s): the same 4x6 -> 4x7 repartition measured 24.3
 and 26.9 s in two runs of stop 54 (37.3 s in a third, under load), ~2.5 s of 240. A judgment, not a fit."""
+
+
+
+def check_min_gain(value: object, name: str = "min_gain") -> float:
+    """``value`` as a least gain of a departure: a fraction of the reactive plan's expected value in ``[0, 1)``.
+
+    Args:
+        value: What was given (a number, or a string from a command line or a YAML file).
+        name: The option's name as the user spelled it (``min_gain``, ``--min-gain``).
+
+    Returns:
+        The fraction.
+
+    Raises:
+        ConfigurationError: Naming the value given and what is expected.
+    """
+    try:
+        gain = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        gain = float("nan")
+    if isinstance(value, bool) or not 0.0 <= gain < 1.0:
+        raise ConfigurationError(f"{name}={value!r}: the least gain of a departure from the reactive shape is a "
+                                 f"fraction of the reactive plan's expected value in [0, 1) (default "
+                                 f"{DEFAULT_MIN_GAIN}; 0: any gain that clears the risk rule; 0.03: 3 %)")
+    return gain
+
 
 FutureInterval = Tuple[int, int, int]
 """``(prev_n, n_in, n_out)`` of one future interval."""
@@ -212,11 +238,7 @@ class LiveputOptimizer:
         self.max_p = max_p
         self.tail_ms = float(tail_intervals) * self.interval_ms
         self.charge_unmeasured = bool(charge_unmeasured)
-        if not 0.0 <= min_gain < 1.0:
-            raise ConfigurationError(f"min_gain={min_gain}: the least gain of a departure is a fraction of the "
-                                     f"reactive plan's value in [0, 1) (default {DEFAULT_MIN_GAIN}; 0: any gain "
-                                     "that clears the risk rule)")
-        self.min_gain = float(min_gain)
+        self.min_gain = check_min_gain(min_gain)
         self._cost_cache: Dict[Tuple[int, Shape, int, int, Tuple[Shape, ...]], np.ndarray] = {}
         self._targets_cache: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Shape], np.ndarray, np.ndarray]] = {}
 

@@ -18,6 +18,7 @@ from typing import Optional
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE, check_exploration_share
 from lightning_parcae.planning.policy import DEFAULT_RISK, check_risk
+from lightning_parcae.planning.shape_optimizer import DEFAULT_MIN_GAIN, check_min_gain
 
 __all__ = ["POLICIES", "RuntimeConfig", "check_policy"]
 
@@ -84,11 +85,16 @@ class RuntimeConfig:
         risk: Standard deviations of expected gain (over the forecast's scenarios) the liveput policy's departure
             from the reactive shape must clear (default 1; 0 follows the expectation; see
             :meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`).
+        min_gain: The least fraction of the reactive plan's expected value the liveput policy's departure must gain
+            after the risk rule (default 0.01; 0: none; see
+            :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`).
+        charge_unmeasured: A departure to a shape not yet measured must also clear the fit's error there (default
+            True; see :meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.unmeasured_risk`).
 
     Raises:
         ConfigurationError: ``stall_after_s`` is not positive, ``throughput`` or ``policy`` is unknown,
             ``max_instances`` is below 1, ``max_exploration_share`` is not a number in ``[0, 1]`` or
-            ``risk`` is not a number >= 0.
+            ``risk`` is not a number >= 0 or ``min_gain`` not one in ``[0, 1)``.
     """
 
     store_url: str
@@ -112,6 +118,8 @@ class RuntimeConfig:
     policy: str = "liveput"
     prior_profile: Optional[str] = None
     risk: float = DEFAULT_RISK
+    min_gain: float = DEFAULT_MIN_GAIN
+    charge_unmeasured: bool = True
 
     def __post_init__(self) -> None:
         if not self.stall_after_s > 0:
@@ -123,6 +131,7 @@ class RuntimeConfig:
         check_exploration_share(self.max_exploration_share)
         check_policy(self.policy)
         check_risk(self.risk)
+        check_min_gain(self.min_gain)
 
     @property
     def stall_timeout(self) -> timedelta:

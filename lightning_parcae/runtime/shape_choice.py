@@ -276,7 +276,8 @@ class ShapeChooser:
             cm.preemption_notice = self.config.preemption_notice
             # the simulator's parcae policy builds the very same decider (planning/policy.py: one predictor factory)
             options = DecisionOptions(look_ahead=self.config.look_ahead, predictor=self.config.predictor,
-                                      max_instances=self.config.max_instances, risk=self.config.risk)
+                                      max_instances=self.config.max_instances, risk=self.config.risk,
+                                      min_gain=self.config.min_gain, charge_unmeasured=self.config.charge_unmeasured)
             self._decider = ShapeDecider(cm, interval_s=max(self.config.interval_s, 1.0), options=options,
                                          history=self.coord.history())
             self._optimizer = self._decider.optimizer

@@ -49,6 +49,7 @@ from lightning_parcae.contract import (
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE
 from lightning_parcae.planning.policy import DEFAULT_RISK
+from lightning_parcae.planning.shape_optimizer import DEFAULT_MIN_GAIN
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.steptime import STEP_TIMING_ENV
 
@@ -149,7 +150,8 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
     Args:
         planning: The strategy's planning options (``StrategyOptions.elastic_options``: ``interval_s``,
             ``interval_steps``, ``look_ahead``, ``predictor``, ``heartbeat_s``, ``dead_after_s``, ``stall_after_s``,
-            ``throughput``, ``max_exploration_share``, ``preemption_notice``, ``policy``, ``prior_profile``, ``risk``).
+            ``throughput``, ``max_exploration_share``, ``preemption_notice``, ``policy``, ``prior_profile``, ``risk``,
+            ``min_gain``, ``charge_unmeasured``).
 
     Raises:
         ConfigurationError: ``PARCAE_STORE`` is not set, or an option is out of range.
@@ -184,6 +186,8 @@ def runtime_config(planning: Mapping[str, Any]) -> RuntimeConfig:
         policy=planning.get("policy", "liveput"),
         prior_profile=planning.get("prior_profile"),
         risk=planning.get("risk", DEFAULT_RISK),
+        min_gain=planning.get("min_gain", DEFAULT_MIN_GAIN),
+        charge_unmeasured=bool(planning.get("charge_unmeasured", True)),
     )
 
 

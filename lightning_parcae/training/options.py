@@ -22,6 +22,7 @@ from lightning_parcae.contract import ELASTIC_ENV
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE, check_exploration_share
 from lightning_parcae.planning.policy import DEFAULT_RISK, check_risk
+from lightning_parcae.planning.shape_optimizer import DEFAULT_MIN_GAIN, check_min_gain
 from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.config import check_policy
 from lightning_parcae.runtime.prior import read_prior_profile
@@ -70,6 +71,8 @@ class StrategyOptions:
     policy: str = "liveput"
     prior_profile: Optional[str] = None
     risk: float = DEFAULT_RISK
+    min_gain: float = DEFAULT_MIN_GAIN
+    charge_unmeasured: bool = True
 
     @classmethod
     def resolve(cls, **given: Any) -> "StrategyOptions":
@@ -96,6 +99,11 @@ class StrategyOptions:
             given["prior_profile"] = str(given["prior_profile"])
         if "risk" in given:
             given["risk"] = check_risk(given["risk"])
+        if "min_gain" in given:
+            given["min_gain"] = check_min_gain(given["min_gain"])
+        if "charge_unmeasured" in given and not isinstance(given["charge_unmeasured"], bool):
+            raise ConfigurationError(f"charge_unmeasured={given['charge_unmeasured']!r}: give True (a departure to a "
+                                     "shape not yet measured must also clear the fit's error; the default) or False")
         if "max_exploration_share" in given:
             given["max_exploration_share"] = check_exploration_share(given["max_exploration_share"])
         if given["elastic"] is None:
@@ -120,7 +128,8 @@ class StrategyOptions:
             predictor=self.predictor, heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,
             stall_after_s=self.stall_after_s, throughput=self.throughput,
             max_exploration_share=self.max_exploration_share, preemption_notice=self.preemption_notice,
-            policy=self.policy, prior_profile=self.prior_profile, risk=self.risk,
+            policy=self.policy, prior_profile=self.prior_profile, risk=self.risk, min_gain=self.min_gain,
+            charge_unmeasured=self.charge_unmeasured,
         )
 
 

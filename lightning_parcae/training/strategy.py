@@ -55,6 +55,7 @@ from torch.optim import Optimizer
 
 from lightning_parcae.planning.measured import DEFAULT_MAX_EXPLORATION_SHARE
 from lightning_parcae.planning.policy import DEFAULT_RISK
+from lightning_parcae.planning.shape_optimizer import DEFAULT_MIN_GAIN
 from lightning_parcae.runtime.groups import ProcessGroups
 from lightning_parcae.training import environment as launcher_env
 from lightning_parcae.training.checkpointing import StrategyCheckpoints
@@ -135,6 +136,13 @@ class ParcaeStrategyMixin:
             reactive shape -- the standard deviations of expected gain, over the forecast's scenarios, a departure
             (holding a shape through a dip, a detour) must clear (default 1 -- 0.5 until stop 51; 0 follows the
             expectation; larger departs less often and converges on ``"reactive"``). See ``docs/planner.md``.
+        min_gain: elastic only, ``policy="liveput"``: the least fraction of the reactive plan's expected value a
+            departure must gain on top of the risk rule (default 0.01; 0: any gain that clears it). Where every
+            forecast path agrees the spread is 0 and any positive gain would clear the risk rule, yet the prices
+            are estimates. See ``docs/planner.md``.
+        charge_unmeasured: elastic only, ``policy="liveput"``: a departure whose plan runs shapes not yet measured
+            must also clear one sigma of the fitted model's error there, for as long as a wrong fit can cost
+            (default True; False: the forecast's spread only). See ``docs/elastic.md``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             strategies (normally filled in by the Trainer).
     """
@@ -170,6 +178,8 @@ class ParcaeStrategyMixin:
         policy: Literal["liveput", "reactive"] = "liveput",
         prior_profile: Optional[str] = None,
         risk: float = DEFAULT_RISK,
+        min_gain: float = DEFAULT_MIN_GAIN,
+        charge_unmeasured: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,

@@ -300,13 +300,16 @@ def _liveput(
     levels: Sequence[float] = LEVELS,
     constants: Optional[Sequence[Optional[MigrationConstants]]] = None,
     tail_intervals: float = DecisionOptions.tail_intervals,
+    min_gain: float = DecisionOptions.min_gain,
+    charge_unmeasured: bool = DecisionOptions.charge_unmeasured,
     **_: object,
 ) -> PolicyResult:
     res = PolicyResult("live-reactive" if reactive else "parcae-oracle" if oracle else "parcae", interval_s)
     forecast = not oracle and not reactive
     options = DecisionOptions(look_ahead=look_ahead, predictor=predictor if forecast else None,
                               max_instances=max_instances, risk=risk, levels=levels,
-                              tail_intervals=tail_intervals)
+                              tail_intervals=tail_intervals, min_gain=min_gain,
+                              charge_unmeasured=charge_unmeasured)
     decider = ShapeDecider(cm, interval_s=interval_s, options=options)
     acct = _Accountant(cm, 1000.0 * interval_s)
     # with a measured profile (a run's profile.json) the live policies keep the leader's veto, as the runtime does
@@ -395,8 +398,9 @@ def run_policy(name: str, cm: MigrationCostModel, intervals: Intervals, interval
         interval_s: Interval length.
         **options: ``pipeline_stages`` and ``startup_ms`` for ``relaunch``; ``look_ahead``, ``predictor``, ``max_instances`` (the cluster size, bounding forecasts; default
             none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default
-            :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`) and
-            ``levels`` (scenario quantiles) for the parcae policies.
+            :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`), ``min_gain`` (default
+            :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`), ``charge_unmeasured`` (default
+            True) and ``levels`` (scenario quantiles) for the parcae policies.
 
     Returns:
         The policy's result.

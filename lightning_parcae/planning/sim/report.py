@@ -16,7 +16,7 @@ from typing import Dict, Optional, Sequence
 from lightning_parcae.planning.costmodel import MigrationCostModel
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.policy import check_risk
-from lightning_parcae.planning.shape_optimizer import DEFAULT_RISK
+from lightning_parcae.planning.shape_optimizer import DEFAULT_MIN_GAIN, DEFAULT_RISK, check_min_gain
 from lightning_parcae.planning.sim.policies import POLICIES, PolicyResult, run_policy
 from lightning_parcae.signals.traces import Trace
 
@@ -153,6 +153,8 @@ def simulate(
     price: float = 3.06 * 0.3,
     settings: Optional[Dict[str, object]] = None,
     risk: Optional[float] = None,
+    min_gain: Optional[float] = None,
+    charge_unmeasured: bool = True,
 ) -> Comparison:
     """Run ``policies`` on ``trace``.
 
@@ -166,6 +168,11 @@ def simulate(
         settings: Extra fields recorded in the report.
         risk: Standard deviations of gain ``parcae``'s departures from reacting must clear (default: the
             runtime's, :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`).
+        min_gain: The least fraction of the reactive plan's expected value ``parcae``'s departures must gain
+            after the risk rule (default: the runtime's,
+            :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`).
+        charge_unmeasured: Whether ``parcae``'s departures to shapes the cost model has not measured also clear
+            the fit's error (as the runtime's default; only a measured profile has unmeasured shapes).
 
     Returns:
         The comparison.
@@ -177,10 +184,12 @@ def simulate(
         raise ConfigurationError(f"price={price}: USD per instance-hour cannot be negative")
     intervals = trace.as_tuples()
     risk = DEFAULT_RISK if risk is None else check_risk(risk)
+    min_gain = DEFAULT_MIN_GAIN if min_gain is None else check_min_gain(min_gain)
     results = {
         name: run_policy(name, cost_model, intervals, trace.interval_s, look_ahead=look_ahead, predictor=predictor,
-                         risk=risk)
+                         risk=risk, min_gain=min_gain, charge_unmeasured=bool(charge_unmeasured))
         for name in policies
     }
-    s = dict(settings or {}, look_ahead=look_ahead, predictor=predictor, risk=risk)
+    s = dict(settings or {}, look_ahead=look_ahead, predictor=predictor, risk=risk, min_gain=min_gain,
+             charge_unmeasured=bool(charge_unmeasured))
     return Comparison(trace, results, price, s)
