@@ -368,8 +368,17 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
     # the in-place runs can use an arriving instance only once its process has started and the leader has seen
     # it (join_delays: ~4.4 s, 3 intervals at 40x); the simulator otherwise lets it train from its interval's
     # start (regression: the in-place forecasts were up to 9 % high on the segments with arrivals)
-    usable = from_counts(usable_counts(schedule, _delay_intervals(join_delay_s, wall_interval)),
-                         interval_s=wall_interval, start_n=0)
+    live_counts = usable_counts(schedule, _delay_intervals(join_delay_s, wall_interval))
+    # the in-place runs start in the first generation the launcher forms (D the largest power of two with D x P
+    # within the first count), not paused: their first move away from it is a migration like any other.
+    # Regression (issue 21, stop 55): at N = 32 every run started in 4x6 and moved to 4x7 by a 24-27 s
+    # repartition the forecast never charged (it started from nothing); with role-blind victims the in-place
+    # forecasts were 7-16 % high
+    from lightning_parcae.launch.processes import initial_members  # noqa: PLC0415
+
+    members, _ = initial_members(live_counts[0], str(pipeline_stages))
+    start_shape = (members // pipeline_stages, pipeline_stages) if members >= pipeline_stages else None
+    usable = from_counts(live_counts, interval_s=wall_interval, start_n=live_counts[0] if start_shape else 0)
     iv_live = [(x.prev_n, x.n_in, x.n_out) for x in usable]
     # the in-place policies price only their migrations: the job's own start-up (nothing trains before it) is
     # charged here (regression: without it the forecast of every in-place run was ~1.5 start-ups of samples high)
@@ -380,10 +389,11 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
         return None if sched is None else [replace(c, restart_ms=0.0, checkpoint_ms=0.0) for c in sched]
 
     out = {"parcae": _after(run_policy("parcae", cm, iv_live, wall_interval, look_ahead=12,
-                                       constants=priced("parcae"), **({} if risk is None else {"risk": risk}),
+                                       constants=priced("parcae"), start_shape=start_shape,
+                                       **({} if risk is None else {"risk": risk}),
                                        **({} if min_gain is None else {"min_gain": min_gain})),
                             startup_s),
-           "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval,
+           "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval, start_shape=start_shape,
                                          constants=priced("reactive")), startup_s)}
     if in_place_only:
         return out

@@ -140,3 +140,45 @@ def test_each_interval_is_forecast_with_the_constants_its_leader_had_then(clock,
     assert [c.bandwidth_bytes_per_s for c in sched] == [first] * 4 + [9.6e3] * 2
     assert sched[0].group_base_ms == (900.0 if with_prior else RUNTIME_CONSTANTS.group_base_ms)
     assert sched[4].group_base_ms == 2000.0 and sched[5].transfer_latency_ms == 50.0
+
+
+@pytest.mark.parametrize("first, stages, start", [(32, 6, (4, 6)), (28, 6, (4, 6)), (12, 2, (4, 2)), (9, 4, (2, 4)),
+                                                   (5, 6, None)])
+def test_the_in_place_forecasts_start_in_the_launchers_first_generation(monkeypatch: pytest.MonkeyPatch,
+                                                                        first: int, stages: int,
+                                                                        start: Optional[tuple[int, int]]) -> None:
+    """Regression (issue 21, stop 55): ``parcae run`` forms the first generation before any decision -- D the
+    largest power of two with D x P within the count (4x6 of 32) -- and every 0.25 Gbps run at N = 32 moved from
+    it to 4x7 by a 24-27 s repartition the forecast did not charge: its in-place policies started paused. They
+    now start in that shape on the first count (the relaunch policy still starts from nothing: it launches); a
+    first count below P starts paused, as before."""
+    import lightning_parcae.planning.measured as measured  # noqa: PLC0415
+    import lightning_parcae.planning.sim as sim  # noqa: PLC0415
+
+    calls: list[tuple[str, list[Any], dict[str, Any]]] = []
+
+    class _Result:
+        samples, interval_s, cumulative = 1.0, 1.0, [1.0]
+
+    def fake_run_policy(name: str, cm: Any, iv: list[Any], interval_s: float, **kw: Any) -> _Result:
+        calls.append((name, list(iv), kw))
+        return _Result()
+
+    from lightning_parcae.planning.costmodel import MigrationConstants  # noqa: PLC0415
+
+    class _Thr:
+        def best(self, n: int) -> None:
+            return None
+
+    cm = type("CM", (), {"c": MigrationConstants(), "throughput": _Thr()})()
+    monkeypatch.setattr(sim, "run_policy", fake_run_policy)
+    monkeypatch.setattr(measured, "load_cost_model", lambda *a, **k: cm)
+    schedule = [first, first, first - 1, first - 1]
+    bench_replay.forecast(Path("unused.json"), schedule, 20.0, 0.0, None, min(schedule), pipeline_stages=stages)
+    by_name = {name: (iv, kw) for name, iv, kw in calls}
+    for name in ("parcae", "live-reactive"):
+        iv, kw = by_name[name]
+        assert kw["start_shape"] == start
+        assert iv[0] == ((first, 0, 0) if start else (0, first, 0)) and iv[2] == (first, 0, 1)
+    iv, kw = by_name["relaunch"]
+    assert "start_shape" not in kw and iv[0] == (0, first, 0)

@@ -14,6 +14,7 @@ import pytest
 from lightning_parcae.planning.costmodel import ArtifactCostModel, DefaultCostModel, TableThroughput
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.sim import POLICIES, Comparison, run_policy, simulate
+from lightning_parcae.planning.shape_optimizer import settle
 from lightning_parcae.signals.traces import Trace, bundled_trace_path, from_counts, load_trace
 
 DATA = Path(__file__).resolve().parent.parent / "lightning_parcae" / "data"
@@ -544,3 +545,52 @@ def test_constants_per_interval_price_each_decision_and_move_as_the_runs_leader_
     assert run_policy("parcae", cm, iv, 60.0, constants=[fast] * 8).samples == run_policy("parcae", cm, iv, 60.0).samples
     with pytest.raises(ConfigurationError, match="migration constants"):
         run_policy("parcae", ArtifactCostModel("gpt-1.5b"), iv, 60.0, constants=turn)
+
+
+def _small_cm(bandwidth: float = 1e7) -> DefaultCostModel:
+    from lightning_parcae.planning.costmodel import MigrationConstants  # noqa: PLC0415
+
+    table = {(1, 2): 20.0, (2, 2): 40.0, (1, 4): 30.0, (3, 2): 55.0, (1, 3): 25.0, (2, 3): 50.0, (1, 5): 32.0,
+             (1, 6): 33.0}
+    c = MigrationConstants(bandwidth_bytes_per_s=bandwidth, transfer_latency_ms=0.0, group_base_ms=10.0,
+                           group_per_process_ms=0.0, join_ms=0.0, restart_ms=0.0, checkpoint_ms=0.0)
+    return DefaultCostModel(TableThroughput(table, 12), [1e4] * 12, c, preemption_notice=True)
+
+
+@pytest.mark.parametrize("policy", ["live-reactive", "parcae", "parcae-oracle"])
+@pytest.mark.parametrize("bandwidth", [1e7, 1e5, 3e3])
+def test_a_job_that_starts_in_the_launchers_shape_pays_its_first_move_away_from_it(policy: str,
+                                                                                  bandwidth: float) -> None:
+    """Regression (issue 21, stop 55): every 0.25 Gbps replay at N = 32 started in the launcher's first generation,
+    4x6, and moved to 4x7 with a 24-27 s repartition; the forecast started the job paused, charged its first
+    shape as a move from nothing, and was 7-16 % high on the runs with role-blind victims. With ``start_shape``
+    the first move is priced from that shape (here 2x2 on 6 instances, whose reactive shape is 3x2), the cost of
+    reaching the shape one starts in is none, and the cost of a move it cannot pay back keeps the job where it
+    is."""
+    from lightning_parcae.planning.liveput import expected_transition_cost  # noqa: PLC0415
+
+    cm = _small_cm(bandwidth)
+    iv = [(6, 0, 0)] * 4
+    from_launch = run_policy(policy, cm, iv, 60.0, start_shape=(2, 2))
+    move = expected_transition_cost(cm, 6, (2, 2), *settle(6, 0, 0), (3, 2)).mean
+    if from_launch.shapes[0] == (3, 2):
+        assert from_launch.cost_ms[0] == pytest.approx(move) and move > 0
+    else:  # stayed: the move would not pay back over the look-ahead (a slow link)
+        assert policy != "live-reactive" and from_launch.shapes == [(2, 2)] * 4 and sum(from_launch.cost_ms) == 0
+    assert set(from_launch.shapes[1:]) <= {from_launch.shapes[0]}
+    paused = run_policy(policy, cm, [(0, 6, 0)] + iv[1:], 60.0)
+    assert paused.shapes[0] == (3, 2)
+    assert paused.cost_ms[0] < max(move, 1.0) and paused.samples > from_launch.samples
+    settled = run_policy(policy, cm, iv, 60.0, start_shape=(3, 2))
+    assert settled.shapes == [(3, 2)] * 4 and sum(settled.cost_ms) == 0
+    assert settled.samples == pytest.approx(55.0 * 240.0)
+    if bandwidth == 1e7:
+        assert from_launch.shapes[0] == (3, 2)  # a fast link: every policy moves at once
+    if bandwidth == 3e3 and policy != "live-reactive":
+        assert from_launch.shapes == [(2, 2)] * 4
+
+
+@pytest.mark.parametrize("start", [(3, 3), (0, 2), (2, -1)])
+def test_a_start_shape_the_first_count_cannot_hold_is_refused_naming_it(start: tuple[int, int]) -> None:
+    with pytest.raises(ConfigurationError, match=rf"start_shape=\({start[0]}, {start[1]}\): .* within the count"):
+        run_policy("live-reactive", _small_cm(), [(6, 0, 0)] * 2, 60.0, start_shape=start)

@@ -51,6 +51,13 @@ interval's move are priced with from that interval on (``None``: unchanged) -- a
 constants after each migration, so a forecast of that run can price each decision as the leader did rather than
 the whole run at its last fit. The cost model gets its own constants back when the policy ends.
 
+Option ``start_shape`` (the same three): the shape the job already runs when the trace starts -- a replayed run's
+first generation, which the launcher forms before any decision (``parcae run``: D the largest power of two with
+D x P within the first count) -- so the first move away from it is priced as the migration it is. Default: the
+job starts paused and its first shape costs only the move from nothing. Regression (issue 21, stop 55): every
+0.25 Gbps replay at N = 32 started in 4x6 and moved to 4x7 with a 24-27 s repartition that the forecast, starting
+from nothing, never charged; with victims drawn from every instance the in-place forecasts were 7-16 % high.
+
 The ``parcae`` decision is :class:`~lightning_parcae.planning.policy.ShapeDecider`, the very object (optimizer,
 predictor factory, options) the runtime's ``ShapeChooser`` decides with; the cost model is the runtime's kind.
 """
@@ -300,6 +307,7 @@ def _liveput(
     levels: Sequence[float] = LEVELS,
     constants: Optional[Sequence[Optional[MigrationConstants]]] = None,
     tail_intervals: float = DecisionOptions.tail_intervals,
+    start_shape: Optional[Shape] = None,
     min_gain: float = DecisionOptions.min_gain,
     charge_unmeasured: bool = DecisionOptions.charge_unmeasured,
     **_: object,
@@ -319,9 +327,14 @@ def _liveput(
     if constants is not None and not isinstance(original, MigrationConstants):
         raise ConfigurationError(f"constants per interval need a cost model with migration constants; "
                                  f"{type(cm).__name__} has none: use the default cost model (a run's profile.json)")
+    start: Shape = PAUSED if start_shape is None else (int(start_shape[0]), int(start_shape[1]))
+    if start != PAUSED and (min(start) < 1 or start[0] * start[1] > intervals[0][0]):
+        raise ConfigurationError(f"start_shape={start_shape}: the shape the job starts in must be D x P >= 1 x 1 "
+                                 f"within the count before the trace's first interval ({intervals[0][0]}); build "
+                                 "the trace with start_n = the first count, or leave start_shape out to start paused")
     try:
         _walk_liveput(res, cm, intervals, decider, acct, oracle=oracle, reactive=reactive, look_ahead=look_ahead,
-                      vetoes=vetoes, constants=constants)
+                      vetoes=vetoes, constants=constants, start=start)
     finally:
         if constants is not None and cm.c != original:  # type: ignore[attr-defined]
             decider.set_constants(original)  # type: ignore[arg-type]
@@ -331,10 +344,10 @@ def _liveput(
 def _walk_liveput(res: PolicyResult, cm: MigrationCostModel, intervals: Intervals, decider: ShapeDecider,
                   acct: "_Accountant", *, oracle: bool, reactive: bool, look_ahead: int,
                   vetoes: Optional[Callable[..., bool]],
-                  constants: Optional[Sequence[Optional[MigrationConstants]]]) -> None:
+                  constants: Optional[Sequence[Optional[MigrationConstants]]], start: Shape = PAUSED) -> None:
     """The interval loop of :func:`_liveput` (see there)."""
     opt = decider.optimizer
-    shape: Shape = (0, 0)
+    shape: Shape = start
     held: Optional[Shape] = None  # the shape the last departing decision chose over the throughput-best one
     for i, (prev, n_in, n_out) in enumerate(intervals):
         if constants is not None and i < len(constants) and constants[i] is not None and \
@@ -400,7 +413,8 @@ def run_policy(name: str, cm: MigrationCostModel, intervals: Intervals, interval
             none -- the policy must not learn the trace's maximum from the trace), ``risk`` (default
             :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`), ``min_gain`` (default
             :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`), ``charge_unmeasured`` (default
-            True) and ``levels`` (scenario quantiles) for the parcae policies.
+            True) and ``levels`` (scenario quantiles) for the parcae policies; ``constants`` and ``start_shape``
+            for the in-place ones (see the module's docstring).
 
     Returns:
         The policy's result.
