@@ -514,7 +514,7 @@ def main() -> int:
                     "the reactive shape must clear; default: the strategy's); the forecast uses the same")
     ap.add_argument("--min-gain", type=float, default=None,
                     help="the parcae runs' strategy option min_gain (least fraction of the reactive plan's expected "
-                    "value a departure must gain after the risk rule; default: the strategy's); the forecast uses "
+                    "value a departure must gain besides the risk rule; default: the strategy's); the forecast uses "
                     "the same")
     ap.add_argument("--victims", choices=VICTIM_ORDERS, default=None,
                     help="parcae run --victims for every run (default: parcae run's, newest with standbys first); "

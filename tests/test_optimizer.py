@@ -613,3 +613,28 @@ def test_min_gain_outside_zero_to_one_is_a_configuration_error() -> None:
     for bad in (-0.1, 1.0, float("nan")):
         with pytest.raises(ConfigurationError, match="min_gain="):
             LiveputOptimizer(cm, min_gain=bad)
+
+
+@pytest.mark.parametrize("min_gain", [0.0, DEFAULT_MIN_GAIN, 0.015, 0.03])
+@pytest.mark.parametrize("risk", [0.0, 1.0, 1.5, 2.0, 2.3, 3.0])
+def test_the_least_gain_is_a_floor_beside_the_risk_rule_not_a_second_penalty(risk: float, min_gain: float) -> None:
+    """Regression (issue 21, stop 55, hl_15_25 with role-blind victims): stop 54 subtracted the least gain from
+    what cleared the risk rule, so the two added up. On 28 instances parcae's hold of 4x6 (238 +- 193 samples,
+    1.23 sigma, against a least gain of ~90) was refused, though it cleared each rule on its own -- the hold that
+    won pass V (1.036) without the least gain; the pass tied (0.994). The least gain is meant for gains the
+    estimates cannot tell from none, where the spread says nothing; it is now a floor of its own: a departure
+    must clear ``risk`` sigma *and* gain ``min_gain`` of the reactive plan's value.
+
+    Here holding 3x2 on 8 instances that may drop to 6 gains 357 +- 111 samples over a reactive plan of ~14,700."""
+    opt, base = _hold(measured=[(4, 2), (3, 2), (2, 2)], u=0.0)
+    scenarios = [_chain(8, [6, 6]), _chain(8, [6, 6]), _chain(8, [8, 8])]
+    mean, std = base.expected_gain if base.departs else base.alternative_gain, \
+        base.gain_std if base.departs else base.alternative_std
+    futures = [[(8, 0, 0)] + sc[:2] for sc in scenarios]
+    value = sum(opt.plan(8, (3, 2), f, first=(4, 2)).score for f in futures) / len(futures)
+    assert mean > 0 and std > 0 and value > 0
+    dec = LiveputOptimizer(opt.cm, look_ahead=3, min_gain=min_gain).decide(8, (3, 2), (8, 0, 0), scenarios,
+                                                                          risk=risk)
+    assert dec.departs == (mean - risk * std > 0 and mean > min_gain * value), (mean, std, value)
+    if (risk, min_gain) == (2.0, DEFAULT_MIN_GAIN):  # each rule alone passes; their sum would not
+        assert 0 < mean - risk * std < min_gain * value < mean and dec.departs

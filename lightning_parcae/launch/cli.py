@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="standard deviations of expected gain the parcae policy's departure from reacting must clear "
                         "(default 1, as ParcaeStrategy(risk=...); 0 follows the forecast's expectation)")
     s.add_argument("--min-gain", type=float, default=None,
-                   help="the least fraction of the reactive plan's expected value a parcae departure must gain after "
+                   help="the least fraction of the reactive plan's expected value a parcae departure must gain besides "
                         "the risk rule, in [0, 1) (default 0.01, as ParcaeStrategy(min_gain=...); 0: none)")
     s.add_argument("--charge-unmeasured", action=argparse.BooleanOptionalAction, default=True,
                    help="a parcae departure to a shape the --profile has not measured must also clear the fit's "

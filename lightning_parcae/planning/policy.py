@@ -87,7 +87,7 @@ class DecisionOptions:
         levels: Quantile levels of the forecast scenarios.
         tail_intervals: Intervals after the horizon credited to the shape a plan ends in (the optimizer's
             terminal value, :class:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer`).
-        min_gain: The least fraction of the reactive plan's expected value a departure must gain after the risk
+        min_gain: The least fraction of the reactive plan's expected value a departure must gain besides the risk
             rule (:data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`; 0: none).
         charge_unmeasured: Add the fit's error on shapes not yet measured to a departure's spread
             (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.unmeasured_risk`; False: the

@@ -58,7 +58,7 @@ departure (slower steps in one pass, the shared veto in the other): docs/evidenc
 fit: see there."""
 
 DEFAULT_MIN_GAIN = 0.01
-"""The least fraction of the reactive plan's expected value a departure must gain (after the risk rule).
+"""The least fraction of the reactive plan's expected value a departure must gain (besides clearing the risk rule).
 
 The scenarios' spread is 0 where every forecast path agrees, and the risk rule then passes any positive gain --
 but the costs and throughputs the plans are priced at are estimates. Issue 21, stop 54, ll_10_11 with role-blind
@@ -200,7 +200,7 @@ class LiveputOptimizer:
         max_p: Override of the largest pipeline depth.
         tail_intervals: Intervals after the horizon for which the shape a plan ends in is credited with its
             throughput (the terminal value; 0: count samples up to the horizon only, as the artifact does).
-        min_gain: The least fraction of the reactive plan's expected value a departure must gain on top of the
+        min_gain: The least fraction of the reactive plan's expected value a departure must gain besides the
             risk rule (:data:`DEFAULT_MIN_GAIN`; 0: none).
         charge_unmeasured: :meth:`decide` adds to a departure's standard deviation the fit's uncertainty on the
             samples its plan counts in shapes the throughput model has not measured (False: the scenarios' only).
@@ -485,7 +485,8 @@ class LiveputOptimizer:
         fit on what the plan rests on them beyond what reacting does (:meth:`unmeasured_risk`, averaged over the
         scenarios) joins that standard deviation: a departure on a fitted gain must clear the fit's error as well,
         as the veto asks of a move to an unmeasured shape (``charge_unmeasured=False``: the scenarios' only).
-        What clears that must also be at least ``min_gain`` of the reactive plan's expected value.
+        Besides clearing that, the expected gain must be at least ``min_gain`` of the reactive plan's expected
+        value (a floor of its own, not added to the risk rule's margin).
 
         Args:
             n: Instances before ``now``'s events.
@@ -536,8 +537,11 @@ class LiveputOptimizer:
         fit = np.maximum(unsure - unsure[0][None, :], 0.0) @ w
         std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0) + fit ** 2)
         score = mean - np.where(std > 0, risk * np.where(std > 0, std, 1.0), 0.0)
-        # a gain the estimates cannot tell from none is no reason to depart, even when every scenario agrees
-        score = score - self.min_gain * max(float(values[0] @ w), 0.0)
+        # a gain the estimates cannot tell from none is no reason to depart, even when every scenario agrees: a
+        # floor of its own beside the risk rule, not a second penalty on top of it. Regression (issue 21, stop 55,
+        # hl_15_25): subtracted from what cleared the risk rule, the two added up and refused a hold of 238 +- 193
+        # samples against a least gain of ~90 -- the hold that had won the pass before (1.036); it tied (0.994)
+        score = np.minimum(score, mean - self.min_gain * max(float(values[0] @ w), 0.0))
         best = int(np.argmax(score))
         if best == 0 or score[best] <= 0:
             alt = 1 + int(np.argmax(score[1:]))  # the bet not taken (at least two candidates here)

@@ -86,7 +86,7 @@ class RuntimeConfig:
             from the reactive shape must clear (default 1; 0 follows the expectation; see
             :meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`).
         min_gain: The least fraction of the reactive plan's expected value the liveput policy's departure must gain
-            after the risk rule (default 0.01; 0: none; see
+            besides the risk rule (default 0.01; 0: none; see
             :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`).
         charge_unmeasured: A departure to a shape not yet measured must also clear the fit's error there (default
             True; see :meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.unmeasured_risk`).

@@ -137,7 +137,7 @@ class ParcaeStrategyMixin:
             (holding a shape through a dip, a detour) must clear (default 1 -- 0.5 until stop 51; 0 follows the
             expectation; larger departs less often and converges on ``"reactive"``). See ``docs/planner.md``.
         min_gain: elastic only, ``policy="liveput"``: the least fraction of the reactive plan's expected value a
-            departure must gain on top of the risk rule (default 0.01; 0: any gain that clears it). Where every
+            departure must gain besides clearing the risk rule (default 0.01; 0: any gain that clears it). Where every
             forecast path agrees the spread is 0 and any positive gain would clear the risk rule, yet the prices
             are estimates. See ``docs/planner.md``.
         charge_unmeasured: elastic only, ``policy="liveput"``: a departure whose plan runs shapes not yet measured

@@ -169,7 +169,7 @@ def simulate(
         risk: Standard deviations of gain ``parcae``'s departures from reacting must clear (default: the
             runtime's, :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_RISK`).
         min_gain: The least fraction of the reactive plan's expected value ``parcae``'s departures must gain
-            after the risk rule (default: the runtime's,
+            besides the risk rule (default: the runtime's,
             :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`).
         charge_unmeasured: Whether ``parcae``'s departures to shapes the cost model has not measured also clear
             the fit's error (as the runtime's default; only a measured profile has unmeasured shapes).
