@@ -25,7 +25,6 @@ import copy
 from dataclasses import dataclass
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
-from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape
 from lightning_parcae.planning.forecast import Predictor, make_predictor
 from lightning_parcae.planning.shape_optimizer import (
@@ -34,6 +33,7 @@ from lightning_parcae.planning.shape_optimizer import (
     Decision,
     FirstCosts,
     LiveputOptimizer,
+    check_risk,
 )
 
 __all__ = [
@@ -52,22 +52,6 @@ __all__ = [
 
 LEVELS: Tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 """Quantile levels of the forecast's own errors; one scenario path each (equal paths merged)."""
-
-def check_risk(value: object, name: str = "risk") -> float:
-    """``value`` as a risk aversion (standard deviations of gain, >= 0).
-
-    Raises:
-        ConfigurationError: Naming the value given and what is expected.
-    """
-    try:
-        risk = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        risk = float("nan")
-    if isinstance(value, bool) or not risk >= 0 or risk == float("inf"):
-        raise ConfigurationError(f"{name}={value!r}: give the standard deviations of expected gain a departure from "
-                                 "the reactive shape must clear, a finite number >= 0 (0: follow the forecast's "
-                                 f"expectation; default {DEFAULT_RISK}; larger: depart less often)")
-    return risk
 
 
 Interval = Tuple[int, int, int]

@@ -41,7 +41,7 @@ from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
 __all__ = ["DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "check_min_gain",
-           "fit_shape", "settle", "PAUSED"]
+           "check_risk", "fit_shape", "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
 """The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
@@ -69,6 +69,31 @@ and 26.9 s in two runs of stop 54 (37.3 s in a third, under load), ~2.5 s of 240
 
 
 
+def _number(value: object) -> float:
+    """``value`` as a float: NaN for a bool or for anything ``float`` refuses (so every range check fails on it)."""
+    if isinstance(value, bool):
+        return float("nan")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def check_risk(value: object, name: str = "risk") -> float:
+    """``value`` as a risk aversion (standard deviations of gain, >= 0; the options' check, kept beside
+    :data:`DEFAULT_RISK`).
+
+    Raises:
+        ConfigurationError: Naming the value given and what is expected.
+    """
+    risk = _number(value)
+    if not 0.0 <= risk < float("inf"):
+        raise ConfigurationError(f"{name}={value!r}: give the standard deviations of expected gain a departure from "
+                                 "the reactive shape must clear, a finite number >= 0 (0: follow the forecast's "
+                                 f"expectation; default {DEFAULT_RISK}; larger: depart less often)")
+    return risk
+
+
 def check_min_gain(value: object, name: str = "min_gain") -> float:
     """``value`` as a least gain of a departure: a fraction of the reactive plan's expected value in ``[0, 1)``.
 
@@ -82,11 +107,8 @@ def check_min_gain(value: object, name: str = "min_gain") -> float:
     Raises:
         ConfigurationError: Naming the value given and what is expected.
     """
-    try:
-        gain = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        gain = float("nan")
-    if isinstance(value, bool) or not 0.0 <= gain < 1.0:
+    gain = _number(value)
+    if not 0.0 <= gain < 1.0:
         raise ConfigurationError(f"{name}={value!r}: the least gain of a departure from the reactive shape is a "
                                  f"fraction of the reactive plan's expected value in [0, 1) (default "
                                  f"{DEFAULT_MIN_GAIN}; 0: any gain that clears the risk rule; 0.03: 3 %)")
