@@ -68,7 +68,6 @@ one move is worth over the runtime's horizon (12 intervals of 20 s): the same 4x
 and 26.9 s in two runs of stop 54 (37.3 s in a third, under load), ~2.5 s of 240. A judgment, not a fit."""
 
 
-
 def _number(value: object) -> float:
     """``value`` as a float: NaN for a bool or for anything ``float`` refuses (so every range check fails on it)."""
     if isinstance(value, bool):
