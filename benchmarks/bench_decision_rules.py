@@ -60,6 +60,11 @@ def parse_variants(text: str) -> list[dict[str, float]]:
     return out
 
 
+def label(variant: dict[str, float]) -> str:
+    """A variant as given on the command line (``"defaults"`` when it names no option)."""
+    return ",".join(f"{k}={v:g}" for k, v in variant.items()) or "defaults"
+
+
 def study(profiles: list[Path], variants: list[dict[str, float]], intervals: int, out: Path) -> list[dict[str, Any]]:
     """parcae / live-reactive of each variant on each profile x segment (printed as it goes)."""
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
@@ -99,13 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no profile.json to study: {missing or PROFILES} (give the profile.json of replay runs)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    print("parcae / live-reactive per variant: " + "  ".join(
-        ",".join(f"{k}={v:g}" for k, v in var.items()) or "defaults" for var in variants))
+    print("parcae / live-reactive per variant: " + "  ".join(label(var) for var in variants))
     rows = study(profiles, variants, a.intervals, out)
     for i, var in enumerate(variants):
         r = [row["ratios"][i] for row in rows]
-        name = ",".join(f"{k}={v:g}" for k, v in var.items()) or "defaults"
-        print(f"{name:24s} mean {statistics.mean(r):.4f}  min {min(r):.4f}  max {max(r):.4f}  "
+        print(f"{label(var):24s} mean {statistics.mean(r):.4f}  min {min(r):.4f}  max {max(r):.4f}  "
               f"below 1: {sum(x < 1 - 1e-9 for x in r)} of {len(r)}")
     return 0
 

@@ -544,25 +544,20 @@ def main() -> int:
     prior: tuple[str, ...] = ()
     if a.prior_profile:
         prior = ("--trainer.strategy.init_args.prior_profile", str(Path(a.prior_profile).resolve()))
-    if a.risk is not None:
-        from lightning_parcae.errors import ConfigurationError  # noqa: PLC0415
-        from lightning_parcae.planning.policy import check_risk  # noqa: PLC0415
+    # the parcae runs' decision options: checked by the strategy's own checks before any job is launched, then
+    # passed to the strategy as LightningCLI arguments (and recorded for the forecast)
+    from lightning_parcae.errors import ConfigurationError  # noqa: PLC0415
+    from lightning_parcae.planning.shape_optimizer import check_min_gain, check_risk  # noqa: PLC0415
 
+    chosen: dict[str, float] = {}
+    for name, value, check in (("risk", a.risk, check_risk), ("min_gain", a.min_gain, check_min_gain)):
+        if value is None:
+            continue
         try:
-            check_risk(a.risk, "--risk")  # the strategy's own check, before any job is launched
+            chosen[name] = check(value, "--" + name.replace("_", "-"))
         except ConfigurationError as exc:
             raise SystemExit(str(exc)) from None
-    # the parcae runs' decision options, passed to the strategy as LightningCLI arguments
-    decision = () if a.risk is None else ("--trainer.strategy.init_args.risk", str(a.risk))
-    if a.min_gain is not None:
-        from lightning_parcae.errors import ConfigurationError  # noqa: PLC0415
-        from lightning_parcae.planning.shape_optimizer import check_min_gain  # noqa: PLC0415
-
-        try:
-            check_min_gain(a.min_gain, "--min-gain")  # the strategy's own check, before any job is launched
-        except ConfigurationError as exc:
-            raise SystemExit(str(exc)) from None
-        decision = (*decision, "--trainer.strategy.init_args.min_gain", str(a.min_gain))
+    decision = tuple(x for name, value in chosen.items() for x in (f"--trainer.strategy.init_args.{name}", str(value)))
     from lightning_parcae.launch.run import _load_schedule  # noqa: PLC0415
 
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -595,10 +590,7 @@ def main() -> int:
         common = ["--trace", trace_arg, "--time-scale", str(a.time_scale), "--instances", str(max(schedule)),
                   "--pipeline-stages", str(a.pipeline_stages)]
         r["pipeline_stages"] = a.pipeline_stages
-        if a.risk is not None:
-            r["risk"] = a.risk
-        if a.min_gain is not None:
-            r["min_gain"] = a.min_gain
+        r.update(chosen)
         for pol in [p for p in a.policies.split(",") if p]:
             run_dir = out / seg / pol
             if pol == "parcae":

@@ -344,7 +344,7 @@ def _liveput(
 def _walk_liveput(res: PolicyResult, cm: MigrationCostModel, intervals: Intervals, decider: ShapeDecider,
                   acct: "_Accountant", *, oracle: bool, reactive: bool, look_ahead: int,
                   vetoes: Optional[Callable[..., bool]],
-                  constants: Optional[Sequence[Optional[MigrationConstants]]], start: Shape = PAUSED) -> None:
+                  constants: Optional[Sequence[Optional[MigrationConstants]]], start: Shape) -> None:
     """The interval loop of :func:`_liveput` (see there)."""
     opt = decider.optimizer
     shape: Shape = start
