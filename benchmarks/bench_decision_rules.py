@@ -36,7 +36,7 @@ SEGMENTS = ("hh_55_65", "hl_15_25", "lh_80_90", "ll_10_11")
 PROFILES = Path(__file__).resolve().parent.parent / "docs" / "evidence" / "profiles"
 JOIN_DELAY_S = 22.0
 """Seconds from an arrival to a usable standby in the 0.25 Gbps replays at time scale 3 (a restarted process)."""
-OPTIONS = {"risk": check_risk, "min_gain": check_min_gain}
+OPTIONS = {"risk": check_risk, "min_gain": check_min_gain, "hold_risk": check_risk}
 
 
 def parse_variants(text: str) -> list[dict[str, float]]:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("profiles", nargs="*", type=Path,
                     help=f"profile.json files (default: every *.json in {PROFILES.relative_to(PROFILES.parents[2])})")
     ap.add_argument("--variants", default="min_gain=0;min_gain=0.01",
-                    help="';'-separated variants, each ','-separated NAME=VALUE of risk / min_gain (default: "
+                    help="';'-separated variants, each ','-separated NAME=VALUE of risk / min_gain / hold_risk (default: "
                     "\"min_gain=0;min_gain=0.01\"); unnamed options take the strategy's defaults")
     ap.add_argument("--intervals", type=int, default=30, help="first K intervals of each segment (default 30)")
     ap.add_argument("--out", default="/tmp/bench_decision_rules", help="folder for the sliced traces")

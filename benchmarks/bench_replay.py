@@ -345,11 +345,12 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
              restart_startup_s: Optional[float] = None, join_delay_s: float = 0.0,
              launch_s: Optional[float] = None, constants: Optional[dict[str, list[Any]]] = None,
              risk: Optional[float] = None, in_place_only: bool = False,
-             min_gain: Optional[float] = None) -> dict[str, float]:
+             min_gain: Optional[float] = None, hold_risk: Optional[float] = None) -> dict[str, float]:
     """The simulator's forecast of each policy from the Parcae run's fitted profile (``restart_s``: a relaunch of a
     training generation, its stop included; ``launch_s``: a relaunch while nothing trains; ``constants``: per
     in-place policy, the migration constants of each interval (:func:`constants_schedule`), else the profile's
-    last fit prices the whole run; ``risk`` / ``min_gain``: the parcae run's options, default the strategy's;
+    last fit prices the whole run; ``risk`` / ``min_gain`` / ``hold_risk``: the parcae run's options, default the
+    strategy's;
     ``in_place_only``: parcae and reactive only, not the restart and static runs)."""
     from lightning_parcae.planning.measured import load_cost_model  # noqa: PLC0415
     from lightning_parcae.planning.sim import run_policy  # noqa: PLC0415
@@ -391,7 +392,8 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
     out = {"parcae": _after(run_policy("parcae", cm, iv_live, wall_interval, look_ahead=12,
                                        constants=priced("parcae"), start_shape=start_shape,
                                        **({} if risk is None else {"risk": risk}),
-                                       **({} if min_gain is None else {"min_gain": min_gain})),
+                                       **({} if min_gain is None else {"min_gain": min_gain}),
+                                       **({} if hold_risk is None else {"hold_risk": hold_risk})),
                             startup_s),
            "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval, start_shape=start_shape,
                                          constants=priced("reactive")), startup_s)}

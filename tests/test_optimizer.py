@@ -638,3 +638,36 @@ def test_the_least_gain_is_a_floor_beside_the_risk_rule_not_a_second_penalty(ris
     assert dec.departs == (mean - risk * std > 0 and mean > min_gain * value), (mean, std, value)
     if (risk, min_gain) == (2.0, DEFAULT_MIN_GAIN):  # each rule alone passes; their sum would not
         assert 0 < mean - risk * std < min_gain * value < mean and dec.departs
+
+
+@pytest.mark.parametrize("hold_risk", [None, 0.0, 0.5, 1.0, 4.0])
+@pytest.mark.parametrize("risk", [0.0, 1.0, 3.0, 3.5, 5.0])
+def test_a_bet_already_taken_is_kept_on_hold_risk_and_entered_on_risk(risk: float, hold_risk) -> None:
+    """Regression (issue 21, stop 55, pass Y on hl_15_25 at 0.25 Gbps with role-blind victims): on 28 instances
+    parcae held 4x6 against the reactive 4x7 at 232 +- 195 samples (1.19 sigma); 14 s later, the count still 28,
+    it scored the same hold at 185 +- 212 (0.87 sigma), took it back under the 1-sigma risk rule and paid the 24 s
+    repartition into 4x7 one interval after live-reactive had: the interval the bet lost *and* the move it was
+    meant to avoid. The risk rule guards entering a bet; staying in one (``held``: the shape a departing decision
+    chose, still running) must clear ``hold_risk`` sigma instead (``None``: ``risk``, the old rule).
+
+    Here holding 3x2 on 8 instances that may drop to 6 gains 357 +- 111 samples (3.2 sigma): with the job in
+    3x2 as a held bet the margin is ``hold_risk``; not held, or held elsewhere, it is ``risk``."""
+    opt, base = _hold(measured=[(4, 2), (3, 2), (2, 2)], u=0.0)
+    mean, std = (base.expected_gain, base.gain_std) if base.departs else (base.alternative_gain, base.alternative_std)
+    assert mean > 0 and std > 0
+    scenarios = [_chain(8, [6, 6]), _chain(8, [6, 6]), _chain(8, [8, 8])]
+    kept_margin = risk if hold_risk is None else hold_risk
+    for held, margin in (((3, 2), kept_margin), (None, risk), ((2, 2), risk), ((4, 2), risk)):
+        dec = opt.decide(8, (3, 2), (8, 0, 0), scenarios, risk=risk, held=held, hold_risk=hold_risk)
+        assert dec.departs == (mean - margin * std > 0), (held, margin, mean, std)
+        assert dec.next_shape == ((3, 2) if dec.departs else (4, 2))
+    # a held shape the job no longer runs is no bet kept: entering it again is a new bet
+    moved = opt.decide(8, (2, 2), (8, 0, 0), scenarios, risk=risk, held=(3, 2), hold_risk=hold_risk)
+    entered = opt.decide(8, (2, 2), (8, 0, 0), scenarios, risk=risk)
+    assert (moved.next_shape, moved.expected_gain) == (entered.next_shape, entered.expected_gain)
+
+
+def test_a_negative_hold_risk_is_a_configuration_error_naming_it() -> None:
+    opt, _ = _hold(measured=[(4, 2), (3, 2), (2, 2)], u=0.0)
+    with pytest.raises(ConfigurationError, match="hold_risk=-1"):
+        opt.decide(8, (3, 2), (8, 0, 0), [_chain(8, [6, 6])], held=(3, 2), hold_risk=-1.0)

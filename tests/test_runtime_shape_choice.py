@@ -1007,3 +1007,30 @@ def test_the_configured_risk_decides_whether_the_leader_bets_on_the_forecast() -
     rejected = strict.stats["decision"]  # the bet not taken, in the decision event: how close it came
     assert rejected["alternative"] == [2, 4]
     assert rejected["alternative_gain"] / rejected["alternative_std"] == pytest.approx(odds)
+
+
+def test_the_leader_tells_the_decider_which_bet_it_holds_and_reports_a_kept_one() -> None:
+    """Regression (issue 21, stop 55, pass Y on hl_15_25): the leader held 4x6 on 28 instances and, one planning
+    interval later on the same count, scored the hold again as a fresh bet (0.87 sigma under the 1-sigma rule)
+    and took it back. The decider keeps a bet on ``hold_risk`` only if it is told which shape the job holds:
+    here a notice leaves 10 of 12 instances, the leader holds 2x4 rather than repartition to 2x5, and the next
+    decision on 10 is asked with ``held=(2, 4)``; the decision event says the bet was kept."""
+    events: list = []
+    ch, _model, names = _held_job(events)
+    assert ch.choose(12, 12, observe=True) == (3, 4)
+    assert ch._decider is not None
+    seen: list = []
+    decide = ch._decider.decide
+
+    def spy(shape, now, **kw: Any):
+        seen.append((shape, kw.get("held")))
+        return decide(shape, now, **kw)
+
+    ch._decider.decide = spy  # type: ignore[method-assign]
+    assert ch.choose(12, 10, observe=True) == (2, 4) and ch.stats["decision"]["departs"]
+    assert not ch.stats["decision"]["kept"]  # entered, not kept: the job ran 3x4
+    ch.state.enter({"generation": 1, "layout": Layout(tuple(names[:8]), (5, 5, 5, 5)).to_json(),
+                    "layer_bytes": [3e4] * 20})
+    assert ch.choose(10, 10, observe=True) == (2, 4)
+    assert seen == [((3, 4), None), ((2, 4), (2, 4))]
+    assert ch.stats["decision"]["departs"] and ch.stats["decision"]["kept"]

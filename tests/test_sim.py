@@ -594,3 +594,25 @@ def test_a_job_that_starts_in_the_launchers_shape_pays_its_first_move_away_from_
 def test_a_start_shape_the_first_count_cannot_hold_is_refused_naming_it(start: tuple[int, int]) -> None:
     with pytest.raises(ConfigurationError, match=rf"start_shape=\({start[0]}, {start[1]}\): .* within the count"):
         run_policy("live-reactive", _small_cm(), [(6, 0, 0)] * 2, 60.0, start_shape=start)
+
+
+@pytest.mark.parametrize("hold_risk", [None, 0.0, 0.5])
+def test_the_simulated_parcae_tells_the_decider_which_bet_it_holds(monkeypatch: pytest.MonkeyPatch,
+                                                                   hold_risk) -> None:
+    """The runtime's leader keeps a bet on ``hold_risk`` (issue 21, stop 55, pass Y); the simulator must ask the
+    decider the same question or its forecast scores another rule. On a slow link parcae holds the launcher's
+    2x2 on 6 instances rather than move to the reactive 3x2: every decision after the first is told it holds
+    2x2, and the decider runs with the given ``hold_risk``."""
+    from lightning_parcae.planning.policy import ShapeDecider  # noqa: PLC0415
+
+    seen: list = []
+    decide = ShapeDecider.decide
+
+    def spy(self: ShapeDecider, shape, now, **kw: Any):
+        seen.append((shape, kw.get("held"), self.options.hold_risk))
+        return decide(self, shape, now, **kw)
+
+    monkeypatch.setattr(ShapeDecider, "decide", spy)
+    run = run_policy("parcae", _small_cm(3e3), [(6, 0, 0)] * 4, 60.0, start_shape=(2, 2), hold_risk=hold_risk)
+    assert run.shapes == [(2, 2)] * 4
+    assert seen == [((2, 2), None, hold_risk)] + [((2, 2), (2, 2), hold_risk)] * 3

@@ -28,6 +28,7 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 from lightning_parcae.planning.costmodel import MigrationConstants, MigrationCostModel, Shape
 from lightning_parcae.planning.forecast import Predictor, make_predictor
 from lightning_parcae.planning.shape_optimizer import (
+    DEFAULT_HOLD_RISK,
     DEFAULT_MIN_GAIN,
     DEFAULT_RISK,
     Decision,
@@ -76,6 +77,10 @@ class DecisionOptions:
         charge_unmeasured: Add the fit's error on shapes not yet measured to a departure's spread
             (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.unmeasured_risk`; False: the
             scenarios' spread only).
+        hold_risk: Standard deviations of gain that *staying* in a bet already taken must clear
+            (:meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.decide`'s ``held``;
+            :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_HOLD_RISK`; ``None``: the same ``risk`` as
+            entering it).
     """
 
     look_ahead: int = 12
@@ -86,6 +91,7 @@ class DecisionOptions:
     tail_intervals: float = 0.0
     min_gain: float = DEFAULT_MIN_GAIN
     charge_unmeasured: bool = True
+    hold_risk: Optional[float] = DEFAULT_HOLD_RISK
 
 
 class ForecastDecision(NamedTuple):
@@ -165,6 +171,8 @@ def decide_with_forecast(
     risk: float = DEFAULT_RISK,
     levels: Sequence[float] = LEVELS,
     first_costs: Optional[FirstCosts] = None,
+    held: Optional[Shape] = None,
+    hold_risk: Optional[float] = None,
 ) -> ForecastDecision:
     """Decide the shape of the interval ``now = (prev_n, n_in, n_out)`` about to run.
 
@@ -181,6 +189,8 @@ def decide_with_forecast(
         levels: Quantile levels of the scenarios.
         first_costs: The known cost of the move about to be made, per target (the runtime's leader knows who
             leaves and who joins); ``None``: the expectation over victim patterns prices it.
+        held: The bet the job runs (see :meth:`LiveputOptimizer.decide`), or ``None``.
+        hold_risk: Standard deviations of gain staying in ``held`` must clear (``None``: ``risk``).
 
     Returns:
         ``(decision, scenarios, weights)``: the decision and the futures it was scored against.
@@ -192,7 +202,8 @@ def decide_with_forecast(
     if pred is not None and opt.look_ahead > 1:
         paths, weights = pred.scenarios(opt.look_ahead - 1, levels)
         scenarios = [paths_to_intervals(after, p) for p in paths]
-    decision = opt.decide(prev, shape, now, scenarios, weights, remain_ms=remain_ms, risk=risk, first_costs=first_costs)
+    decision = opt.decide(prev, shape, now, scenarios, weights, remain_ms=remain_ms, risk=risk, first_costs=first_costs,
+                          held=held, hold_risk=hold_risk)
     return ForecastDecision(decision, scenarios, weights)
 
 
@@ -244,7 +255,7 @@ class ShapeDecider:
         self.optimizer.set_constants(constants)
 
     def decide(self, shape: Shape, now: Interval, *, remain_ms: float = 0.0,
-               first_costs: Optional[FirstCosts] = None) -> ForecastDecision:
+               first_costs: Optional[FirstCosts] = None, held: Optional[Shape] = None) -> ForecastDecision:
         """The shape of the interval ``now = (prev_n, n_in, n_out)`` about to run (see :func:`decide_with_forecast`).
 
         A decision between two planning intervals (a notice, a loss, an arrival: the runtime observes counts only
@@ -260,6 +271,8 @@ class ShapeDecider:
             now: The interval about to run, as known at its start.
             remain_ms: Milliseconds still needed by an unfinished migration.
             first_costs: The known cost of the move about to be made, per target (see :func:`decide_with_forecast`).
+            held: The bet the job runs: the shape an earlier departing decision chose (:func:`hold_after`), kept
+                on ``options.hold_risk``.
 
         Returns:
             The decision with the scenarios it was scored against.
@@ -270,4 +283,5 @@ class ShapeDecider:
             pred = copy.deepcopy(pred)
             pred.observe(after)
         return decide_with_forecast(self.optimizer, pred, shape, now, remain_ms=remain_ms,
-                                    risk=self.options.risk, levels=self.options.levels, first_costs=first_costs)
+                                    risk=self.options.risk, levels=self.options.levels, first_costs=first_costs,
+                                    held=held, hold_risk=self.options.hold_risk)

@@ -40,7 +40,7 @@ from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConst
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
-__all__ = ["DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "check_min_gain",
+__all__ = ["DEFAULT_HOLD_RISK", "DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "check_min_gain",
            "check_risk", "fit_shape", "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
@@ -66,6 +66,18 @@ victims: on 32 instances parcae held 4x6 against the reactive 4x7 for an expecte
 horizon (0 +- 0) and trained 140 s in the slower shape while live-reactive moved. 1 % is about what the estimate of
 one move is worth over the runtime's horizon (12 intervals of 20 s): the same 4x6 -> 4x7 repartition measured 24.3
 and 26.9 s in two runs of stop 54 (37.3 s in a third, under load), ~2.5 s of 240. A judgment, not a fit."""
+
+
+DEFAULT_HOLD_RISK = 0.0
+"""Standard deviations of expected gain that *staying* in a bet already taken must clear (entering it: ``risk``).
+
+0: a bet held is kept while its expected gain stays positive (and above the least gain). Issue 21, stop 55, pass Y
+(hl_15_25, 0.25 Gbps, role-blind victims): the leader held 4x6 on 28 instances at 1.19 sigma and, one planning
+interval later on the same count, scored it at 0.87 sigma and took it back -- it paid the interval the bet lost
+and the repartition it was meant to avoid. In the simulator over the 14 measured profiles x 4 segments the rule
+never binds (parcae / live-reactive identical at hold_risk None, 0 and 0.5: docs/planner.md), which decides once
+per trace interval; the runtime also decides at each notice, arrival and loss, so it looks at one count more often
+and its forecast can move between two looks. A judgment, not a fit."""
 
 
 def _number(value: object) -> float:
@@ -490,6 +502,8 @@ class LiveputOptimizer:
         remain_ms: float = 0.0,
         risk: float = DEFAULT_RISK,
         first_costs: Optional[FirstCosts] = None,
+        held: Optional[Shape] = None,
+        hold_risk: Optional[float] = None,
     ) -> Decision:
         """Choose the next interval's shape from what is known now and a distribution of futures.
 
@@ -509,6 +523,12 @@ class LiveputOptimizer:
         Besides clearing that, the expected gain must be at least ``min_gain`` of the reactive plan's expected
         value (a floor of its own, not added to the risk rule's margin).
 
+        A bet already taken is kept on less: when the job runs ``held`` -- the shape an earlier departing decision
+        chose over the reactive one -- and that shape is a candidate again, staying in it must clear ``hold_risk``
+        standard deviations instead of ``risk`` (the least gain still applies). The risk rule guards *entering* a
+        bet; a bet left one interval later on the same count has paid the interval it lost and now pays the move
+        it was meant to avoid, the worst of both.
+
         Args:
             n: Instances before ``now``'s events.
             shape: Current shape (:data:`PAUSED` if not running).
@@ -518,12 +538,15 @@ class LiveputOptimizer:
             remain_ms: Milliseconds an unfinished migration still needs.
             risk: Standard deviations of the gain that a departure from reacting must clear.
             first_costs: The known cost of the move about to be made, per target (see :meth:`plan`).
+            held: The shape an earlier departing decision chose and the job still runs (``None``: no bet held).
+            hold_risk: Standard deviations of the gain that staying in ``held`` must clear (``None``: ``risk``).
 
         Returns:
             The decision.
         """
-        if not risk >= 0:
-            raise ConfigurationError(f"risk={risk}: the risk aversion must be >= 0 (0: trust the expectation)")
+        if not risk >= 0 or (hold_risk is not None and not hold_risk >= 0):
+            raise ConfigurationError(f"risk={risk}, hold_risk={hold_risk}: a risk aversion must be >= 0 (0: trust the "
+                                     "expectation)")
         if not scenarios:
             scenarios = [[]]
         if weights is None:
@@ -557,7 +580,14 @@ class LiveputOptimizer:
         # an unmeasured shape is no reason to depart) adds to the spread over the scenarios
         fit = np.maximum(unsure - unsure[0][None, :], 0.0) @ w
         std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0) + fit ** 2)
-        score = mean - np.where(std > 0, risk * np.where(std > 0, std, 1.0), 0.0)
+        margin = np.full(len(cands), float(risk))
+        if held is not None and held == shape and hold_risk is not None and held in cands[1:]:
+            # a bet kept (regression, issue 21, stop 55, pass Y on hl_15_25 at 0.25 Gbps with role-blind victims:
+            # parcae held 4x6 on 28 instances at 232 +- 195 samples, and 14 s later, the count still 28, scored the
+            # same hold at 185 +- 212 -- 0.87 sigma -- and took it back, paying the 24 s repartition into 4x7 one
+            # interval after live-reactive had)
+            margin[cands.index(held)] = float(hold_risk)
+        score = mean - np.where(std > 0, margin * np.where(std > 0, std, 1.0), 0.0)
         # a gain the estimates cannot tell from none is no reason to depart, even when every scenario agrees: a
         # floor of its own beside the risk rule, not a second penalty on top of it. Regression (issue 21, stop 55,
         # hl_15_25): subtracted from what cleared the risk rule, the two added up and refused a hold of 238 +- 193

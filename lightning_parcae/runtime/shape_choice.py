@@ -307,7 +307,7 @@ class ShapeChooser:
                 decision, scenarios, median = Decision(shape, shape, 0.0, 0.0, (shape,)), [], []
             else:
                 first_costs = self._known_moves(decider, available, senders)
-                decision, scenarios, weights = decider.decide(cur, now, first_costs=first_costs)
+                decision, scenarios, weights = decider.decide(cur, now, first_costs=first_costs, held=self._held)
                 shape = decision.next_shape
                 median = scenarios[len(scenarios) // 2] if scenarios else []
             # how long the forecast keeps this count: the time an exploration's gain can pay back in
@@ -319,7 +319,9 @@ class ShapeChooser:
             self.stats["decision"] = {"reactive": list(decision.reactive), "departs": decision.departs,
                                       "expected_gain": float(decision.expected_gain),
                                       "gain_std": float(decision.gain_std), "scenarios": len(scenarios),
-                                      "fit_std": float(decision.fit_std)}
+                                      "fit_std": float(decision.fit_std),
+                                      # a bet kept: staying in the held shape cleared options.hold_risk
+                                      "kept": bool(decision.departs and decision.next_shape == cur == self._held)}
             if decision.alternative is not None:  # a bet not taken: how close it came to the risk rule
                 self.stats["decision"].update(alternative=list(decision.alternative),
                                               alternative_gain=float(decision.alternative_gain),

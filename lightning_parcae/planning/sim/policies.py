@@ -310,6 +310,7 @@ def _liveput(
     start_shape: Optional[Shape] = None,
     min_gain: float = DecisionOptions.min_gain,
     charge_unmeasured: bool = DecisionOptions.charge_unmeasured,
+    hold_risk: Optional[float] = DecisionOptions.hold_risk,
     **_: object,
 ) -> PolicyResult:
     res = PolicyResult("live-reactive" if reactive else "parcae-oracle" if oracle else "parcae", interval_s)
@@ -317,7 +318,7 @@ def _liveput(
     options = DecisionOptions(look_ahead=look_ahead, predictor=predictor if forecast else None,
                               max_instances=max_instances, risk=risk, levels=levels,
                               tail_intervals=tail_intervals, min_gain=min_gain,
-                              charge_unmeasured=charge_unmeasured)
+                              charge_unmeasured=charge_unmeasured, hold_risk=hold_risk)
     decider = ShapeDecider(cm, interval_s=interval_s, options=options)
     acct = _Accountant(cm, 1000.0 * interval_s)
     # with a measured profile (a run's profile.json) the live policies keep the leader's veto, as the runtime does
@@ -367,7 +368,7 @@ def _walk_liveput(res: PolicyResult, cm: MigrationCostModel, intervals: Interval
         else:
             # the runtime's ShapeChooser makes this very call (planning/policy.py)
             decider.observe(after)
-            decision = decider.decide(shape, (prev, n_in, n_out), remain_ms=acct.remain).decision
+            decision = decider.decide(shape, (prev, n_in, n_out), remain_ms=acct.remain, held=held).decision
             target = decision.next_shape
         res.decide_s += time.perf_counter() - t0
         target = fit_shape(target, after) if target != PAUSED else PAUSED
