@@ -518,9 +518,11 @@ def main() -> int:
                     help="the parcae runs' strategy option min_gain (least fraction of the reactive plan's expected "
                     "value a departure must gain besides the risk rule; default: the strategy's); the forecast uses "
                     "the same")
-    ap.add_argument("--victims", choices=VICTIM_ORDERS, default=None,
-                    help="parcae run --victims for every run (default: parcae run's, newest with standbys first); "
-                    "'any' draws from every instance as a spot provider and the planner's cost model do")
+    ap.add_argument("--victims", choices=VICTIM_ORDERS, default="any",
+                    help="parcae run --victims for every run (default 'any': a drop takes instances drawn from every "
+                    "instance present, as a spot provider does and as the simulator's forecast prices it; 'newest': "
+                    "parcae run's own default, idle standbys first -- the replays before stop 56 that do not name "
+                    "--victims)")
     ap.add_argument("--reforecast", action="store_true",
                     help="recompute the forecasts (and tables, plot) of an earlier run in --out from its saved profiles")
     ap.add_argument("--combine", default=None, metavar="DIR,DIR,...",
@@ -530,8 +532,7 @@ def main() -> int:
         return combine([Path(x) for x in a.combine.split(",") if x])
     global TRAIN, LAUNCH_EXTRA, CLOCK
     TRAIN, LAUNCH_EXTRA = JOBS[a.job]
-    if a.victims is not None:
-        LAUNCH_EXTRA = [*LAUNCH_EXTRA, "--victims", a.victims]
+    LAUNCH_EXTRA = [*LAUNCH_EXTRA, "--victims", a.victims]
     CLOCK = a.trace_clock
     if a.job == "gpt15b":
         TRAIN = [*TRAIN, "--model.time_scale", str(a.time_scale)]
@@ -564,7 +565,7 @@ def main() -> int:
 
     results: dict[str, Any] = {"job": a.job, "time_scale": a.time_scale, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                                "cores": os.cpu_count(), "trace_clock": CLOCK, "state_gbps": a.state_gbps, "static": {},
-                               "prior_profile": a.prior_profile,
+                               "prior_profile": a.prior_profile, "victims": a.victims,
                                "segments": {}}
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
     if a.static_from:  # re-run some segments or policies against an earlier run's static measurements
@@ -692,7 +693,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"N={n}: {k}" for n, (k, _) in sorted(results["best_by_n"].items(), key=lambda x: int(x[0]))), "",
         "Each segment starts " + ("at the first training step (`--trace-clock first-step`): start-up is outside it "
                                   "and not counted; a relaunch's is" if results.get("trace_clock") == "first-step"
-                                  else "at the launch: start-up is inside it") + ".", "",
+                                  else "at the launch: start-up is inside it") + ". " + (
+            f"A drop's victims: `--victims {results['victims']}`." if results.get("victims") else
+            "A drop's victims: `parcae run`'s default (idle standbys first)."), "",
         "Forecasts of the in-place runs price each interval with the migration constants the run's leader had then "
         "(its `migration_costs` events); in brackets, the whole run at its last fit.", "",
         "| segment | policy | samples | vs ideal | forecast | forecast / measured | start-up s | migrations | time lost s by kind |",

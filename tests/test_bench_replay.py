@@ -182,3 +182,20 @@ def test_the_in_place_forecasts_start_in_the_launchers_first_generation(monkeypa
         assert iv[0] == ((first, 0, 0) if start else (0, first, 0)) and iv[2] == (first, 0, 1)
     iv, kw = by_name["relaunch"]
     assert "start_shape" not in kw and iv[0] == (0, first, 0)
+
+
+@pytest.mark.parametrize("victims", ["any", "newest", None])
+def test_the_tables_say_whose_instances_a_drop_took(victims) -> None:
+    """Stops 54-55 replayed with role-blind victims (``--victims any``) beside earlier replays with idle standbys
+    taken first, and nothing in a results file said which: the results now record ``victims`` (``any`` by default,
+    as the simulator's forecast prices a drop) and the tables' header names it; a file from before says the old
+    default."""
+    results = {"static": {"4x6": 39.6}, "best_by_n": {"24": ["4x6", 39.6]}, "trace_clock": "first-step",
+               "segments": {}}
+    if victims is not None:
+        results["victims"] = victims
+    text = bench_replay.markdown(results)
+    if victims is None:
+        assert "A drop's victims: `parcae run`'s default (idle standbys first)." in text
+    else:
+        assert f"A drop's victims: `--victims {victims}`." in text

@@ -667,7 +667,12 @@ def test_a_bet_already_taken_is_kept_on_hold_risk_and_entered_on_risk(risk: floa
     assert (moved.next_shape, moved.expected_gain) == (entered.next_shape, entered.expected_gain)
 
 
-def test_a_negative_hold_risk_is_a_configuration_error_naming_it() -> None:
+@pytest.mark.parametrize("name, bad", [("risk", -1.0), ("risk", float("inf")), ("risk", float("nan")),
+                                       ("hold_risk", -1.0), ("hold_risk", float("inf"))])
+def test_a_risk_that_is_not_a_finite_number_at_least_zero_is_a_configuration_error_naming_it(name: str,
+                                                                                             bad: float) -> None:
+    """``decide`` checks both margins as the options do (``check_risk``). Before, its own check let an infinite
+    ``risk`` through (every departure refused, silently)."""
     opt, _ = _hold(measured=[(4, 2), (3, 2), (2, 2)], u=0.0)
-    with pytest.raises(ConfigurationError, match="hold_risk=-1"):
-        opt.decide(8, (3, 2), (8, 0, 0), [_chain(8, [6, 6])], held=(3, 2), hold_risk=-1.0)
+    with pytest.raises(ConfigurationError, match=rf"^{name}={bad!r}: give the standard deviations"):
+        opt.decide(8, (3, 2), (8, 0, 0), [_chain(8, [6, 6])], held=(3, 2), **{name: bad})

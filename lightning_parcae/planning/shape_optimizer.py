@@ -544,9 +544,9 @@ class LiveputOptimizer:
         Returns:
             The decision.
         """
-        if not risk >= 0 or (hold_risk is not None and not hold_risk >= 0):
-            raise ConfigurationError(f"risk={risk}, hold_risk={hold_risk}: a risk aversion must be >= 0 (0: trust the "
-                                     "expectation)")
+        check_risk(risk)  # a finite number >= 0, named in the error
+        if hold_risk is not None:
+            check_risk(hold_risk, "hold_risk")
         if not scenarios:
             scenarios = [[]]
         if weights is None:
