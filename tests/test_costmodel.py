@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -871,3 +872,39 @@ def test_a_concrete_plan_is_priced_by_its_rebuild_its_peak_bytes_and_a_join() ->
     cut = plan_migration(old, ["a", "b", "c", "d"], (1, 4), [2, 2, 2, 2], nbytes)
     assert cut.kind.value == "repartition"
     assert cm.plan_ms(cut) == pytest.approx(100.0 + 40.0 + cm.transfer_ms(cut.peak_bytes))
+
+
+@pytest.mark.parametrize("changed", [
+    dict(bandwidth_bytes_per_s=1.25e9 / 40), dict(group_base_ms=900.0), dict(transfer_latency_ms=40.0, join_ms=7.0),
+    dict(bytes_per_param=4.0), dict(bytes_per_param=16.0, bandwidth_bytes_per_s=3e7)])
+def test_a_refit_keeps_the_planned_bytes_and_prices_as_a_model_built_with_the_new_constants(
+        monkeypatch: pytest.MonkeyPatch, changed: dict) -> None:
+    """Regression (issue 21, stop 56, 0.25 Gbps replay of hl_15_25 at N = 32): the leader refits its migration
+    constants after each migration, and ``set_constants`` dropped the planned bytes of every repartition with the
+    prices -- bytes that depend on ``bytes_per_param`` only. The next decision re-ran the migration planner ~1,800
+    times (3 s on an idle core; 1.3-1.5 s of planning phase on the loaded replay machine, the whole job waiting).
+    Now a refit re-runs the planner only if ``bytes_per_param`` changed, and every price after it equals that of a
+    model built with the new constants."""
+    import lightning_parcae.planning.costmodel as costmodel  # noqa: PLC0415
+
+    thr = TableThroughput.from_reference("gpt-1.5b")
+    layers = LAYERS["gpt-1.5b"]["layers"]
+    old = MigrationConstants(bandwidth_bytes_per_s=1.25e9 / 4, group_base_ms=30.0)
+    refit = DefaultCostModel(thr, layers, old, preemption_notice=True)
+    cases = [(8, 4, 6, 0, 0, 4, 7), (28, 4, 7, 0, 2, 2, 13), (24, 4, 6, 3, 1, 2, 9), (16, 2, 8, 0, 0, 2, 7)]
+
+    def prices(cm: DefaultCostModel) -> list[float]:
+        return [cm.repartition_rest_ms(n, d, p, n_in, n_out, d2, p2, False) for n, d, p, n_in, n_out, d2, p2 in cases] \
+            + [cm.repartition_transfer_ms(p, p2, (1,) * p) for _, _, p, _, _, _, p2 in cases] \
+            + [cm.full_state_transfer_ms(p) for p in (6, 7, 9)]
+
+    prices(refit)
+    runs = []
+    real = costmodel.plan_migration
+    monkeypatch.setattr(costmodel, "plan_migration", lambda *a, **k: runs.append(1) or real(*a, **k))
+    new = replace(old, **changed)
+    refit.set_constants(new)
+    after = prices(refit)
+    assert bool(runs) == ("bytes_per_param" in changed)
+    monkeypatch.setattr(costmodel, "plan_migration", real)
+    assert after == pytest.approx(prices(DefaultCostModel(thr, layers, new, preemption_notice=True)), rel=1e-12)

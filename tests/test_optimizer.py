@@ -667,12 +667,17 @@ def test_a_bet_already_taken_is_kept_on_hold_risk_and_entered_on_risk(risk: floa
     assert (moved.next_shape, moved.expected_gain) == (entered.next_shape, entered.expected_gain)
 
 
-@pytest.mark.parametrize("name, bad", [("risk", -1.0), ("risk", float("inf")), ("risk", float("nan")),
-                                       ("hold_risk", -1.0), ("hold_risk", float("inf"))])
-def test_a_risk_that_is_not_a_finite_number_at_least_zero_is_a_configuration_error_naming_it(name: str,
-                                                                                             bad: float) -> None:
-    """``decide`` checks both margins as the options do (``check_risk``). Before, its own check let an infinite
-    ``risk`` through (every departure refused, silently)."""
+@pytest.mark.parametrize("name, bad", [("risk", -1.0), ("risk", float("nan")), ("hold_risk", -1.0),
+                                       ("hold_risk", float("nan"))])
+def test_a_risk_below_zero_or_not_a_number_is_a_configuration_error_naming_it(name: str, bad: float) -> None:
+    """``decide`` names which margin was wrong (``risk`` or ``hold_risk``) and what it takes. An infinite margin
+    stays allowed there (depart only on a gain every scenario agrees on), each for its own case: with ``risk``
+    infinite a held bet (357 +- 111 samples) is still kept on ``hold_risk`` = 0; with ``hold_risk`` infinite it
+    is left for the reactive 4x2."""
     opt, _ = _hold(measured=[(4, 2), (3, 2), (2, 2)], u=0.0)
-    with pytest.raises(ConfigurationError, match=rf"^{name}={bad!r}: give the standard deviations"):
+    with pytest.raises(ConfigurationError, match=rf"^{name}={bad!r}: a risk aversion must be a number >= 0"):
         opt.decide(8, (3, 2), (8, 0, 0), [_chain(8, [6, 6])], held=(3, 2), **{name: bad})
+    margins = {"risk": 1.0, "hold_risk": 0.0, name: float("inf")}
+    kept = opt.decide(8, (3, 2), (8, 0, 0), [_chain(8, [6, 6]), _chain(8, [6, 6]), _chain(8, [8, 8])], held=(3, 2),
+                      **margins)
+    assert kept.next_shape == ((3, 2) if name == "risk" else (4, 2))

@@ -986,10 +986,19 @@ class DefaultCostModel(MigrationCostModel):
         """Price every later transition with ``constants`` (e.g. refitted from measured migrations).
 
         The cached prices that depend on them are dropped (the method caches are per class: other instances
-        recompute theirs on their next call).
+        recompute theirs on their next call). What the runtime's migration planner would move -- bytes, not
+        milliseconds -- is kept unless ``bytes_per_param`` changed. Regression (issue 21, stop 56, 0.25 Gbps replay
+        of hl_15_25 at N = 32): the leader refits its constants after each migration, and the refit dropped the
+        planned bytes of every repartition too; its next decision re-ran the planner ~1,800 times (3 s on this
+        machine alone, 1.3-1.5 s of a planning phase on the loaded one) while the whole job waited at the step
+        boundary.
         """
+        bytes_changed = constants.bytes_per_param != self.c.bytes_per_param
         self.c = constants
-        for cached in (self._stage_bytes, self._missing_bytes, self.repartition_transfer_ms, self._planned_peak_bytes):
+        caches: list[Any] = [self.repartition_transfer_ms]
+        if bytes_changed:
+            caches += [self._stage_bytes, self._missing_bytes, self._planned_peak_bytes]
+        for cached in caches:
             cached.cache_clear()  # type: ignore[attr-defined]
 
     @functools.lru_cache(maxsize=None)

@@ -544,9 +544,11 @@ class LiveputOptimizer:
         Returns:
             The decision.
         """
-        check_risk(risk)  # a finite number >= 0, named in the error
-        if hold_risk is not None:
-            check_risk(hold_risk, "hold_risk")
+        for name, margin in (("risk", risk), ("hold_risk", 0.0 if hold_risk is None else hold_risk)):
+            if not margin >= 0:  # NaN fails too; inf is allowed here: depart only on a gain certain in every scenario
+                raise ConfigurationError(f"{name}={margin!r}: a risk aversion must be a number >= 0 (standard "
+                                         "deviations of expected gain; 0: trust the expectation; inf: depart only "
+                                         "on a gain every scenario agrees on)")
         if not scenarios:
             scenarios = [[]]
         if weights is None:
