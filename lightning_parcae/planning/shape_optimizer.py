@@ -40,8 +40,8 @@ from lightning_parcae.planning.costmodel import DefaultCostModel, MigrationConst
 from lightning_parcae.errors import ConfigurationError
 from lightning_parcae.planning.liveput import forget_prices, prepare_transfers, transition_costs
 
-__all__ = ["DEFAULT_HOLD_RISK", "DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer", "check_min_gain",
-           "check_risk", "fit_shape", "settle", "PAUSED"]
+__all__ = ["DEFAULT_HOLD_RISK", "DEFAULT_MIN_GAIN", "DEFAULT_RISK", "Plan", "Decision", "FirstCosts", "LiveputOptimizer",
+           "check_min_gain", "check_risk", "fit_shape", "settle", "PAUSED"]
 
 PAUSED: Shape = (0, 0)
 """The "shape" of a job that cannot run (too few instances for any allowed shape): no throughput, no cost."""
