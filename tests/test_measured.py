@@ -522,3 +522,27 @@ def test_the_planning_price_leaves_unmeasured_shapes_and_slower_wider_ones_alone
     for _ in range(64):  # new steps re-price it (the price is cached until the next step): now 1x3 is 20 % faster
         model.record(1, 3, 2500.0)
     assert model.planning_throughput(1, 3) == model.throughput(1, 3) > 1.15 * model.measured(1, 2)
+
+
+@pytest.mark.parametrize("fitted_ms", [60.0, 100.0, 110.0, 150.0, 300.0])
+def test_a_shape_entered_by_force_is_left_for_a_shape_measured_faster_than_its_fit_before_it_is_measured(fitted_ms):
+    """Regression (issue 21, stop 56, pass B, lh_80_90 at 10 Gbps): a notice forced the job from 2x9 into 2x7 on
+    17 instances; 18 s later 19 were present and the decision chose 2x9 again, *measured* at 30.1 samples/s
+    against 2x7's fit of ~25, and the veto kept 2x7 -- not yet measured -- for 20 s more while live-reactive ran
+    2x9. An unmeasured running shape is still kept against another unmeasured one (the test above), and against a
+    measured one unless the measurement beats the running shape's fit plus its uncertainty.
+
+    Here 2x1 is measured at 100 ms a step and the unmeasured 1x1 is fitted at ``fitted_ms``."""
+    model = make()
+    for _ in range(10):
+        model.record(2, 1, 100.0)
+    model.coef = np.zeros(len(model.coef))
+    model.coef[0] = fitted_ms
+    model._dirty = False
+    assert model.measured(1, 1) is None and model.measured(2, 1) is not None
+    optimistic = model.throughput(1, 1) * (1.0 + model.uncertainty(1, 1))
+    assert model.vetoes((1, 1), (2, 1), 2) == (model.measured(2, 1) <= optimistic)
+    if fitted_ms <= 100.0:
+        assert model.vetoes((1, 1), (2, 1), 2)  # fitted as fast or faster: kept until measured
+    if fitted_ms >= 300.0:
+        assert not model.vetoes((1, 1), (2, 1), 2)  # fitted 3x slower: the measured shape is taken
