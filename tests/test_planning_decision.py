@@ -77,17 +77,18 @@ def _cost_model(chooser: ShapeChooser) -> DefaultCostModel:
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """Record every ShapeDecider.decide call: (options, shape, now, remain_ms, decision, scenarios, weights)."""
+    """Record every ShapeDecider.decide call: (options, shape, now, remain_ms, decision, scenarios, weights, held)
+    -- ``held``, the bet the caller says it holds (stop 56), included: the two must keep the same bets too."""
     calls: list[tuple[Any, ...]] = []
     real = ShapeDecider.decide
 
     def decide(self: ShapeDecider, shape: Any, now: Any, *, remain_ms: float = 0.0,
-               first_costs: Any = None) -> policy.ForecastDecision:
+               first_costs: Any = None, held: Any = None) -> policy.ForecastDecision:
         # the walk below names no next members, so the runtime prices its first move as the simulator does
         assert first_costs is None
-        out = real(self, shape, now, remain_ms=remain_ms)
+        out = real(self, shape, now, remain_ms=remain_ms, held=held)
         calls.append((self.options, tuple(shape), tuple(now), remain_ms, out.decision, out.scenarios,
-                      [float(w) for w in out.weights]))
+                      [float(w) for w in out.weights], held))
         return out
 
     monkeypatch.setattr(ShapeDecider, "decide", decide)
