@@ -389,11 +389,10 @@ def forecast(profile_path: Path, schedule: list[int], wall_interval: float, star
         sched = constants.get(pol)
         return None if sched is None else [replace(c, restart_ms=0.0, checkpoint_ms=0.0) for c in sched]
 
+    # the parcae run's decision options that were set (the others keep the strategy's defaults)
+    given = {k: v for k, v in dict(risk=risk, min_gain=min_gain, hold_risk=hold_risk).items() if v is not None}
     out = {"parcae": _after(run_policy("parcae", cm, iv_live, wall_interval, look_ahead=12,
-                                       constants=priced("parcae"), start_shape=start_shape,
-                                       **({} if risk is None else {"risk": risk}),
-                                       **({} if min_gain is None else {"min_gain": min_gain}),
-                                       **({} if hold_risk is None else {"hold_risk": hold_risk})),
+                                       constants=priced("parcae"), start_shape=start_shape, **given),
                             startup_s),
            "reactive": _after(run_policy("live-reactive", cm, iv_live, wall_interval, start_shape=start_shape,
                                          constants=priced("reactive")), startup_s)}

@@ -583,7 +583,7 @@ class LiveputOptimizer:
         fit = np.maximum(unsure - unsure[0][None, :], 0.0) @ w
         std = np.sqrt(np.maximum(((gain - mean[:, None]) ** 2) @ w, 0.0) + fit ** 2)
         margin = np.full(len(cands), float(risk))
-        if held is not None and held == shape and hold_risk is not None and held in cands[1:]:
+        if hold_risk is not None and held == shape and held in cands[1:]:
             # a bet kept (regression, issue 21, stop 55, pass Y on hl_15_25 at 0.25 Gbps with role-blind victims:
             # parcae held 4x6 on 28 instances at 232 +- 195 samples, and 14 s later, the count still 28, scored the
             # same hold at 185 +- 212 -- 0.87 sigma -- and took it back, paying the 24 s repartition into 4x7 one
