@@ -90,6 +90,8 @@ class RuntimeConfig:
             :data:`~lightning_parcae.planning.shape_optimizer.DEFAULT_MIN_GAIN`).
         charge_unmeasured: A departure to a shape not yet measured must also clear the fit's error there (default
             True; see :meth:`~lightning_parcae.planning.shape_optimizer.LiveputOptimizer.unmeasured_risk`).
+        plan_ahead: The leader's planning-interval decisions run on a thread during the next step
+            (:mod:`~lightning_parcae.runtime.plan_ahead`; False: at the step boundary, every member waiting).
 
     Raises:
         ConfigurationError: ``stall_after_s`` is not positive, ``throughput`` or ``policy`` is unknown,
@@ -120,6 +122,7 @@ class RuntimeConfig:
     risk: float = DEFAULT_RISK
     min_gain: float = DEFAULT_MIN_GAIN
     charge_unmeasured: bool = True
+    plan_ahead: bool = True
 
     def __post_init__(self) -> None:
         if not self.stall_after_s > 0:

@@ -71,6 +71,7 @@ from lightning_parcae.runtime.lifecycle import Lifecycle, Phase, exit_now
 from lightning_parcae.runtime.liveness import Liveness, activate, guarded
 from lightning_parcae.runtime.part import PartContext
 from lightning_parcae.runtime.recovery import Recovery
+from lightning_parcae.runtime.plan_ahead import PlanAhead
 from lightning_parcae.runtime.shape_choice import ShapeChooser
 from lightning_parcae.runtime.startup import StartupRoster, arrival_key, await_roster
 from lightning_parcae.runtime.switching import GenerationNotEntered, Switch
@@ -172,6 +173,8 @@ class ElasticRuntime:
         self.chooser = ShapeChooser(host, self.state, config, self.records, migrations=self.migrations,
                                     event=self.event)
         """The leader's planning state: measured throughput, optimizer, predictor (kept by every process)."""
+        self.ahead = PlanAhead(self.chooser, self.event)
+        """The leader's planning-interval decision while the job trains (``config.plan_ahead``)."""
         self.admission: Optional[Admission] = None
         self.recovery: Optional[Recovery] = None
         self.switching: Optional[Switch] = None
@@ -364,8 +367,10 @@ class ElasticRuntime:
         assert self.live is not None and self.coord is not None and self.layout is not None
         step = int(trainer.global_step)
         self.live.step = step
+        ended = self.chooser.now()
+        self._join_plan()
         with steptime.span("boundary.chooser"):
-            self.chooser.record_step(step)
+            self.chooser.record_step(step, ended=ended)
             if self.is_leader:
                 self.chooser.note_standbys()
         try:
@@ -375,6 +380,7 @@ class ElasticRuntime:
             # the next step is timed from here: planning, agreement and migrations are not step time
             with steptime.span("boundary.chooser"):
                 self.chooser.mark_step(self.generation, int(trainer.global_step))
+        self.ahead.go(self.generation)  # the chooser is the thread's from here to the next boundary
 
     def _plan_reason(self, step: int, admit: bool) -> Optional[str]:
         """Why the leader plans at this step boundary, if it does: ``"interval"`` when its planning interval is
@@ -387,6 +393,45 @@ class ElasticRuntime:
             return "interval"
         arrived = self.chooser.arrival
         return f"standbys ready: {', '.join(arrived)}" if arrived else None
+
+    def _join_plan(self) -> None:
+        """Leader: wait for the decision planning ahead on its thread, if one does (a ``planning`` phase: the
+        job stalls for what the step left of it)."""
+        if not self.ahead.running:
+            return
+        self.life.to(Phase.PLANNING, reason="waiting for the decision planned during the step")
+        try:
+            with steptime.span("boundary.plan_wait"):
+                self.ahead.join()
+        finally:
+            self.life.to(Phase.TRAINING)
+
+    def _plan(self, trainer: "pl.Trainer", step: int, admit: bool) -> int:
+        """Leader: publish the decision planned during the last step, or plan at this boundary if an interval is
+        due -- on a thread (``config.plan_ahead``: published at a later boundary) or here; returns the
+        generation proposed (0: none)."""
+        question = self.ahead.take(step, self.generation) if self.ahead.pending else None
+        if question is not None and not admit:
+            self.ahead.keep(question)  # this boundary admits no one: publish at the next that does
+            return 0
+        reason = None if question is not None or self.ahead.pending else self._plan_reason(step, admit)
+        if question is None and reason and self.config.plan_ahead:
+            self.life.to(Phase.PLANNING, reason=reason)
+            with steptime.span("boundary.plan"):
+                self.ahead.ask(self.chooser.gather(reason, (), admit), step)  # answered from the boundary's end
+            self.life.to(Phase.TRAINING)
+            return 0
+        if question is None and not reason:
+            return 0
+        self.life.to(Phase.PLANNING, reason=question.reason if question is not None else reason)
+        with steptime.span("boundary.plan"):
+            if question is not None:
+                rec = self.chooser.publish(trainer, question)
+            else:
+                rec = self.chooser.decide(trainer, reason=reason, leaving=())
+        if not rec:
+            self.life.to(Phase.TRAINING)
+        return int(rec["generation"]) if rec else 0
 
     def _boundary(self, trainer: "pl.Trainer", step: int) -> None:
         assert self.live is not None and self.coord is not None and self.layout is not None
@@ -402,14 +447,7 @@ class ElasticRuntime:
         with steptime.span("boundary.validation_follows"):
             admit = (not self.host.validation_follows(trainer) and not self.host.training_ends(trainer)
                      and not self.host.epoch_ends(trainer))
-        reason = self._plan_reason(step, admit)
-        if reason:
-            self.life.to(Phase.PLANNING, reason=reason)
-            with steptime.span("boundary.plan"):
-                rec = self.chooser.decide(trainer, reason=reason, leaving=())
-            proposal = int(rec["generation"]) if rec else 0
-            if not rec:
-                self.life.to(Phase.TRAINING)
+        proposal = self._plan(trainer, step, admit)
         world = len(self.layout.members)
         flags = torch.zeros(1 + world, dtype=torch.float64)
         flags[0] = proposal
@@ -427,6 +465,7 @@ class ElasticRuntime:
             if self.life.phase == Phase.TRAINING:
                 self.life.to(Phase.PLANNING, reason="notice", noticed=noticed)
             if self.is_leader:
+                self.ahead.drop("a preemption notice is decided at its boundary")
                 rec = self.chooser.decide(trainer, reason=f"preemption notice for {', '.join(noticed)}", leaving=noticed,
                                           admit=admit)
                 if rec is None:
@@ -513,6 +552,7 @@ class ElasticRuntime:
     def recover(self, trainer: "pl.Trainer") -> None:
         """Survivors of an aborted generation agree on the next one (survivors only) and migrate to it."""
         assert self.recovery is not None and self.switching is not None
+        self.ahead.drop("a member was lost")
         loss = self.recovery.begin()
         self._recovering_since = loss.since
         self.switching.teardown_groups(failed=True)
@@ -526,6 +566,7 @@ class ElasticRuntime:
 
     def close(self, finished: bool = False) -> None:
         """Stop heartbeats (end of fit); ``finished``: tell waiting standbys that the job is over."""
+        self.ahead.drop("the run ends")
         if finished:
             self.chooser.save_profile()
         if finished and self.store is not None and self.is_leader:

@@ -50,7 +50,7 @@ from lightning_parcae.runtime.torch_internals import child
 if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
-__all__ = ["ShapeChooser", "RUNTIME_CONSTANTS", "MEASURED_KEY", "BATCH_GRACE_S"]
+__all__ = ["ShapeChooser", "Question", "RUNTIME_CONSTANTS", "MEASURED_KEY", "BATCH_GRACE_S"]
 
 log = logging.getLogger("lightning_parcae.elastic")
 
@@ -102,6 +102,38 @@ class _Try:
     generation: int
     phase: str
     since: Optional[float]
+
+
+@dataclass
+class Question:
+    """What one decision of the leader is about (:meth:`ShapeChooser.gather`), and its answer.
+
+    Attributes:
+        reason: Why the leader decides (``"interval"``, ``"standbys ready: ..."``, a notice).
+        leaving: The noticed members (empty at a planning interval).
+        standbys: The ready standbys the next generation may take.
+        available: The processes the next generation is drawn from (staying members, then ``standbys``).
+        n_now: Instances the job has now (members + ``standbys``).
+        generation: The generation it was asked in (an answer for an older one is stale).
+        shape: The chosen shape (:meth:`ShapeChooser.choose_for`; None: nothing fits, or not chosen yet).
+        spent_s: Seconds the choice took.
+        ahead_steps: Steps the job trained while it was chosen (0: it was chosen at the step boundary).
+    """
+
+    reason: str
+    leaving: list[str]
+    standbys: list[str]
+    available: list[str]
+    n_now: int
+    generation: int
+    shape: Optional[Shape] = None
+    spent_s: float = 0.0
+    ahead_steps: int = 0
+
+    @property
+    def observe(self) -> bool:
+        """A planning interval's question (no one leaving): its count goes into the availability history."""
+        return not self.leaving
 
 
 class ShapeChooser:
@@ -188,9 +220,14 @@ class ShapeChooser:
         """The optimizer's throughput model (``None`` before the first decision)."""
         return self._optimizer.thr if self._optimizer is not None else None
 
-    def record_step(self, step: int) -> None:
-        """Time the step that just ended, if it ran whole in the current shape (not the first after a switch)."""
-        mark, now = self._step_mark, self._clock()
+    def now(self) -> float:
+        """This chooser's clock (monotonic seconds)."""
+        return self._clock()
+
+    def record_step(self, step: int, ended: Optional[float] = None) -> None:
+        """Time the step that just ended (at ``ended`` on :meth:`now`'s clock; default: now), if it ran whole in
+        the current shape (not the first after a switch)."""
+        mark, now = self._step_mark, self._clock() if ended is None else ended
         if mark is None or self.state.layout is None or mark[0] != self.state.generation or step != mark[1] + 1 or mark[3]:
             return  # the first steps of a shape warm up new process groups and joiners: not representative
         model = self.model()
@@ -241,7 +278,7 @@ class ShapeChooser:
             t.phase, t.since = "returning", None
 
     def choose(self, n_now: int, n_next: int, observe: bool, *, available: Optional[Sequence[str]] = None,
-               senders: Optional[Sequence[str]] = None) -> Optional[Shape]:
+               senders: Optional[Sequence[str]] = None, history_recorded: bool = False) -> Optional[Shape]:
         """Next shape: the liveput optimizer over the known next interval and the predicted ones after it.
 
         Args:
@@ -253,6 +290,8 @@ class ShapeChooser:
                 make (:meth:`_known_moves`), not by an expectation over which members leave.
             senders: The old members that can still send state (default: every old member -- a noticed leaver
                 hands its state over; after a loss only the survivors).
+            history_recorded: :meth:`gather` already wrote ``n_next`` into the store's availability history (the
+                caller may be a thread that must not touch the store).
         """
         s = self.host
         assert self.state.layout is not None and self.coord is not None
@@ -264,30 +303,14 @@ class ShapeChooser:
         assert measured is not None
         by_measurement = self.config.throughput == "measured"
         if self._optimizer is None:
-            cm = measured.cost_model(self.fitted_constants() if by_measurement else RUNTIME_CONSTANTS)
-            if not by_measurement:
-                cm = DefaultCostModel(measured.prior, cm.layer_params, RUNTIME_CONSTANTS)
-            # a noticed leaver hands its state over (the simulator's forecast prices the replay the same way:
-            # benchmarks/bench_replay.py). Regression (issue 21, GPT-1.5B replay, hh_55_65 at N=9): priced as a
-            # sudden loss, a notice for one stage of 1x10 was a 24 s checkpoint restart whatever the target, the
-            # restart outlasted the 6 s interval, and the optimizer's unfinished-migration rule made a detour
-            # through 1x6 (0.73 of 1x9's samples/s) look cheaper than going to 1x9 at once; the job trained
-            # 26 s in 1x6 while the migration itself took 0.46 s
-            cm.preemption_notice = self.config.preemption_notice
-            # the simulator's parcae policy builds the very same decider (planning/policy.py: one predictor factory)
-            options = DecisionOptions(look_ahead=self.config.look_ahead, predictor=self.config.predictor,
-                                      max_instances=self.config.max_instances, risk=self.config.risk,
-                                      min_gain=self.config.min_gain, charge_unmeasured=self.config.charge_unmeasured)
-            self._decider = ShapeDecider(cm, interval_s=max(self.config.interval_s, 1.0), options=options,
-                                         history=self.coord.history())
-            self._optimizer = self._decider.optimizer
+            self._build_decider(measured)
         decider = self._decider
         assert decider is not None
         if by_measurement:
             self._refit_migration_costs(decider)
         if observe or not decider.observed:
             decider.observe(n_next)
-            if observe:
+            if observe and not history_recorded:
                 self.coord.append_history(n_next)
         cur = (self.state.layout.data_parallel, self.state.layout.pipeline_stages)
         thr = measured if by_measurement else measured.prior
@@ -402,6 +425,28 @@ class ShapeChooser:
         self.stats["throughput"] = {"current": thr.throughput(*cur) if cur[0] else None,
                                     "chosen": thr.throughput(*shape), "measured": measured.measured(*shape)}
         return shape
+
+    def _build_decider(self, measured: MeasuredThroughput) -> None:
+        """The liveput decider, priced by ``measured`` (reads the availability history from the store)."""
+        assert self.coord is not None
+        by_measurement = self.config.throughput == "measured"
+        cm = measured.cost_model(self.fitted_constants() if by_measurement else RUNTIME_CONSTANTS)
+        if not by_measurement:
+            cm = DefaultCostModel(measured.prior, cm.layer_params, RUNTIME_CONSTANTS)
+        # a noticed leaver hands its state over (the simulator's forecast prices the replay the same way:
+        # benchmarks/bench_replay.py). Regression (issue 21, GPT-1.5B replay, hh_55_65 at N=9): priced as a
+        # sudden loss, a notice for one stage of 1x10 was a 24 s checkpoint restart whatever the target, the
+        # restart outlasted the 6 s interval, and the optimizer's unfinished-migration rule made a detour
+        # through 1x6 (0.73 of 1x9's samples/s) look cheaper than going to 1x9 at once; the job trained
+        # 26 s in 1x6 while the migration itself took 0.46 s
+        cm.preemption_notice = self.config.preemption_notice
+        # the simulator's parcae policy builds the very same decider (planning/policy.py: one predictor factory)
+        options = DecisionOptions(look_ahead=self.config.look_ahead, predictor=self.config.predictor,
+                                  max_instances=self.config.max_instances, risk=self.config.risk,
+                                  min_gain=self.config.min_gain, charge_unmeasured=self.config.charge_unmeasured)
+        self._decider = ShapeDecider(cm, interval_s=max(self.config.interval_s, 1.0), options=options,
+                                     history=self.coord.history())
+        self._optimizer = self._decider.optimizer
 
     def _known_moves(self, decider: ShapeDecider, available: Optional[Sequence[str]],
                      senders: Optional[Sequence[str]]) -> Optional[FirstCosts]:
@@ -804,7 +849,18 @@ class ShapeChooser:
         (:meth:`_hold_for_batches`); a notice's decision (``leaving`` names the noticed members) admits every
         ready standby at once: it replaces members that are going away. (Recovery after a loss does not come
         here: it chooses the survivors' shape through :meth:`choose`.)
+
+        This is :meth:`gather`, :meth:`choose_for` and :meth:`publish` in a row; a planning interval's decision
+        runs the middle one on a thread while the job trains (:class:`~.plan_ahead.PlanAhead`).
         """
+        question = self.gather(reason, leaving, admit)
+        self.choose_for(question)
+        return self.publish(trainer, question)
+
+    def gather(self, reason: str, leaving: Iterable[str], admit: bool = True) -> "Question":
+        """Leader: what the next decision is about -- who stays, which ready standbys join (everything read from
+        the store is read here, on the calling thread); the count is recorded in the availability history when
+        it is a planning interval's (``leaving`` empty)."""
         assert self.state.layout is not None and self.coord is not None
         leaving = list(leaving)
         old = self.state.layout
@@ -815,20 +871,41 @@ class ShapeChooser:
             # a plain interval admission waits for booting batch-mates (never a notice's: it replaces a leaver)
             standbys = self._hold_for_batches(standbys)
         staying = [m for m in old.members if m not in leaving]
-        avail = staying + standbys
+        q = Question(reason, leaving, standbys, staying + standbys, len(old.members) + len(standbys),
+                     self.state.generation)
+        if self.model() is not None and self._decider is None:
+            self._build_decider(self.measured)  # reads the availability history from the store
+        if q.observe and self._decider is not None and self.host.global_batch is not None and q.available:
+            self.coord.append_history(len(q.available))
+        return q
+
+    def choose_for(self, question: "Question") -> None:
+        """The decision about ``question`` (:meth:`gather`'s): sets ``question.shape``. Reads and writes only this
+        chooser's planning state -- never the store -- so a thread may run it while the job trains."""
+        t = time.perf_counter()
+        question.shape = self.choose(question.n_now, len(question.available), observe=question.observe,
+                                     available=question.available, history_recorded=True)
+        question.spent_s = time.perf_counter() - t
+
+    def publish(self, trainer: "pl.Trainer", question: "Question") -> Optional[dict[str, Any]]:
+        """Leader: propose the generation :meth:`choose_for` chose for ``question``, as of ``trainer``'s step
+        (None: keep the current one). Store reads and writes happen here, on the calling thread."""
+        assert self.state.layout is not None and self.coord is not None
+        old, leaving, standbys, avail = self.state.layout, question.leaving, question.standbys, question.available
+        reason, shape = question.reason, question.shape
         cur = (old.data_parallel, old.pipeline_stages)
-        shape = self.choose(len(old.members) + len(standbys), len(avail), observe=not leaving, available=avail)
         self.save_profile(every_s=PROFILE_EVERY_S)
         requested = self.requested_shape(len(avail))
         if requested is not None:
             shape, reason = requested, f"{reason}; operator requested D={requested[0]} P={requested[1]}"
         if shape != cur or leaving or standbys != self._last_standbys:
             self._last_standbys = list(standbys)
+            extra = {"planned_ahead_steps": question.ahead_steps} if question.ahead_steps else {}
             self.event("decision", reason=reason, N=len(avail), current=list(cur),
                        chosen=list(shape) if shape else None, standbys=standbys, leaving=leaving,
                        predicted=self.stats.get("predicted_N"), liveput=self.stats.get("liveput"),
                        throughput=self.stats.get("throughput"), exploration=self.stats.get("exploration"),
-                       departure=self.stats.get("decision"))
+                       departure=self.stats.get("decision"), planning_s=round(question.spent_s, 4), **extra)
         if shape is None:  # every member is alive here: save a checkpoint before stopping
             return self._propose_fallback(int(trainer.global_step), f"{reason}: no shape fits {len(avail)} instances",
                                           checkpoint=True, min_instances=self.fewest_instances(len(avail)))
