@@ -158,12 +158,24 @@ def summarize(ev: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     lost["restart"] = sum(float(e.get("lost_s", 0.0)) for e in restarts)
     shapes = [(int(e["D"]), int(e["P"]), int(e["N"])) for e in sorted(seen.values(), key=lambda m: m["time"])]
     explores = sum(1 for e in ev if e.get("event") == "explore" and start <= e["time"] <= end)
-    return {"samples": int(samples), "startup_s": round(first - run_start, 2),
+    return {"samples": int(samples), "planning_s": planning_stall(ev, start, end), "startup_s": round(first - run_start, 2),
             "counted_startup_s": round(max(0.0, min(first, end) - start), 2), "clock": CLOCK,
             "explorations": explores, "lost_s": {k: round(v, 3) for k, v in lost.items()},
             "migrations": {k: sum(1 for m in seen.values() if m["kind"] == k) for k in {m["kind"] for m in seen.values()}},
             "restarts": len(restarts), "shapes": shapes,
             "restart_lost_s": [float(e.get("lost_s", 0.0)) for e in restarts], **relaunch_parts(ev)}
+
+
+def planning_stall(ev: list[dict[str, Any]], start: float, end: float) -> float:
+    """Seconds the leader spent in its ``planning`` phase within ``[start, end]``: the step-boundary stall its
+    decisions cost the job (every member waits in the agreement meanwhile). Each member's planning phases are summed
+    and the largest sum is taken -- the leader's (a follower is in ``planning`` only from the agreement on)."""
+    per: dict[str, float] = {}
+    for e in ev:
+        if e.get("source") == "elastic" and e.get("event") == "phase" and e.get("old") == "planning" and \
+                start <= e["time"] <= end:
+            per[str(e.get("member"))] = per.get(str(e.get("member")), 0.0) + float(e.get("spent_s", 0.0))
+    return round(max(per.values(), default=0.0), 3)
 
 
 def relaunch_parts(ev: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -708,6 +720,8 @@ def markdown(results: dict[str, Any]) -> str:
             if end and s["samples"]:
                 ratio += f" ({end / s['samples']:.2f})"
             lost = ", ".join(f"{k} {v:.1f}" for k, v in s["lost_s"].items() if v) or "0"
+            if s.get("planning_s"):
+                lost += f"; leader planning {s['planning_s']:.1f}"
             migs = ", ".join(f"{k} {v}" for k, v in s["migrations"].items()) or "-"
             if s.get("explorations"):
                 migs += f" ({s['explorations']} explorations)"

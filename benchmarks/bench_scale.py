@@ -264,7 +264,10 @@ def summarize(fixed: list[dict[str, Any]], changes: list[dict[str, Any]], probes
         steps = max(1, int(parts.get("step", {}).get("n", 1)))
         for name in ("boundary", "commit", "step", "wait: step agreement", "wait: gradient all-reduce"):
             if name in parts:
-                per_rank.setdefault(name, []).append(1000.0 * float(parts[name]["total_s"]) / steps)
+                total = float(parts[name]["total_s"])
+                if name == "boundary":  # the leader's wait for a decision planned during the step is a stall too
+                    total += float(parts.get("boundary.plan_wait", {}).get("total_s", 0.0))
+                per_rank.setdefault(name, []).append(1000.0 * total / steps)
     out["boundary_ms"] = _median(per_rank.get("boundary", []))
     out["boundary_max_ms"] = max(per_rank["boundary"]) if per_rank.get("boundary") else None
     out["commit_ms"] = _median(per_rank.get("commit", []))

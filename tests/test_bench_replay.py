@@ -199,3 +199,21 @@ def test_the_tables_say_whose_instances_a_drop_took(victims) -> None:
         assert "A drop's victims: `parcae run`'s default (idle standbys first)." in text
     else:
         assert f"A drop's victims: `--victims {victims}`." in text
+
+
+def test_the_leaders_planning_stall_is_its_planning_phases_inside_the_segment(clock) -> None:  # type: ignore[no-untyped-def]
+    """The replay reports the seconds the job waited for the leader's decisions (issue 21, stop 57: planning during
+    the step took them off the boundary): the leader's ``planning`` phases inside the segment, not a follower's
+    (shorter: it is in ``planning`` from the agreement on) and not those before the segment's first step."""
+    clock("first-step")
+    ev = _run(30.0)
+
+    def phase(t: float, member: str, spent: float) -> dict[str, Any]:
+        return {"source": "elastic", "event": "phase", "old": "planning", "new": "training", "member": member,
+                "spent_s": spent, "time": t}
+
+    ev += [phase(120.0, "i0", 5.0),  # before the segment's first step (t = 130)
+           phase(131.0, "i0", 0.4), phase(140.0, "i0", 0.25), phase(141.0, "i1", 0.1), phase(150.0, "i1", 0.2),
+           phase(200.0, "i0", 9.0)]  # after the segment's 50 s
+    assert bench_replay.summarize(sorted(ev, key=lambda e: e["time"]), 50.0)["planning_s"] == pytest.approx(0.65)
+    assert bench_replay.summarize(_run(30.0), 50.0)["planning_s"] == 0.0
