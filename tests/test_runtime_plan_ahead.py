@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.generation import GenerationRecords
-from lightning_parcae.runtime.plan_ahead import PlanAhead
+from lightning_parcae.runtime.plan_ahead import PLAN_SWITCH_S, PlanAhead
 from lightning_parcae.runtime.shape_choice import Question, ShapeChooser
 
 from test_runtime_shape_choice import _config, _host, _state
@@ -142,6 +142,26 @@ def test_the_threads_exception_is_raised_at_the_join_on_the_training_thread() ->
     with pytest.raises(ValueError, match="planning bug"):
         plan.join()
     assert not plan.pending and not plan.running
+
+
+def test_the_switch_interval_is_short_while_the_thread_decides_and_restored_at_the_join() -> None:
+    """Regression (stop 57, hl_15_25 at 10 Gbps): the decision holds the interpreter lock; at the default 5 ms
+    switch interval the leader's training thread queued behind it at every op, and the job ran its shape 2-4 %
+    slower than live-reactive's with the same moves."""
+    import sys
+
+    seen: list = []
+
+    class Probe:
+        def choose_for(self, question: Question) -> None:
+            seen.append(sys.getswitchinterval())
+
+    before = sys.getswitchinterval()
+    assert before > PLAN_SWITCH_S
+    plan = PlanAhead(Probe(), lambda name, **kw: None)  # type: ignore[arg-type]
+    plan.start(Question("interval", [], [], ["a"], 1, 0), step=1)
+    plan.join()
+    assert seen == [pytest.approx(PLAN_SWITCH_S)] and sys.getswitchinterval() == pytest.approx(before)
 
 
 def test_drop_joins_the_thread_and_forgets_the_question() -> None:

@@ -26,12 +26,15 @@ Contract (:class:`PlanAhead`):
   the boundary.
 - The answer is one step late: a shape the decision chose starts one step later than a decision at the boundary
   would start it. That step runs in the old shape, which the sync path stalls instead.
+- While the thread decides, the interpreter's switch interval is :data:`PLAN_SWITCH_S` (0.5 ms): the decision
+  holds the interpreter lock, and at the default 5 ms the training thread queued behind it at every op.
 - An exception on the thread (the choice catches planning failures itself: this would be a bug) is raised at the
   join, on the training thread.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -39,7 +42,15 @@ from typing import Callable, Optional
 from lightning_parcae.runtime.part import EventSink
 from lightning_parcae.runtime.shape_choice import Question, ShapeChooser
 
-__all__ = ["PlanAhead"]
+__all__ = ["PlanAhead", "PLAN_SWITCH_S"]
+
+PLAN_SWITCH_S = 0.0005
+"""The interpreter's switch interval while the thread decides (restored at the join). The decision is pure Python
+and holds the interpreter lock; at the default 5 ms every small op or wait of the training thread queued behind it
+for up to 5 ms, and a step-like loop ran 6.3x slower beside a decision thread (``benchmarks/bench_plan_thread.py``,
+stop 57; 1.03x at 0.5 ms, the decision 1.15x slower). Regression: in stop 57's hl_15_25 replay parcae's job trained
+4x7 at 41.3-42.5 samples/s against live-reactive's 43.1-43.3, with the same moves -- the leader, stage 0 of every
+step, slowed by its own planning thread."""
 
 
 class PlanAhead:
@@ -64,6 +75,7 @@ class PlanAhead:
         self._step = 0
         self._error: Optional[BaseException] = None
         self._asked = False  # the question waits for go()
+        self._switch = sys.getswitchinterval()  # the interpreter's, restored at the join
         self.waited_s = 0.0
         self.planned_s = 0.0
 
@@ -100,6 +112,8 @@ class PlanAhead:
             self.event("plan_dropped", reason=q.reason, asked_in=q.generation, now=generation,
                        why="the generation changed")
             return
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, PLAN_SWITCH_S))  # the training thread waits less for the lock
         self._thread = threading.Thread(target=self._answer, args=(q,), name="parcae-plan-ahead", daemon=True)
         self._thread.start()
 
@@ -125,7 +139,10 @@ class PlanAhead:
         if thread is None:
             return 0.0
         t = self._clock()
-        thread.join()
+        try:
+            thread.join()
+        finally:
+            sys.setswitchinterval(self._switch)
         waited = max(0.0, self._clock() - t)
         self.waited_s += waited
         if self._question is not None:
