@@ -158,7 +158,8 @@ def summarize(ev: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     lost["restart"] = sum(float(e.get("lost_s", 0.0)) for e in restarts)
     shapes = [(int(e["D"]), int(e["P"]), int(e["N"])) for e in sorted(seen.values(), key=lambda m: m["time"])]
     explores = sum(1 for e in ev if e.get("event") == "explore" and start <= e["time"] <= end)
-    return {"samples": int(samples), "planning_s": planning_stall(ev, start, end), "startup_s": round(first - run_start, 2),
+    return {"samples": int(samples), "planning_s": planning_stall(ev, start, end),
+            "startup_s": round(first - run_start, 2),
             "counted_startup_s": round(max(0.0, min(first, end) - start), 2), "clock": CLOCK,
             "explorations": explores, "lost_s": {k: round(v, 3) for k, v in lost.items()},
             "migrations": {k: sum(1 for m in seen.values() if m["kind"] == k) for k in {m["kind"] for m in seen.values()}},
@@ -174,7 +175,8 @@ def planning_stall(ev: list[dict[str, Any]], start: float, end: float) -> float:
     for e in ev:
         if e.get("source") == "elastic" and e.get("event") == "phase" and e.get("old") == "planning" and \
                 start <= e["time"] <= end:
-            per[str(e.get("member"))] = per.get(str(e.get("member")), 0.0) + float(e.get("spent_s", 0.0))
+            member = str(e.get("member"))
+            per[member] = per.get(member, 0.0) + float(e.get("spent_s", 0.0))
     return round(max(per.values(), default=0.0), 3)
 
 

@@ -410,23 +410,20 @@ class ElasticRuntime:
         """Leader: publish the decision planned during the last step, or plan at this boundary if an interval is
         due -- on a thread (``config.plan_ahead``: published at a later boundary) or here; returns the
         generation proposed (0: none)."""
-        question = self.ahead.take(step, self.generation) if self.ahead.pending else None
+        question = self.ahead.take(step, self.generation)
         if question is not None and not admit:
             self.ahead.keep(question)  # this boundary admits no one: publish at the next that does
             return 0
-        reason = None if question is not None or self.ahead.pending else self._plan_reason(step, admit)
-        if question is None and reason and self.config.plan_ahead:
-            self.life.to(Phase.PLANNING, reason=reason)
-            with steptime.span("boundary.plan"):
-                self.ahead.ask(self.chooser.gather(reason, (), admit), step)  # answered from the boundary's end
-            self.life.to(Phase.TRAINING)
+        reason = question.reason if question is not None else self._plan_reason(step, admit)
+        if not reason:
             return 0
-        if question is None and not reason:
-            return 0
-        self.life.to(Phase.PLANNING, reason=question.reason if question is not None else reason)
+        self.life.to(Phase.PLANNING, reason=reason)
         with steptime.span("boundary.plan"):
             if question is not None:
                 rec = self.chooser.publish(trainer, question)
+            elif self.config.plan_ahead:
+                self.ahead.ask(self.chooser.gather(reason, (), admit), step)  # answered from the boundary's end
+                rec = None
             else:
                 rec = self.chooser.decide(trainer, reason=reason, leaving=())
         if not rec:

@@ -62,8 +62,8 @@ class PlanAhead:
         clock: Monotonic seconds (a test passes its own).
 
     Attributes:
-        waited_s: Seconds step boundaries waited for the thread so far.
-        planned_s: Seconds the thread spent choosing so far.
+        waited_s: Seconds step boundaries waited for the thread so far (each choice's own time is its
+            question's ``spent_s``, in the ``decision`` event).
     """
 
     def __init__(self, chooser: ShapeChooser, event: EventSink, clock: Callable[[], float] = time.monotonic) -> None:
@@ -77,7 +77,6 @@ class PlanAhead:
         self._asked = False  # the question waits for go()
         self._switch = sys.getswitchinterval()  # the interpreter's, restored at the join
         self.waited_s = 0.0
-        self.planned_s = 0.0
 
     @property
     def pending(self) -> bool:
@@ -145,8 +144,6 @@ class PlanAhead:
             sys.setswitchinterval(self._switch)
         waited = max(0.0, self._clock() - t)
         self.waited_s += waited
-        if self._question is not None:
-            self.planned_s += self._question.spent_s
         if self._error is not None:
             err, self._error, self._question = self._error, None, None
             raise err
