@@ -159,6 +159,7 @@ def summarize(ev: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     shapes = [(int(e["D"]), int(e["P"]), int(e["N"])) for e in sorted(seen.values(), key=lambda m: m["time"])]
     explores = sum(1 for e in ev if e.get("event") == "explore" and start <= e["time"] <= end)
     return {"samples": int(samples), "planning_s": planning_stall(ev, start, end),
+            "shape_rates": shape_rates(ev, start, end),
             "startup_s": round(first - run_start, 2),
             "counted_startup_s": round(max(0.0, min(first, end) - start), 2), "clock": CLOCK,
             "explorations": explores, "lost_s": {k: round(v, 3) for k, v in lost.items()},
@@ -178,6 +179,72 @@ def planning_stall(ev: list[dict[str, Any]], start: float, end: float) -> float:
             member = str(e.get("member"))
             per[member] = per.get(member, 0.0) + float(e.get("spent_s", 0.0))
     return round(max(per.values(), default=0.0), 3)
+
+
+def shape_rates(ev: list[dict[str, Any]], start: float, end: float) -> dict[str, dict[str, float]]:
+    """Per shape ``"DxP"``, the run's steady steps inside ``[start, end]``: ``steps``, ``seconds`` (their sum) and
+    ``samples_per_s`` (the global batch over the median step). A step is the time between two consecutive
+    ``progress`` events of one generation (steps k and k + 1), so a migration, a validation or a relaunch between
+    two steps is not step time."""
+    prog = sorted((e for e in ev if e.get("source") == "worker" and e.get("event") == "progress"
+                   and start <= e["time"] <= end and "step" in e), key=lambda e: e["time"])
+    steps: dict[str, list[float]] = {}
+    batch: dict[str, float] = {}
+    for a, b in zip(prog, prog[1:]):
+        if a.get("generation") != b.get("generation") or int(b["step"]) != int(a["step"]) + 1 or \
+                (a.get("D"), a.get("P")) != (b.get("D"), b.get("P")):
+            continue
+        key = f"{int(b['D'])}x{int(b['P'])}"
+        steps.setdefault(key, []).append(float(b["time"]) - float(a["time"]))
+        batch[key] = float(b.get("global_batch") or (int(b["samples"]) - int(a["samples"])))
+    return {k: {"steps": len(v), "seconds": round(sum(v), 3),
+                "samples_per_s": round(batch[k] / statistics.median(v), 3) if statistics.median(v) > 0 else 0.0}
+            for k, v in steps.items()}
+
+
+def _moves(timeline: list) -> list[tuple[float, str]]:
+    """(time, "DxP") of each shape a timeline entered, consecutive repeats merged."""
+    out: list[tuple[float, str]] = []
+    for t, d, p, _n in timeline:
+        key = f"{int(d)}x{int(p)}"
+        if not out or out[-1][1] != key:
+            out.append((float(t), key))
+    return out
+
+
+def where_it_differs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Where run ``a`` (parcae) gains or loses against run ``b`` (live-reactive): whether both entered the same
+    shapes in the same order (``same_moves``; then ``entry_lag_s``: a's entry time minus b's, per move), each
+    shared shape's steady rate in both (``rates``: a's, b's samples/s), and the samples difference split into
+    ``from_rates`` -- what a's time in each shared shape would have trained at b's rate instead of its own,
+    summed -- and ``from_rest`` (the remainder: other shapes or moves, their timing, stalls at step boundaries).
+
+    Args:
+        a: A run's summary with ``samples``, ``timeline`` and ``shape_rates`` (:func:`shape_rates`).
+        b: The other run's.
+    """
+    ma, mb = _moves(a.get("timeline") or []), _moves(b.get("timeline") or [])
+    same = [k for _, k in ma] == [k for _, k in mb]
+    ra, rb = a.get("shape_rates") or {}, b.get("shape_rates") or {}
+    shared = [k for k in ra if k in rb]
+    from_rates = sum((ra[k]["samples_per_s"] - rb[k]["samples_per_s"]) * ra[k]["seconds"] for k in shared)
+    diff = int(a["samples"]) - int(b["samples"])
+    return {"same_moves": same, "moves": [k for _, k in ma], "other_moves": [k for _, k in mb],
+            "entry_lag_s": [round(x[0] - y[0], 2) for x, y in zip(ma, mb)] if same else [],
+            "rates": {k: [ra[k]["samples_per_s"], rb[k]["samples_per_s"]] for k in shared},
+            "samples_diff": diff, "from_rates": round(from_rates, 1), "from_rest": round(diff - from_rates, 1)}
+
+
+def differs_line(seg: str, d: dict[str, Any]) -> str:
+    """One Markdown line of :func:`where_it_differs` for parcae against live-reactive."""
+    moves = (f"the same moves ({' -> '.join(d['moves'])}; parcae entered each "
+             f"{min(d['entry_lag_s'], default=0):+.1f} to {max(d['entry_lag_s'], default=0):+.1f} s from reactive)"
+             if d["same_moves"] else
+             f"different moves (parcae {' -> '.join(d['moves'])}; reactive {' -> '.join(d['other_moves'])})")
+    rates = ", ".join(f"{k} {x:.1f} vs {y:.1f}" for k, (x, y) in d["rates"].items()) or "none shared"
+    return (f"- {seg}, parcae vs reactive: {moves}; steady samples/s in shared shapes {rates}; of the "
+            f"{d['samples_diff']:+d} samples, {d['from_rates']:+.0f} from those rates and {d['from_rest']:+.0f} from the "
+            "rest (moves, their timing, boundary stalls)")
 
 
 def relaunch_parts(ev: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -641,6 +708,7 @@ def main() -> int:
             t_a, t_b = k * wall_interval, (k + 1) * wall_interval
             ideal += best_by_n.get(n, ("", 0.0))[1] * max(0.0, t_b - max(t_a, startup))
         r["ideal_after_startup"] = ideal
+        _compare_in_place(r)
         prof = out / seg / "parcae" / "profile.json"
         if prof.exists():
             _segment_forecast(out / seg, r, wall_interval)
@@ -654,11 +722,27 @@ def main() -> int:
     return 0
 
 
+def _compare_in_place(r: dict[str, Any]) -> None:
+    """``r["parcae_vs_reactive"]``: :func:`where_it_differs` when the segment ran both in-place policies."""
+    runs = r["runs"]
+    if "parcae" in runs and "reactive" in runs:
+        r["parcae_vs_reactive"] = where_it_differs(runs["parcae"], runs["reactive"])
+
+
 def reforecast(out: Path) -> int:
-    """Recompute every segment's forecast from its saved Parcae profile; rewrite results.json, results.md, the plot."""
+    """Recompute every segment's forecast from its saved Parcae profile, and the steady rates per shape and the
+    comparison of the in-place runs from their events; rewrite results.json, results.md, the plot."""
+    global CLOCK
     results = json.loads((out / "results.json").read_text())
+    CLOCK = results.get("trace_clock", CLOCK)  # the clock the runs were replayed under
     wall_interval = 60.0 / float(results["time_scale"])
     for seg, r in results["segments"].items():
+        for pol, run in r["runs"].items():
+            ev = read_events(out / seg / pol)
+            start = segment_start(ev)
+            if ev and start is not None:
+                run["shape_rates"] = shape_rates(ev, start, start + float(r["seconds"]))
+        _compare_in_place(r)
         prof = out / seg / "parcae" / "profile.json"
         if not prof.exists():
             continue
@@ -743,6 +827,9 @@ def markdown(results: dict[str, Any]) -> str:
                              f"{r.get('join_delay_s') or 0:.1f} s start), {raw['share']:.1%} counting every "
                              "instance from its interval's start; below: " + (", ".join(
                                  f"{b['shape']} at N={b['N']} {b['seconds']} s" for b in sh["below"]) or "none"))
+    for seg, r in results["segments"].items():
+        if r.get("parcae_vs_reactive"):
+            lines.append(differs_line(seg, r["parcae_vs_reactive"]))
     for seg, r in results["segments"].items():
         checks = r["runs"].get("parcae", {}).get("shape_check", [])
         if checks:

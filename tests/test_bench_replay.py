@@ -217,3 +217,74 @@ def test_the_leaders_planning_stall_is_its_planning_phases_inside_the_segment(cl
            phase(200.0, "i0", 9.0)]  # after the segment's 50 s
     assert bench_replay.summarize(sorted(ev, key=lambda e: e["time"]), 50.0)["planning_s"] == pytest.approx(0.65)
     assert bench_replay.summarize(_run(30.0), 50.0)["planning_s"] == 0.0
+
+
+def _steps(t0: float, step0: int, n: int, step_s: float, shape: tuple[int, int], generation: int = 0,
+           batch: int = 128) -> list[dict[str, Any]]:
+    """``n`` progress events of the leader, one per step of ``step_s`` seconds, in ``shape``."""
+    return [{"source": "worker", "event": "progress", "time": t0 + i * step_s, "step": step0 + i,
+             "samples": (step0 + i) * batch, "D": shape[0], "P": shape[1], "N": shape[0] * shape[1],
+             "generation": generation, "global_batch": batch} for i in range(n)]
+
+
+def test_steady_rates_per_shape_leave_out_what_happens_between_steps() -> None:
+    """A shape's rate is the global batch over its median step (issue 21, stop 58: the comparison of parcae and
+    live-reactive in the same shape that stop 57 did by hand); a step that spans a migration (the shape changes
+    between two progress events), a relaunch (the generation changes) or a gap in the steps is not a step, and only
+    steps inside the segment count."""
+    ev = (_steps(0.0, 0, 5, 1.0, (4, 6))  # 4 steps of 1 s: 128 samples/s
+          + _steps(14.0, 5, 6, 0.8, (4, 7))  # 10 s of migration between step 4 and 5; then 5 steps of 0.8 s
+          + _steps(30.0, 10, 3, 2.0, (4, 7), generation=1)  # a relaunch: step 9 -> 10 across generations
+          + _steps(40.0, 20, 2, 0.5, (4, 7), generation=1)  # steps 12 -> 20: a gap, not a step
+          + _steps(100.0, 22, 3, 0.1, (2, 9), generation=1))  # outside the segment
+    rates = bench_replay.shape_rates(ev, 0.0, 50.0)
+    assert set(rates) == {"4x6", "4x7"}
+    assert rates["4x6"] == {"steps": 4, "seconds": pytest.approx(4.0), "samples_per_s": pytest.approx(128.0)}
+    # 4x7: five 0.8 s steps, two 2 s steps after the relaunch, one 0.5 s step: median 0.8 s
+    assert rates["4x7"]["steps"] == 8
+    assert rates["4x7"]["seconds"] == pytest.approx(5 * 0.8 + 2 * 2.0 + 0.5)
+    assert rates["4x7"]["samples_per_s"] == pytest.approx(160.0)
+
+
+def _summary(samples: int, moves: list[tuple[float, int, int]], rates: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    return {"samples": samples, "timeline": [(t, d, p, d * p) for t, d, p in moves],
+            "shape_rates": {k: {"steps": 10, "seconds": s, "samples_per_s": r} for k, (r, s) in rates.items()}}
+
+
+def test_where_parcae_differs_splits_the_gap_into_rates_and_the_rest() -> None:
+    """Stop 57's pass F lost 0.964 with the same moves as live-reactive: the rate in the shared shapes, not the
+    decisions. The comparison says so: the same moves and how far apart they came, each shared shape's two rates,
+    and the samples a's time in each shape would have trained at b's rate (``from_rates``), the rest apart."""
+    a = _summary(23_936, [(0.0, 4, 6), (140.0, 4, 7)], {"4x6": (36.0, 130.0), "4x7": (42.0, 400.0)})
+    b = _summary(24_832, [(0.0, 4, 6), (138.0, 4, 7)], {"4x6": (36.0, 128.0), "4x7": (43.2, 405.0)})
+    d = bench_replay.where_it_differs(a, b)
+    assert d["same_moves"] and d["moves"] == ["4x6", "4x7"] and d["entry_lag_s"] == [0.0, 2.0]
+    assert d["rates"] == {"4x6": [36.0, 36.0], "4x7": [42.0, 43.2]}
+    assert d["samples_diff"] == -896
+    assert d["from_rates"] == pytest.approx((42.0 - 43.2) * 400.0)
+    assert d["from_rest"] == pytest.approx(-896 - (42.0 - 43.2) * 400.0)
+    line = bench_replay.differs_line("hl_15_25", d)
+    assert "the same moves (4x6 -> 4x7" in line and "4x7 42.0 vs 43.2" in line and "-480 from those rates" in line
+
+    other = _summary(24_000, [(0.0, 4, 6), (150.0, 2, 9)], {"4x6": (36.0, 150.0), "2x9": (30.0, 300.0)})
+    d = bench_replay.where_it_differs(other, b)
+    assert not d["same_moves"] and d["entry_lag_s"] == [] and d["rates"] == {"4x6": [36.0, 36.0]}
+    assert d["from_rates"] == 0.0 and d["from_rest"] == -832
+    assert "different moves (parcae 4x6 -> 2x9; reactive 4x6 -> 4x7)" in bench_replay.differs_line("x", d)
+
+
+def test_the_tables_compare_the_in_place_runs_when_both_ran() -> None:
+    """results.md carries the comparison line for a segment that ran parcae and reactive, none for one without."""
+    runs = {"parcae": {**_summary(100, [(0.0, 1, 2)], {"1x2": (10.0, 10.0)}), "startup_s": 1.0, "migrations": {},
+                       "restarts": 0, "lost_s": {}},
+            "reactive": {**_summary(90, [(0.0, 1, 2)], {"1x2": (9.0, 10.0)}), "startup_s": 1.0, "migrations": {},
+                         "restarts": 0, "lost_s": {}}}
+    seg = {"runs": runs, "ideal_after_startup": 200.0, "schedule": [2], "seconds": 10.0}
+    bench_replay._compare_in_place(seg)
+    alone = {"runs": {"parcae": runs["parcae"]}, "ideal_after_startup": 200.0, "schedule": [2], "seconds": 10.0}
+    bench_replay._compare_in_place(alone)
+    assert "parcae_vs_reactive" not in alone
+    text = bench_replay.markdown({"static": {}, "best_by_n": {}, "time_scale": 60.0,
+                                  "segments": {"both": seg, "alone": alone}})
+    assert "- both, parcae vs reactive: the same moves (1x2" in text
+    assert "alone, parcae vs reactive" not in text
