@@ -26,6 +26,12 @@ measured throughput for its instance count, with no start-up and no migration co
 candidate shape is measured statically (``--restart-fallback`` with no trace, so nothing moves), which gives the
 best shape per instance count for the "chosen shape within 10 % of the best" check.
 
+Where parcae and live-reactive both ran, ``parcae_vs_reactive`` in ``results.json`` (a line under the table) says
+where the gap between them comes from (:func:`where_it_differs`): the same moves or not, and how far apart; each
+shared shape's steady rate in both runs (:func:`shape_rates`: the global batch over the median step between two
+consecutive steps of one shape); and the samples gap split into those rates and the rest (other moves, their
+timing, the leader's stalls at step boundaries).
+
 Forecasts: ``parcae`` and ``reactive`` -- the simulator's ``parcae`` (look-ahead 12) and ``live-reactive`` policies; ``restart`` --
 its ``throughput`` policy (best shape after every event, paying a restart); ``static`` -- the profile's best
 measured throughput at N_min; all from the Parcae run's ``profile.json`` with the restart cost fitted from the
