@@ -24,7 +24,9 @@ Each run is stopped when the replayed trace ends; "samples" is the training prog
 global batch, so work lost to a restart does not count). "ideal" is every interval at the best statically
 measured throughput for its instance count, with no start-up and no migration cost. Before the segments, each
 candidate shape is measured statically (``--restart-fallback`` with no trace, so nothing moves), which gives the
-best shape per instance count for the "chosen shape within 10 % of the best" check.
+best shape per instance count for the "chosen shape within 10 % of the best" check. ``--static-from`` takes that
+table from an earlier run, perhaps on another machine: the tables then also price the ideal at this machine's speed
+(:func:`machine_factor`).
 
 Where parcae and live-reactive both ran, ``parcae_vs_reactive`` in ``results.json`` (a line under the table) says
 where the gap between them comes from (:func:`where_it_differs`): the same moves or not, and how far apart; each
@@ -720,12 +722,35 @@ def main() -> int:
             _segment_forecast(out / seg, r, wall_interval)
             with open(prof) as f:
                 r["profile_shapes"] = {k: v["samples_per_s"] for k, v in json.load(f)["shapes"].items()}
+            r["machine_factor"] = machine_factor(results["static"], r["profile_shapes"])
         results["segments"][seg] = r
         (out / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     plot(results, out / "replay.png")
     (out / "results.md").write_text(markdown(results))
     return 0
+
+
+def machine_factor(static: dict[str, float], profile_shapes: dict[str, float]) -> Optional[float]:
+    """How fast this machine ran the job against the static table the ideal is priced with: the median, over the
+    shapes both hold, of the Parcae run's measured rate (its ``profile.json``, keys ``"D,P"``) over the static one
+    (keys ``"DxP"``); None when they share no shape. With ``--static-from`` the table may come from another machine
+    (stop 58: this machine ran 4x6 and 4x7 at 0.85-0.92 of stop 48's table, so "vs ideal" read 86 % for runs at 97 %
+    of what this machine could do); the tables then also show the ratio to the ideal times this factor."""
+    ratios = [v / static[k.replace(",", "x")] for k, v in profile_shapes.items()
+              if static.get(k.replace(",", "x")) and v > 0]
+    return round(statistics.median(ratios), 4) if ratios else None
+
+
+def _vs_ideal(samples: int, r: dict[str, Any]) -> str:
+    """Samples against the segment's ideal, and in brackets against the ideal at this machine's speed."""
+    ideal = r.get("ideal_after_startup") or 0
+    if not ideal:
+        return "-"
+    text = f"{samples / ideal:.1%}"
+    if r.get("machine_factor"):
+        text += f" ({samples / (ideal * r['machine_factor']):.1%} here)"
+    return text
 
 
 def _compare_in_place(r: dict[str, Any]) -> None:
@@ -749,6 +774,8 @@ def reforecast(out: Path) -> int:
             if ev and start is not None:
                 run["shape_rates"] = shape_rates(ev, start, start + float(r["seconds"]))
         _compare_in_place(r)
+        if r.get("profile_shapes"):
+            r["machine_factor"] = machine_factor(results["static"], r["profile_shapes"])
         prof = out / seg / "parcae" / "profile.json"
         if not prof.exists():
             continue
@@ -801,10 +828,12 @@ def markdown(results: dict[str, Any]) -> str:
             "A drop's victims: `parcae run`'s default (idle standbys first)."), "",
         "Forecasts of the in-place runs price each interval with the migration constants the run's leader had then "
         "(its `migration_costs` events); in brackets, the whole run at its last fit.", "",
+        "\"vs ideal\": against every interval at the best static shape for its count; in brackets, that ideal at this "
+        "machine's speed (the static table times the median ratio of the Parcae run's measured rates to it: "
+        "`machine_factor`).", "",
         "| segment | policy | samples | vs ideal | forecast | forecast / measured | start-up s | migrations | time lost s by kind |",
         "|---|---|---|---|---|---|---|---|---|"]
     for seg, r in results["segments"].items():
-        ideal = r.get("ideal_after_startup") or 0
         for pol, s in r["runs"].items():
             fc = r.get("forecast", {}).get(pol)
             ratio = f"{fc / s['samples']:.2f}" if fc and s["samples"] else "-"
@@ -817,7 +846,7 @@ def markdown(results: dict[str, Any]) -> str:
             migs = ", ".join(f"{k} {v}" for k, v in s["migrations"].items()) or "-"
             if s.get("explorations"):
                 migs += f" ({s['explorations']} explorations)"
-            lines.append(f"| {seg} | {pol} | {s['samples']} | {s['samples'] / ideal if ideal else 0:.0%} | "
+            lines.append(f"| {seg} | {pol} | {s['samples']} | {_vs_ideal(s['samples'], r)} | "
                          f"{fc or 0:.0f} | {ratio} | {s['startup_s']} | {migs}; restarts {s['restarts']} | {lost} |")
     lines.append("")
     for seg, r in results["segments"].items():
@@ -850,10 +879,9 @@ def print_table(results: dict[str, Any]) -> None:
     for seg, r in results["segments"].items():
         for pol, s in r["runs"].items():
             fc = r.get("forecast", {}).get(pol)
-            ideal = r.get("ideal_after_startup") or 0
             end = r.get("forecast_end_constants", {}).get(pol)
             end_ratio = f" (end {end / s['samples']:.2f})" if end and s["samples"] else ""
-            print(f"{seg:9} {pol:9} {s['samples']:8d}  {s['samples'] / ideal if ideal else 0:7.1%}  "
+            print(f"{seg:9} {pol:9} {s['samples']:8d}  {_vs_ideal(s['samples'], r):>7}  "
                   f"{fc or 0:8.0f}  {fc / s['samples'] if fc and s['samples'] else 0:6.2f}{end_ratio}  "
                   f"{s['startup_s']:7.1f}  {s['lost_s']}")
         checks = r["runs"].get("parcae", {}).get("shape_check", [])

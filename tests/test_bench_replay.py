@@ -288,3 +288,18 @@ def test_the_tables_compare_the_in_place_runs_when_both_ran() -> None:
                                   "segments": {"both": seg, "alone": alone}})
     assert "- both, parcae vs reactive: the same moves (1x2" in text
     assert "alone, parcae vs reactive" not in text
+
+
+def test_the_ideal_is_also_priced_at_this_machines_speed() -> None:
+    """Regression (issue 21, stop 58): with ``--static-from`` the ideal came from stop 48's static table, measured
+    on a faster machine; this one ran 4x6 and 4x7 at 0.91 and 0.85 of it, so the pass read 86 % of ideal for runs at
+    ~97 % of what this machine could do. The factor is the median ratio of the Parcae run's measured rates to the
+    table over the shapes both hold, and the tables show the ratio to the ideal at that speed beside the plain one."""
+    static = {"4x6": 39.64, "4x7": 43.40, "4x8": 43.49}
+    factor = bench_replay.machine_factor(static, {"4,6": 36.26, "4,7": 37.09, "2,9": 30.0})  # 2x9 not in the table
+    assert factor == pytest.approx((36.26 / 39.64 + 37.09 / 43.40) / 2, abs=1e-4)
+    assert bench_replay.machine_factor(static, {"2,9": 30.0}) is None
+    r = {"ideal_after_startup": 25_600.0, "machine_factor": 0.8}
+    assert bench_replay._vs_ideal(22_016, r) == "86.0% (107.5% here)"
+    assert bench_replay._vs_ideal(22_016, {"ideal_after_startup": 25_600.0}) == "86.0%"
+    assert bench_replay._vs_ideal(1, {}) == "-"
