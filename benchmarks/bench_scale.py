@@ -54,10 +54,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_replay import join_delays, launch, read_events  # noqa: E402
 
-__all__ = ["HeartbeatProbe", "change_trace", "summarize", "table", "main"]
+__all__ = ["HeartbeatProbe", "arrival_split", "join_parts", "change_trace", "summarize", "table", "main"]
 
 HEARTBEAT_S = 0.2
 """The members' heartbeat period (``Liveness(interval_s=0.2)``, the runtime's default)."""
+WAKE_SLEEP_S = 0.001
+"""The probe's control: how late a thread of the side client wakes from a sleep this long. A store get is a request
+and a reply, two such wake-ups (the store's thread, then the client's) plus the store's work; at N processes on
+two cores the wake-ups grow with the run queue whatever the store does, so the two rows read side by side."""
 
 # (label, key in a summary, real or modelled/derived, unit)
 ROWS: list[tuple[str, str, str]] = [
@@ -70,17 +74,26 @@ ROWS: list[tuple[str, str, str]] = [
     ("  of which not state transfer, s", "rest:repartition", "real"),
     ("migration with a joiner, s", "migration:join", "real"),
     ("join delay: add -> leader counts the standby, s", "join_delay_s", "real"),
+    ("  process start and imports: add -> runtime starts, s", "join_process_s", "real"),
+    ("  runtime start-up: -> standby (store, heartbeats), s", "join_runtime_s", "real"),
+    ("  standby -> the leader counts it, s", "join_counted_s", "real"),
     ("migrations in the changes run (count)", "n_migrations", "real"),
     ("step-boundary agreement, ms/step (median rank)", "boundary_ms", "real"),
     ("step-boundary agreement, ms/step (slowest rank)", "boundary_max_ms", "real"),
     ("  of which waiting in its all-reduce, ms/step (median rank)", "agreement_wait_ms", "real"),
+    ("    for the last member to arrive, ms/step (median rank)", "agreement_arrival_ms", "real"),
+    ("    in the all-reduce once all arrived, ms/step (median rank)", "agreement_after_ms", "real"),
     ("two-phase commit, ms/step (median rank)", "commit_ms", "real"),
     ("gradient all-reduce wait, ms/step (median rank)", "grad_wait_ms", "real"),
+    ("  for the last replica to arrive, ms/call (median rank)", "grad_arrival_ms", "real"),
+    ("  in the all-reduce once all arrived, ms/call (median rank)", "grad_after_ms", "real"),
     ("step, ms (median rank; modelled compute + real)", "step_ms", "mixed"),
     ("heartbeats per member per s (nominal 5)", "hb_rate", "real"),
     ("longest heartbeat gap seen, s", "hb_gap_s", "real"),
     ("store get latency p50, ms (side client)", "store_p50_ms", "real"),
     ("store get latency p95, ms (side client)", "store_p95_ms", "real"),
+    ("a thread's wake-up delay p50, ms (side client, no store)", "wake_p50_ms", "real"),
+    ("a thread's wake-up delay p95, ms (side client, no store)", "wake_p95_ms", "real"),
     ("heartbeat store ops/s, whole job", "hb_ops_per_s", "derived"),
     ("heartbeat store requests per leader beat", "leader_ops_per_beat", "counted"),
 ]
@@ -98,6 +111,7 @@ class HeartbeatProbe:
         self.run_dir = run_dir
         self.period_s = period_s
         self.latencies_ms: list[float] = []
+        self.wake_ms: list[float] = []
         self.rates: list[float] = []
         self.max_gap_s = 0.0
         self._stop = threading.Event()
@@ -149,6 +163,10 @@ class HeartbeatProbe:
             if sweeps % 10 == 0:
                 members = self._members()
             sweeps += 1
+            for _ in range(4):  # the machine's own scheduling delay at this load, beside the store's reads
+                t0 = time.perf_counter()
+                time.sleep(WAKE_SLEEP_S)
+                self.wake_ms.append(1000 * (time.perf_counter() - t0 - WAKE_SLEEP_S))
             for m in members:
                 key = f"parcae/hb/{m}"
                 try:
@@ -227,6 +245,66 @@ def leader_requests_per_beat(n: int) -> int:
     return 3 + store.requests
 
 
+def arrival_split(ev: list[dict[str, Any]], name: str) -> dict[int, tuple[float, float, int]]:
+    """Each rank's time in the collective ``name`` split at the last participant's arrival.
+
+    Reads the ``intervals`` of the ``step_timing`` events (:func:`lightning_parcae.runtime.steptime.interval`:
+    per call, when a rank entered and left, on the host's one monotonic clock). A call counts where every
+    participant recorded it: for the step agreement (keys ``g<generation>/s<step>``) every rank that wrote timing
+    events of that generation, for a gradient all-reduce (keys ``<ranks>/<dtype>/<k>``) the ranks its key names.
+
+    Args:
+        ev: ``events.jsonl`` of a run with ``LIGHTNING_PARCAE_STEP_TIMING=1``.
+        name: The interval's name (``"step agreement"``, ``"gradient all-reduce"``).
+
+    Returns:
+        ``{rank: (seconds waiting for the last participant to arrive, seconds in the collective after that, calls)}``
+        summed over the complete calls the rank took part in.
+    """
+    calls: dict[str, list[tuple[int, float, float]]] = {}
+    for e in ev:
+        if e.get("event") != "step_timing":
+            continue
+        for n, key, t0, t1 in e.get("intervals") or []:
+            if n == name:
+                calls.setdefault(str(key), []).append((int(e["rank"]), float(t0), float(t1)))
+    expected: dict[str, int] = {}
+    for key, rows in calls.items():  # the agreement: everyone seen in the generation takes part in each call
+        if key.startswith("g"):
+            gen = key.split("/")[0]
+            expected[gen] = max(expected.get(gen, 0), len({r for r, _, _ in rows}))
+    out: dict[int, tuple[float, float, int]] = {}
+    for key, rows in calls.items():
+        want = expected.get(key.split("/")[0]) if key.startswith("g") else len(key.split("/")[0].split(","))
+        if len({r for r, _, _ in rows}) != want or len(rows) != want:
+            continue
+        last = max(t0 for _, t0, _ in rows)
+        for r, t0, t1 in rows:
+            w, a, n = out.get(r, (0.0, 0.0, 0))
+            out[r] = (w + (last - t0), a + max(0.0, t1 - last), n + 1)
+    return out
+
+
+def join_parts(ev: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
+    """Each joiner's join delay (:func:`bench_replay.join_delays`) in three parts, in seconds: the launcher's ``add``
+    -> its runtime starts (process start, imports, Lightning's set-up: the ``standby`` phase event's time less
+    the seconds it spent ``starting``), -> it is a standby (the runtime's start-up: store, heartbeats), -> the
+    leader's first decision that counts it."""
+    out = []
+    for a in (e for e in ev if e.get("source") == "launcher" and e.get("event") == "add"):
+        for j in a.get("joiners") or []:
+            ready = next((e for e in ev if e.get("event") == "phase" and e.get("member") == j
+                          and e.get("new") == "standby" and e["time"] >= a["time"]), None)
+            counted = next((e["time"] for e in ev if e.get("event") == "decision" and e["time"] >= a["time"]
+                            and j in (e.get("standbys") or [])), None)
+            if ready is None or counted is None:
+                continue
+            started = float(ready["time"]) - float(ready.get("spent_s", 0.0))
+            out.append((round(started - a["time"], 3), round(float(ready["spent_s"]), 3),
+                        round(counted - float(ready["time"]), 3)))
+    return out
+
+
 def summarize(fixed: list[dict[str, Any]], changes: list[dict[str, Any]], probes: list[HeartbeatProbe] | None = None,
               n: int = 0) -> dict[str, Any]:
     """One N's figures from the events of its fixed and changes runs (and the heartbeat probes of both).
@@ -274,6 +352,17 @@ def summarize(fixed: list[dict[str, Any]], changes: list[dict[str, Any]], probes
     out["agreement_wait_ms"] = _median(per_rank.get("wait: step agreement", []))
     out["grad_wait_ms"] = _median(per_rank.get("wait: gradient all-reduce", []))
     out["step_ms"] = _median(per_rank.get("step", []))
+    for name, prefix in (("step agreement", "agreement"), ("gradient all-reduce", "grad")):
+        split = arrival_split(fixed, name)  # per call: the agreement runs once per step boundary
+        out[f"{prefix}_arrival_ms"] = _median([1000 * w / n for w, _, n in split.values() if n])
+        out[f"{prefix}_after_ms"] = _median([1000 * a / n for _, a, n in split.values() if n])
+    parts = join_parts(changes)
+    out["join_process_s"] = _median([p[0] for p in parts])
+    out["join_runtime_s"] = _median([p[1] for p in parts])
+    out["join_counted_s"] = _median([p[2] for p in parts])
+    wake = sorted(x for p in probes or [] for x in p.wake_ms)
+    out["wake_p50_ms"] = wake[len(wake) // 2] if wake else None
+    out["wake_p95_ms"] = wake[min(len(wake) - 1, int(0.95 * len(wake)))] if wake else None
     lat = sorted(x for p in probes or [] for x in p.latencies_ms)
     rates = [r for p in probes or [] for r in p.rates]
     out["store_p50_ms"] = lat[len(lat) // 2] if lat else None
@@ -373,7 +462,7 @@ def main() -> int:
     return 0
 
 
-PROBE_KEYS = ("store_p50_ms", "store_p95_ms", "hb_rate", "hb_gap_s", "hb_ops_per_s", "leader_ops_per_beat")
+PROBE_KEYS = ("store_p50_ms", "store_p95_ms", "wake_p50_ms", "wake_p95_ms", "hb_rate", "hb_gap_s", "hb_ops_per_s", "leader_ops_per_beat")
 
 
 def _retable(out: Path) -> int:

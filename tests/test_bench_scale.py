@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_scale  # noqa: E402
@@ -80,3 +82,49 @@ def test_the_planning_benchmark_times_the_leaders_real_decision() -> None:
         ms = bench_planning_scale.decide_ms(n, decisions=2)
         assert 0.0 < ms < 5000.0, (n, ms)
     assert bench_planning_scale.main(["--counts", "4", "--decisions", "1"]) == 0
+
+
+def _timing(rank: int, intervals: list[list[Any]]) -> dict[str, Any]:
+    return {"source": "worker", "event": "step_timing", "rank": rank, "parts": {}, "intervals": intervals}
+
+
+def test_arrival_split_separates_waiting_for_the_last_member_from_the_collective() -> None:
+    # three ranks; in each agreement rank 2 arrives last, 0.1 s after rank 0, and all leave 5 ms after it
+    ev = []
+    for r, late in ((0, 0.0), (1, 0.04), (2, 0.1)):
+        ev.append(_timing(r, [["step agreement", f"g1/s{s}", 10.0 * s + late, 10.0 * s + 0.105] for s in (1, 2)]))
+    split = bench_scale.arrival_split(ev, "step agreement")
+    assert set(split) == {0, 1, 2}
+    w, a, n = split[0]
+    assert n == 2 and abs(w - 0.2) < 1e-9 and abs(a - 0.01) < 1e-9
+    assert abs(split[2][0]) < 1e-9  # the last to arrive waits for no one
+    s = bench_scale.summarize(ev, [], None, 0)
+    # the median rank (rank 1) waited 60 ms per step for rank 2, then 5 ms in the all-reduce
+    assert abs(s["agreement_arrival_ms"] - 60.0) < 1e-6 and abs(s["agreement_after_ms"] - 5.0) < 1e-6
+
+
+def test_arrival_split_counts_only_calls_every_participant_recorded() -> None:
+    # the agreement of step 2 lacks rank 1 (its records were capped): it is left out, not read as no waiting;
+    # a gradient all-reduce over ranks 0 and 2 needs exactly those two
+    ev = [_timing(0, [["step agreement", "g0/s1", 1.0, 1.5], ["step agreement", "g0/s2", 2.0, 2.5],
+                      ["gradient all-reduce", "0,2/torch.float32/1", 1.0, 1.2]]),
+          _timing(1, [["step agreement", "g0/s1", 1.4, 1.5]]),
+          _timing(2, [["gradient all-reduce", "0,2/torch.float32/1", 1.1, 1.2],
+                      ["gradient all-reduce", "0,2/torch.float32/2", 2.1, 2.2]])]
+    agree = bench_scale.arrival_split(ev, "step agreement")
+    assert agree[0][2] == 1 and abs(agree[0][0] - 0.4) < 1e-9
+    grad = bench_scale.arrival_split(ev, "gradient all-reduce")
+    assert set(grad) == {0, 2} and all(n == 1 for _, _, n in grad.values())
+    assert grad[0][:2] == pytest.approx((0.1, 0.1)) and grad[2][:2] == pytest.approx((0.0, 0.1))
+
+
+def test_join_parts_split_the_join_delay_at_the_runtime_start_and_the_standby() -> None:
+    ev = [{"source": "launcher", "event": "add", "joiners": ["i9"], "time": 100.0},
+          {"source": "elastic", "event": "phase", "member": "i9", "old": "starting", "new": "standby",
+           "spent_s": 2.0, "time": 108.0},
+          {"source": "elastic", "event": "decision", "standbys": [], "time": 107.0},
+          {"source": "elastic", "event": "decision", "standbys": ["i9"], "time": 109.5}]
+    assert bench_scale.join_parts(ev) == [(6.0, 2.0, 1.5)]
+    assert bench_scale.join_delays(ev) == [9.5]  # the three parts add up to the delay
+    # a joiner that never became a standby (preempted while booting) has no parts
+    assert bench_scale.join_parts(ev[:1] + ev[2:]) == []

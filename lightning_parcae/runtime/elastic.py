@@ -450,9 +450,11 @@ class ElasticRuntime:
         flags[0] = proposal
         flags[1 + self.rank] = 1.0 if self.live.noticed.is_set() else 0.0
         try:
-            for group in agreement_groups(getattr(self.host, "groups", None), world):
-                guarded(lambda group=group: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True),
-                        "step agreement", collective=True)
+            with steptime.interval("step agreement", f"g{self.generation}/s{step}"):
+                for group in agreement_groups(getattr(self.host, "groups", None), world):
+                    guarded(lambda group=group: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group,
+                                                                async_op=True),
+                            "step agreement", collective=True)
         except PeerLostError:
             self.recover(trainer)
             return

@@ -305,7 +305,8 @@ class ParcaeRunCallbackMixin:
         """Save and report the end of training (a finished run, not a stop for restart)."""
         if steptime.ON and self.run_dir is not None:
             append_event(self.run_dir, {"source": "worker", "event": "step_timing", "rank": trainer.global_rank,
-                                        "elastic": _elastic(trainer) is not None, "parts": steptime.summary()})
+                                        "elastic": _elastic(trainer) is not None, "parts": steptime.summary(),
+                                        "intervals": steptime.intervals()})
         if not self.active or self._agreed_stop:
             return
         self._save(trainer, "end")

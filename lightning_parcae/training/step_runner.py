@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parcae.errors import ConfigurationError, ModelLayoutError
+from lightning_parcae.runtime import steptime
 from lightning_parcae.runtime.link import charge_allreduce
 from lightning_parcae.runtime.liveness import guarded, guarded_post, guarded_wait
 from lightning_parcae.runtime.pipeline import (
@@ -513,10 +514,26 @@ def _set_grads_from_flat(params: list[nn.Parameter], flat: Tensor) -> None:
         offset += n
 
 
+_calls: dict[str, int] = {}
+
+
+def _call_key(group: Any, dtype: torch.dtype) -> str:
+    """The same string in every member of ``group`` for its k-th gradient all-reduce of ``dtype`` in this process
+    (the group's ranks and the count; only for :func:`steptime.interval`, which matches calls across processes).
+
+    The count is per process since its start, so keys match across members only while a group's members have been
+    together from the start (``benchmarks/bench_scale.py`` reads them from runs without changes)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    base = f"{','.join(map(str, ranks))}/{dtype}"
+    _calls[base] = _calls.get(base, 0) + 1
+    return f"{base}/{_calls[base]}"
+
+
 def _all_reduce_grads(params: list[nn.Parameter], group: Any, scale: float) -> None:
     """Sum gradients over ``group`` in one flat buffer (missing gradients count as zero), times ``scale``."""
     for same, flat in _flat_grads_by_dtype(params):
-        guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce", collective=True)
+        with steptime.interval("gradient all-reduce", _call_key(group, flat.dtype) if steptime.ON else ""):
+            guarded(lambda: dist.all_reduce(flat, group=group, async_op=True), "gradient all-reduce", collective=True)
         if scale != 1.0:
             flat.mul_(scale)
         _set_grads_from_flat(same, flat)
