@@ -62,13 +62,14 @@ from lightning_parcae.errors import ConfigurationError, PeerLostError
 from lightning_parcae.events import append_event
 from lightning_parcae.planning.migration_plan import Layout
 from lightning_parcae.runtime import steptime
+from lightning_parcae.runtime.agreement import AGREEMENT_TAG, tree_max
 from lightning_parcae.runtime.config import RuntimeConfig
 from lightning_parcae.runtime.coordinator import Coordinator
 from lightning_parcae.runtime.generation import GenerationRecords, GenerationState
 from lightning_parcae.runtime.host import TrainingHost
 from lightning_parcae.runtime.joining import Admission
 from lightning_parcae.runtime.lifecycle import Lifecycle, Phase, exit_now
-from lightning_parcae.runtime.liveness import Liveness, activate, guarded
+from lightning_parcae.runtime.liveness import Liveness, activate, guarded, guarded_post, guarded_wait
 from lightning_parcae.runtime.part import PartContext
 from lightning_parcae.runtime.recovery import Recovery
 from lightning_parcae.runtime.plan_ahead import PlanAhead
@@ -80,30 +81,12 @@ if TYPE_CHECKING:  # pragma: no cover
     import pytorch_lightning as pl
 
 
-__all__ = ["ElasticRuntime", "PlanningClock", "agreement_groups", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
+__all__ = ["ElasticRuntime", "PlanningClock", "FALLBACK_EXIT", "RELEASED_EXIT", "FENCED_EXIT", "LIVE_CHECKPOINT"]
 
 log = logging.getLogger(__name__)
 
 LIVE_CHECKPOINT = "parcae-live://peers"
 """The checkpoint path a joiner 'resumes' from: the state it received from live peers, not a file."""
-
-
-def agreement_groups(groups: Any, world: int) -> list[Any]:
-    """The groups the step agreement's MAX all-reduce runs over, in order (``None``: the whole world).
-
-    A D x P generation with D > 1 and P > 1 agrees in two levels -- over each pipeline, then over each stage's
-    replicas -- which gives every member the same MAX as one all-reduce over the world (MAX is associative and
-    every member is in one pipeline and one stage), with 2(P-1) + 2(D-1) ring hops instead of 2(DP-1). Otherwise
-    (P = 1, D = 1, or groups that are not this generation's) the world.
-
-    Measured (issue 21, ``python benchmarks/bench_agreement.py``, the collective alone on 2 cores): the two-level
-    form takes 0.55-0.61x the flat one's time at N = 16 and 32 (P = 2), 0.87-0.91x at N = 4 and 8.
-    """
-    if groups is None or getattr(groups, "world", None) != world or not getattr(groups, "built", False):
-        return [None]
-    if groups.pipeline_stages > 1 and groups.data_parallel > 1:
-        return [groups.pipeline_group, groups.data_group]
-    return [None]
 
 
 class PlanningClock:
@@ -451,10 +434,12 @@ class ElasticRuntime:
         flags[1 + self.rank] = 1.0 if self.live.noticed.is_set() else 0.0
         try:
             with steptime.interval("step agreement", f"g{self.generation}/s{step}"):
-                for group in agreement_groups(getattr(self.host, "groups", None), world):
-                    guarded(lambda group=group: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group,
-                                                                async_op=True),
-                            "step agreement", collective=True)
+                tree_max(flags, self.rank, world,
+                         send=lambda t, dst: guarded_post(lambda: dist.isend(t, dst, tag=AGREEMENT_TAG),
+                                                          "step agreement"),
+                         recv=lambda t, src: guarded(lambda: dist.irecv(t, src, tag=AGREEMENT_TAG),
+                                                     "step agreement"),
+                         wait=lambda work: guarded_wait(work, "step agreement"))
         except PeerLostError:
             self.recover(trainer)
             return
