@@ -287,11 +287,17 @@ def join_delays(ev: list[dict[str, Any]]) -> list[float]:
     out = []
     for a in (e for e in ev if e.get("source") == "launcher" and e.get("event") == "add"):
         for j in a.get("joiners") or []:
-            t = next((e["time"] for e in ev if e.get("event") == "decision" and e["time"] >= a["time"]
-                      and j in (e.get("standbys") or [])), None)
+            t = counted_at(ev, a, j)
             if t is not None:
                 out.append(round(t - a["time"], 3))
     return out
+
+
+def counted_at(ev: list[dict[str, Any]], add: dict[str, Any], joiner: str) -> Optional[float]:
+    """When the leader first counted ``joiner`` (added by the launcher's ``add`` event) as a standby: the time of
+    the first ``decision`` at or after the add that names it, or None."""
+    return next((e["time"] for e in ev if e.get("event") == "decision" and e["time"] >= add["time"]
+                 and joiner in (e.get("standbys") or [])), None)
 
 
 def shape_timeline(ev: list[dict[str, Any]], seconds: float) -> list[tuple[float, int, int, int]]:

@@ -52,7 +52,7 @@ from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_replay import join_delays, launch, read_events  # noqa: E402
+from bench_replay import counted_at, join_delays, launch, read_events  # noqa: E402
 
 __all__ = ["HeartbeatProbe", "arrival_split", "join_parts", "change_trace", "summarize", "table", "main"]
 
@@ -209,6 +209,14 @@ def slowest_migrations(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_gen[g] for g in sorted(by_gen)]
 
 
+def _percentile(xs: list[float], q: float) -> Optional[float]:
+    """The sample at fraction ``q`` of ``xs`` sorted (index ``int(q * len)``, the last at most), or None if empty."""
+    if not xs:
+        return None
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
 def _median(xs: list[float]) -> Optional[float]:
     return float(statistics.median(xs)) if xs else None
 
@@ -295,12 +303,11 @@ def join_parts(ev: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
         for j in a.get("joiners") or []:
             ready = next((e for e in ev if e.get("event") == "phase" and e.get("member") == j
                           and e.get("new") == "standby" and e["time"] >= a["time"]), None)
-            counted = next((e["time"] for e in ev if e.get("event") == "decision" and e["time"] >= a["time"]
-                            and j in (e.get("standbys") or [])), None)
+            counted = counted_at(ev, a, j)
             if ready is None or counted is None:
                 continue
-            started = float(ready["time"]) - float(ready.get("spent_s", 0.0))
-            out.append((round(started - a["time"], 3), round(float(ready["spent_s"]), 3),
+            spent = float(ready.get("spent_s", 0.0))
+            out.append((round(float(ready["time"]) - spent - a["time"], 3), round(spent, 3),
                         round(counted - float(ready["time"]), 3)))
     return out
 
@@ -354,19 +361,17 @@ def summarize(fixed: list[dict[str, Any]], changes: list[dict[str, Any]], probes
     out["step_ms"] = _median(per_rank.get("step", []))
     for name, prefix in (("step agreement", "agreement"), ("gradient all-reduce", "grad")):
         split = arrival_split(fixed, name)  # per call: the agreement runs once per step boundary
-        out[f"{prefix}_arrival_ms"] = _median([1000 * w / n for w, _, n in split.values() if n])
-        out[f"{prefix}_after_ms"] = _median([1000 * a / n for _, a, n in split.values() if n])
+        out[f"{prefix}_arrival_ms"] = _median([1000 * w / calls for w, _, calls in split.values() if calls])
+        out[f"{prefix}_after_ms"] = _median([1000 * a / calls for _, a, calls in split.values() if calls])
     parts = join_parts(changes)
     out["join_process_s"] = _median([p[0] for p in parts])
     out["join_runtime_s"] = _median([p[1] for p in parts])
     out["join_counted_s"] = _median([p[2] for p in parts])
-    wake = sorted(x for p in probes or [] for x in p.wake_ms)
-    out["wake_p50_ms"] = wake[len(wake) // 2] if wake else None
-    out["wake_p95_ms"] = wake[min(len(wake) - 1, int(0.95 * len(wake)))] if wake else None
-    lat = sorted(x for p in probes or [] for x in p.latencies_ms)
+    wake = [x for p in probes or [] for x in p.wake_ms]
+    out["wake_p50_ms"], out["wake_p95_ms"] = _percentile(wake, 0.5), _percentile(wake, 0.95)
+    lat = [x for p in probes or [] for x in p.latencies_ms]
     rates = [r for p in probes or [] for r in p.rates]
-    out["store_p50_ms"] = lat[len(lat) // 2] if lat else None
-    out["store_p95_ms"] = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None
+    out["store_p50_ms"], out["store_p95_ms"] = _percentile(lat, 0.5), _percentile(lat, 0.95)
     out["hb_rate"] = _median(rates)
     out["hb_gap_s"] = max((p.max_gap_s for p in probes or []), default=None) if probes else None
     rate = out["hb_rate"] if out["hb_rate"] is not None else 1.0 / HEARTBEAT_S

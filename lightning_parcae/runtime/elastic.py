@@ -433,7 +433,7 @@ class ElasticRuntime:
         flags[0] = proposal
         flags[1 + self.rank] = 1.0 if self.live.noticed.is_set() else 0.0
         try:
-            with steptime.interval("step agreement", f"g{self.generation}/s{step}"):
+            with steptime.interval("step agreement", f"g{self.generation}/s{step}" if steptime.ON else ""):
                 tree_max(flags, self.rank, world,
                          send=lambda t, dst: guarded_post(lambda: dist.isend(t, dst, tag=AGREEMENT_TAG),
                                                           "step agreement"),
